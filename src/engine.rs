@@ -1,0 +1,715 @@
+//! The one state machine every front end drives.
+//!
+//! A front end (the tower layer, the proxy) does four things and decides
+//! none of them:
+//!
+//! 1. asks [`Engine::route`] whether a request is covered — if not, it
+//!    forwards the request untouched, without buffering;
+//! 2. buffers the body up to [`RoutePolicy::max_body_bytes`] (over it:
+//!    [`Engine::body_too_large`]);
+//! 3. calls [`Engine::begin`] and obeys the [`Decision`];
+//! 4. after [`Decision::Proceed`], feeds the upstream's answer into a
+//!    [`Capture`] and hands it to [`Reservation::finish`] — or calls
+//!    [`Reservation::release`] when the upstream failed.
+//!
+//! No tower or Pingora type appears here.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Uri};
+use sha2::{Digest, Sha256};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::fingerprint::{fingerprint, Exclusions};
+use crate::key::{self, KeyError};
+use crate::metrics::{Event, Metrics};
+use crate::policy::{FailMode, InFlightPolicy, RoutePolicy, Routes};
+use crate::problem::{Problem, ProblemKind};
+use crate::store::{
+    Claim, Fingerprint, Outcome, OwnerToken, RecordState, ScopeKey, Store, StoreError,
+    StoredResponse,
+};
+
+/// The header added to every replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// Engine-wide settings (per-route settings live in [`Policy`](crate::Policy)).
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// The longest any single store call may take before it counts as a
+    /// store failure (503, or forward where fail-open). Default 5 s.
+    pub store_timeout: Duration,
+    /// The `Retry-After` seconds sent with 503 when the store fails.
+    /// Default 1.
+    pub store_retry_after: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            store_timeout: Duration::from_secs(5),
+            store_retry_after: 1,
+        }
+    }
+}
+
+/// The idempotency engine: routes, a store, metrics. Cheap to clone (one
+/// `Arc`); clones share everything.
+#[derive(Clone, Debug)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    store: Arc<dyn Store>,
+    routes: Routes,
+    config: EngineConfig,
+    metrics: Metrics,
+}
+
+/// What a front end needs to know of a request, borrowed from its own
+/// request type.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestHead<'a> {
+    /// The method.
+    pub method: &'a Method,
+    /// The URI (path and query are used).
+    pub uri: &'a Uri,
+    /// The headers.
+    pub headers: &'a HeaderMap,
+    /// An authenticated principal set by the application (the tower layer
+    /// reads it from a [`Principal`](crate::Principal) request extension).
+    /// Hashed into the scope, never stored.
+    pub principal: Option<&'a [u8]>,
+}
+
+/// The engine's answer to [`Engine::begin`].
+#[derive(Debug)]
+#[must_use = "a decision must be obeyed"]
+pub enum Decision {
+    /// Forward the request as it is; nothing was reserved (no key on an
+    /// optional route, or the store failed on a fail-open route).
+    Forward,
+    /// This request owns the key: call the upstream, then
+    /// [`Reservation::finish`] or [`Reservation::release`].
+    Proceed(Reservation),
+    /// Answer with this response and do not call the upstream: a replay
+    /// (with `Idempotent-Replayed: true`) or a problem.
+    Respond(Response<Bytes>),
+}
+
+impl Engine {
+    /// An engine over `store` covering `routes`, with default settings.
+    pub fn new(store: impl Store, routes: Routes) -> Self {
+        Self::with_config(Arc::new(store), routes, EngineConfig::default())
+    }
+
+    /// An engine over a shared store with explicit settings.
+    pub fn with_config(store: Arc<dyn Store>, routes: Routes, config: EngineConfig) -> Self {
+        Engine {
+            inner: Arc::new(Inner {
+                store,
+                routes,
+                config,
+                metrics: Metrics::default(),
+            }),
+        }
+    }
+
+    /// The policy that covers `method` on `path`, or `None`: forward
+    /// untouched, without reading the body.
+    pub fn route(&self, method: &Method, path: &str) -> Option<Arc<RoutePolicy>> {
+        let found = self.inner.routes.find(method, path).cloned();
+        if found.is_none() {
+            self.inner.metrics.record(Event::Passthrough);
+        }
+        found
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// Renders the engine's and the store's metrics in Prometheus text.
+    pub fn render_metrics(&self) -> String {
+        let mut out = String::new();
+        let extra = self.inner.store.counters();
+        self.inner.metrics.render_prometheus(&extra, &mut out);
+        out
+    }
+
+    /// Whether the store answers (for health checks).
+    pub async fn health(&self) -> Result<(), StoreError> {
+        self.store_call(self.inner.store.ping()).await
+    }
+
+    /// Deletes expired records every `every`, at most `batch` per call,
+    /// until the returned handle is aborted.
+    pub fn spawn_sweeper(&self, every: Duration, batch: usize) -> tokio::task::JoinHandle<()> {
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                // Keep sweeping while full batches come back.
+                loop {
+                    match engine.store_call(engine.inner.store.sweep(batch)).await {
+                        Ok(n) if n as usize >= batch => continue,
+                        Ok(n) => {
+                            tracing::debug!(swept = n, "idempotency sweep");
+                            break;
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "idempotency sweep failed");
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    /// The 413 answer for a body over `policy`'s limit. Nothing is reserved.
+    pub fn body_too_large(&self, policy: &RoutePolicy) -> Response<Bytes> {
+        self.reject(
+            Event::TooLarge,
+            Problem::new(
+                ProblemKind::BodyTooLarge,
+                format!(
+                    "The request body exceeds the limit of {} bytes.",
+                    policy.max_body_bytes()
+                ),
+            ),
+        )
+    }
+
+    /// The answer for a body that could not be read (client gone or too
+    /// slow: `timed_out`). Nothing is reserved.
+    pub fn body_unreadable(&self, timed_out: bool) -> Response<Bytes> {
+        let problem = Problem::new(
+            ProblemKind::BodyUnreadable,
+            "The request body could not be read completely.",
+        );
+        let problem = if timed_out {
+            problem.with_status(StatusCode::REQUEST_TIMEOUT)
+        } else {
+            problem
+        };
+        problem.into_response()
+    }
+
+    fn reject(&self, event: Event, problem: Problem) -> Response<Bytes> {
+        self.inner.metrics.record(event);
+        tracing::info!(outcome = %event, status = problem.status().as_u16(), "idempotency");
+        problem.into_response()
+    }
+
+    async fn store_call<T>(
+        &self,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = std::time::Instant::now();
+        let result = match tokio::time::timeout(self.inner.config.store_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout),
+        };
+        self.inner.metrics.observe_store(started.elapsed());
+        result
+    }
+
+    /// Decides what to do with a covered request whose whole body is
+    /// `body` (at most the policy's limit).
+    pub async fn begin(
+        &self,
+        policy: &Arc<RoutePolicy>,
+        head: RequestHead<'_>,
+        body: &[u8],
+    ) -> Decision {
+        let started = Instant::now();
+        let settings = policy.policy();
+        let raw_key =
+            match key::extract(&settings.key, head.uri, head.headers, body).and_then(|key| {
+                if let Some(key) = &key {
+                    key::validate(key, settings.uuid_only)?;
+                }
+                Ok(key)
+            }) {
+                Ok(Some(key)) => key,
+                Ok(None) if !settings.required => {
+                    self.inner.metrics.record(Event::Passthrough);
+                    return Decision::Forward;
+                }
+                Ok(None) => {
+                    return Decision::Respond(self.reject(
+                        Event::InvalidKey,
+                        Problem::new(
+                            ProblemKind::KeyMissing,
+                            "This endpoint requires an idempotency key.",
+                        ),
+                    ))
+                }
+                Err(error) => return Decision::Respond(self.invalid_key(error)),
+            };
+        let key = scope_key(policy, &head, &raw_key);
+        let fingerprint = fingerprint(
+            head.method,
+            head.uri,
+            head.headers,
+            &policy.fingerprint_headers,
+            body,
+            Exclusions {
+                json: &policy.json_exclude,
+                form: &policy.form_exclude,
+            },
+        );
+        let span = tracing::info_span!("idempotency", key = %key.short(), path = head.uri.path());
+        self.decide(policy, key, fingerprint, started)
+            .instrument(span)
+            .await
+    }
+
+    fn invalid_key(&self, error: KeyError) -> Response<Bytes> {
+        self.reject(
+            Event::InvalidKey,
+            Problem::new(ProblemKind::KeyInvalid, error.to_string()),
+        )
+    }
+
+    async fn decide(
+        &self,
+        policy: &Arc<RoutePolicy>,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+        started: Instant,
+    ) -> Decision {
+        let settings = policy.policy();
+        let store = &self.inner.store;
+        let deadline = started + settings.wait_timeout;
+        let mut waited = false;
+        let mut attempt = 0;
+        loop {
+            let claim = self
+                .store_call(store.reserve(&key, &fingerprint, settings.lease, settings.ttl))
+                .await;
+            let record = match claim {
+                Err(error) => return self.store_failed(policy, &error),
+                Ok(Claim::Acquired { owner, takeover }) => {
+                    self.inner.metrics.record(Event::Executed);
+                    tracing::debug!(takeover, "idempotency key reserved");
+                    return Decision::Proceed(Reservation::new(
+                        self.clone(),
+                        policy.clone(),
+                        key,
+                        owner,
+                    ));
+                }
+                Ok(Claim::Existing(record)) => record,
+            };
+            if record.fingerprint != fingerprint {
+                return Decision::Respond(
+                    self.reject(
+                        Event::Mismatch,
+                        Problem::new(
+                            ProblemKind::KeyMismatch,
+                            "This idempotency key was already used for a different request.",
+                        )
+                        .with_status(policy.mismatch_status),
+                    ),
+                );
+            }
+            match record.state {
+                RecordState::Completed(Outcome::Stored(response)) => {
+                    let event = if waited {
+                        Event::Waited
+                    } else {
+                        Event::Replayed
+                    };
+                    self.inner.metrics.record(event);
+                    tracing::info!(
+                        outcome = %event,
+                        status = response.status.as_u16(),
+                        duration_us = started.elapsed().as_micros() as u64,
+                        "idempotency"
+                    );
+                    return Decision::Respond(replay(response));
+                }
+                RecordState::Completed(Outcome::TooLarge { status }) => {
+                    return Decision::Respond(self.reject(
+                        Event::Replayed,
+                        Problem::new(
+                            ProblemKind::ResponseNotStored,
+                            format!(
+                                "The request was executed once (status {}), but its response \
+                                 was too large to store; it will not be executed again.",
+                                status.as_u16()
+                            ),
+                        ),
+                    ));
+                }
+                RecordState::InFlight { lease_remaining } => {
+                    let now = Instant::now();
+                    if settings.in_flight == InFlightPolicy::Reject || now >= deadline {
+                        let retry = lease_remaining.min(settings.wait_timeout).as_secs() + 1;
+                        return Decision::Respond(
+                            self.reject(
+                                Event::InFlightConflict,
+                                Problem::new(
+                                    ProblemKind::InFlight,
+                                    "A request with this idempotency key is still being \
+                                     processed; retry later.",
+                                )
+                                .retry_after(retry),
+                            ),
+                        );
+                    }
+                    waited = true;
+                    // Wake at the latest when the lease could be taken over.
+                    let max = (deadline - now).min(lease_remaining + Duration::from_millis(1));
+                    if let Err(error) = store.wait(&key, max, attempt).await {
+                        return self.store_failed(policy, &error);
+                    }
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    fn store_failed(&self, policy: &RoutePolicy, error: &StoreError) -> Decision {
+        self.inner.metrics.record(Event::StoreError);
+        tracing::warn!(%error, "idempotency store failed");
+        match policy.policy().fail_mode {
+            FailMode::Open => Decision::Forward,
+            FailMode::Closed => Decision::Respond(
+                Problem::new(
+                    ProblemKind::StoreUnavailable,
+                    "The idempotency store is unavailable; the request was not executed.",
+                )
+                .retry_after(self.inner.config.store_retry_after)
+                .into_response(),
+            ),
+        }
+    }
+
+    /// The 502 (or 504 when `timed_out`) answer for an upstream transport
+    /// failure, after [`Reservation::release`].
+    pub fn upstream_failed(&self, timed_out: bool) -> Response<Bytes> {
+        let problem = if timed_out {
+            Problem::new(
+                ProblemKind::UpstreamTimeout,
+                "The upstream did not answer in time; the request may be retried.",
+            )
+        } else {
+            Problem::new(
+                ProblemKind::UpstreamUnavailable,
+                "The upstream could not be reached; the request may be retried.",
+            )
+        };
+        problem.into_response()
+    }
+}
+
+/// SHA-256 over (principal, scope headers, method, path, key), each
+/// length-prefixed.
+fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &[u8]) -> ScopeKey {
+    let mut hasher = Sha256::new();
+    let mut put = |bytes: &[u8]| {
+        hasher.update((bytes.len() as u64).to_be_bytes());
+        hasher.update(bytes);
+    };
+    put(head.principal.unwrap_or(b""));
+    for name in &policy.scope_headers {
+        for value in head.headers.get_all(name) {
+            put(name.as_str().as_bytes());
+            put(value.as_bytes());
+        }
+    }
+    put(head.method.as_str().as_bytes());
+    put(head.uri.path().as_bytes());
+    put(raw_key);
+    ScopeKey(hasher.finalize().into())
+}
+
+fn replay(stored: StoredResponse) -> Response<Bytes> {
+    let length = stored.body.len();
+    let mut response = Response::new(stored.body);
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        headers.append(name, value);
+    }
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    response
+}
+
+/// Ownership of one key while its request runs upstream.
+///
+/// While it lives, a heartbeat renews the lease (every third of it), so a
+/// long upstream call is not taken over. It must end in
+/// [`finish`](Reservation::finish) or [`release`](Reservation::release);
+/// if it is dropped instead (a panic, a cancelled task), the key is released
+/// in the background, so no key is ever stuck for longer than its lease.
+#[derive(Debug)]
+pub struct Reservation {
+    engine: Engine,
+    policy: Arc<RoutePolicy>,
+    key: ScopeKey,
+    owner: OwnerToken,
+    heartbeat: AbortHandle,
+    started: Instant,
+    settled: bool,
+}
+
+impl Reservation {
+    fn new(engine: Engine, policy: Arc<RoutePolicy>, key: ScopeKey, owner: OwnerToken) -> Self {
+        engine.inner.metrics.in_flight_add(1);
+        let heartbeat = {
+            let engine = engine.clone();
+            let lease = policy.policy().lease;
+            tokio::spawn(async move {
+                let period = lease / 3;
+                loop {
+                    tokio::time::sleep(period).await;
+                    match engine
+                        .store_call(engine.inner.store.renew(&key, &owner, lease))
+                        .await
+                    {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::warn!(key = %key.short(), "idempotency lease lost");
+                            return;
+                        }
+                        Err(error) => {
+                            tracing::warn!(key = %key.short(), %error, "idempotency lease renewal failed");
+                        }
+                    }
+                }
+            })
+            .abort_handle()
+        };
+        Reservation {
+            engine,
+            policy,
+            key,
+            owner,
+            heartbeat,
+            started: Instant::now(),
+            settled: false,
+        }
+    }
+
+    /// The short hash of the key, for correlating logs.
+    pub fn key_hash(&self) -> String {
+        self.key.short()
+    }
+
+    /// The route's policy.
+    pub fn policy(&self) -> &RoutePolicy {
+        &self.policy
+    }
+
+    /// Starts capturing the upstream's answer. The headers that are never
+    /// stored (hop-by-hop, `Date`, `Content-Length`, and `Set-Cookie` unless
+    /// the route allows it) are dropped here.
+    pub fn capture(&self, status: StatusCode, headers: &HeaderMap) -> Capture {
+        let settings = self.policy.policy();
+        let connection_listed: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        let headers = headers
+            .iter()
+            .filter(|(name, _)| {
+                !never_stored(name, settings.replay_set_cookie) && !connection_listed.contains(name)
+            })
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        Capture {
+            status,
+            headers,
+            body: BytesMut::new(),
+            limit: settings.max_response_bytes,
+            store: settings.store_statuses.contains(status),
+            overflow: false,
+        }
+    }
+
+    /// Records the upstream's answer: stores it (replayed from now on), stores
+    /// a "too large" marker, or releases the key when its status is not one
+    /// the route stores. Never fails: a store error is retried a few times,
+    /// then logged; the lease then expires and the key can be taken over.
+    pub async fn finish(mut self, capture: Capture) {
+        self.heartbeat.abort();
+        let status = capture.status;
+        if !capture.store {
+            self.release_now(status).await;
+            return;
+        }
+        let outcome = if capture.overflow {
+            Outcome::TooLarge { status }
+        } else {
+            Outcome::Stored(StoredResponse {
+                status,
+                headers: capture.headers,
+                body: capture.body.freeze(),
+            })
+        };
+        let engine = self.engine.clone();
+        let ttl = self.policy.policy().ttl;
+        let mut result = Err(StoreError::Timeout);
+        for attempt in 0..3u32 {
+            result = engine
+                .store_call(
+                    engine
+                        .inner
+                        .store
+                        .complete(&self.key, &self.owner, &outcome, ttl),
+                )
+                .await;
+            if result.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+        }
+        self.settled = true;
+        let duration_us = self.started.elapsed().as_micros() as u64;
+        match result {
+            Ok(true) => {
+                engine.inner.metrics.record(Event::Stored);
+                tracing::info!(outcome = "executed", status = status.as_u16(), duration_us, key = %self.key.short(), "idempotency");
+            }
+            Ok(false) => {
+                tracing::warn!(status = status.as_u16(), key = %self.key.short(), "idempotency lease was taken over before completion; response not stored");
+            }
+            Err(error) => {
+                engine.inner.metrics.record(Event::StoreError);
+                tracing::error!(%error, status = status.as_u16(), key = %self.key.short(), "idempotency response could not be stored");
+            }
+        }
+    }
+
+    /// Releases the key without storing anything (upstream transport
+    /// failure, abandoned request): the next request with it executes.
+    pub async fn release(mut self) {
+        self.heartbeat.abort();
+        self.release_now(StatusCode::BAD_GATEWAY).await;
+    }
+
+    async fn release_now(&mut self, status: StatusCode) {
+        let engine = self.engine.clone();
+        let result = engine
+            .store_call(engine.inner.store.release(&self.key, &self.owner))
+            .await;
+        self.settled = true;
+        engine.inner.metrics.record(Event::Released);
+        match result {
+            Ok(_) => {
+                tracing::info!(outcome = "released", status = status.as_u16(), duration_us = self.started.elapsed().as_micros() as u64, key = %self.key.short(), "idempotency")
+            }
+            Err(error) => {
+                tracing::warn!(%error, key = %self.key.short(), "idempotency release failed; the key frees when its lease expires")
+            }
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.heartbeat.abort();
+        self.engine.inner.metrics.in_flight_add(-1);
+        if self.settled {
+            return;
+        }
+        // Abandoned (panic or cancellation): free the key in the background.
+        let engine = self.engine.clone();
+        let (key, owner) = (self.key, self.owner);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                engine.inner.metrics.record(Event::Released);
+                let _ = engine
+                    .store_call(engine.inner.store.release(&key, &owner))
+                    .await;
+                tracing::info!(outcome = "released", key = %key.short(), "idempotency reservation abandoned");
+            });
+        }
+    }
+}
+
+fn never_stored(name: &HeaderName, replay_set_cookie: bool) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "authorization"
+            | "cookie"
+            | "date"
+            | "content-length"
+            | "idempotent-replayed"
+    ) || (!replay_set_cookie && name == header::SET_COOKIE)
+}
+
+/// The upstream's answer, collected for storage while it streams to the
+/// client.
+///
+/// Feed every body chunk to [`push`](Capture::push) (cheap once it stops
+/// collecting), then pass it to [`Reservation::finish`].
+#[derive(Debug)]
+pub struct Capture {
+    status: StatusCode,
+    headers: Vec<(HeaderName, HeaderValue)>,
+    body: BytesMut,
+    limit: usize,
+    store: bool,
+    overflow: bool,
+}
+
+impl Capture {
+    /// Appends a body chunk; past the storage cap the body is dropped and
+    /// only a marker will be stored.
+    pub fn push(&mut self, chunk: &[u8]) {
+        if !self.wants_body() {
+            return;
+        }
+        if self.body.len() + chunk.len() > self.limit {
+            self.overflow = true;
+            self.body = BytesMut::new();
+        } else {
+            self.body.extend_from_slice(chunk);
+        }
+    }
+
+    /// Whether body chunks are still being collected.
+    pub fn wants_body(&self) -> bool {
+        self.store && !self.overflow
+    }
+
+    /// The status being captured.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+}
+
+impl RoutePolicy {
+    /// The request body limit in bytes.
+    pub fn max_body_bytes(&self) -> usize {
+        self.policy().max_body_bytes
+    }
+}

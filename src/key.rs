@@ -1,0 +1,390 @@
+//! Finding and validating the idempotency key of a request.
+//!
+//! The key is read from exactly one place per route (see
+//! [`KeySource`](crate::KeySource)) and must be 1..=255 visible ASCII
+//! characters (`!`..=`~`). Anything else is a [`KeyError`], which the engine
+//! answers with 400 before anything is reserved.
+
+use http::{HeaderMap, Uri};
+
+use crate::policy::KeySource;
+
+/// The longest key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Why a key was refused. The messages never contain the key itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The key is empty.
+    #[error("the idempotency key is empty")]
+    Empty,
+    /// The key is longer than 255 bytes.
+    #[error("the idempotency key is longer than 255 characters")]
+    TooLong,
+    /// The key contains a byte outside visible ASCII.
+    #[error("the idempotency key may only contain visible ASCII characters")]
+    InvalidCharacter,
+    /// The route requires a UUID and the key is not one.
+    #[error("the idempotency key must be a UUID")]
+    NotUuid,
+    /// The key header appears more than once.
+    #[error("the idempotency key header appears more than once")]
+    Repeated,
+    /// A quoted sf-string is not closed or has a bad escape.
+    #[error("the idempotency key is a malformed quoted string")]
+    BadQuoting,
+    /// The key field of a JSON body is not a string.
+    #[error("the idempotency key field is not a string")]
+    NotAString,
+}
+
+/// Reads the raw key from where `source` says, without validating it.
+///
+/// `Ok(None)` means the request carries no key at all. `content_type` is the
+/// request's `Content-Type`, used for form and JSON sources.
+pub fn extract(
+    source: &KeySource,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Option<Vec<u8>>, KeyError> {
+    match source {
+        KeySource::Header(name) => {
+            let mut values = headers.get_all(name.as_str()).iter();
+            let Some(value) = values.next() else {
+                return Ok(None);
+            };
+            if values.next().is_some() {
+                return Err(KeyError::Repeated);
+            }
+            unquote(value.as_bytes()).map(Some)
+        }
+        KeySource::Query(name) => Ok(uri
+            .query()
+            .and_then(|query| form_value(query.as_bytes(), name))),
+        KeySource::FormField(name) => {
+            let content_type = content_type(headers);
+            if is_media_type(content_type, "application/x-www-form-urlencoded") {
+                Ok(form_value(body, name))
+            } else if is_media_type(content_type, "multipart/form-data") {
+                Ok(multipart_boundary(content_type)
+                    .and_then(|boundary| multipart_parts(body, boundary))
+                    .and_then(|parts| {
+                        parts
+                            .into_iter()
+                            .find(|part| part.name == name.as_bytes())
+                            .map(|part| part.data.to_vec())
+                    }))
+            } else {
+                Ok(None)
+            }
+        }
+        KeySource::JsonPointer(pointer) => {
+            let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+                return Ok(None);
+            };
+            match value.pointer(pointer) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::String(s)) => Ok(Some(s.clone().into_bytes())),
+                Some(_) => Err(KeyError::NotAString),
+            }
+        }
+    }
+}
+
+/// Checks a raw key: 1..=255 visible ASCII characters, and a hyphenated
+/// UUID when `uuid_only`.
+pub fn validate(key: &[u8], uuid_only: bool) -> Result<(), KeyError> {
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(KeyError::InvalidCharacter);
+    }
+    if uuid_only && !is_uuid(key) {
+        return Err(KeyError::NotUuid);
+    }
+    Ok(())
+}
+
+fn is_uuid(key: &[u8]) -> bool {
+    key.len() == 36
+        && key.iter().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 => *b == b'-',
+            _ => b.is_ascii_hexdigit(),
+        })
+}
+
+/// Strips the IETF draft's sf-string quoting (`"abc"`, with `\"` and `\\`
+/// escapes); a bare token is returned as it is.
+fn unquote(value: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let Some(inner) = value.strip_prefix(b"\"") else {
+        return Ok(value.to_vec());
+    };
+    let Some(inner) = inner.strip_suffix(b"\"") else {
+        return Err(KeyError::BadQuoting);
+    };
+    let mut out = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
+                _ => return Err(KeyError::BadQuoting),
+            },
+            b'"' => return Err(KeyError::BadQuoting),
+            _ => out.push(b),
+        }
+    }
+    Ok(out)
+}
+
+/// The request's `Content-Type` as text ("" when absent or not text).
+pub(crate) fn content_type(headers: &HeaderMap) -> &str {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+/// Whether `content_type` is `expected`, ignoring parameters and case.
+pub(crate) fn is_media_type(content_type: &str, expected: &str) -> bool {
+    content_type
+        .split(';')
+        .next()
+        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case(expected))
+}
+
+/// Whether `content_type` is JSON (`application/json` or any `+json`).
+pub(crate) fn is_json(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || essence.to_ascii_lowercase().ends_with("+json")
+}
+
+/// Decodes `application/x-www-form-urlencoded` into (name, value) pairs,
+/// in order. `+` is a space; a bad `%` escape is kept literally.
+pub(crate) fn form_pairs(body: &[u8]) -> impl Iterator<Item = (Vec<u8>, Vec<u8>)> + '_ {
+    body.split(|&b| b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (name, value) = match pair.iter().position(|&b| b == b'=') {
+                Some(i) => (&pair[..i], &pair[i + 1..]),
+                None => (pair, &b""[..]),
+            };
+            (percent_decode(name), percent_decode(value))
+        })
+}
+
+fn form_value(body: &[u8], name: &str) -> Option<Vec<u8>> {
+    form_pairs(body)
+        .find(|(n, _)| n == name.as_bytes())
+        .map(|(_, v)| v)
+}
+
+fn percent_decode(input: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(input.len());
+    let mut i = 0;
+    while i < input.len() {
+        match input[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < input.len() => match (hex(input[i + 1]), hex(input[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push(h << 4 | l);
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    out
+}
+
+/// One part of a `multipart/form-data` body.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Part<'a> {
+    /// The `name` of its `Content-Disposition`.
+    pub(crate) name: &'a [u8],
+    /// Its headers, raw.
+    pub(crate) headers: &'a [u8],
+    /// Its content.
+    pub(crate) data: &'a [u8],
+}
+
+/// The `boundary` parameter of a multipart content type.
+pub(crate) fn multipart_boundary(content_type: &str) -> Option<&str> {
+    content_type.split(';').skip(1).find_map(|param| {
+        let (name, value) = param.split_once('=')?;
+        name.trim()
+            .eq_ignore_ascii_case("boundary")
+            .then(|| value.trim().trim_matches('"'))
+            .filter(|b| !b.is_empty() && b.len() <= 70)
+    })
+}
+
+/// Splits a multipart body into its parts. `None` if it is malformed.
+pub(crate) fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a>>> {
+    let delimiter = [b"--", boundary.as_bytes()].concat();
+    let mut parts = Vec::new();
+    let mut rest = &body[find(body, &delimiter)? + delimiter.len()..];
+    loop {
+        if rest.starts_with(b"--") {
+            return Some(parts);
+        }
+        rest = rest.strip_prefix(b"\r\n")?;
+        let header_end = find(rest, b"\r\n\r\n")?;
+        let headers = &rest[..header_end];
+        let content = &rest[header_end + 4..];
+        let mut next_delimiter = b"\r\n".to_vec();
+        next_delimiter.extend_from_slice(&delimiter);
+        let end = find(content, &next_delimiter)?;
+        parts.push(Part {
+            name: disposition_name(headers)?,
+            headers,
+            data: &content[..end],
+        });
+        rest = &content[end + next_delimiter.len()..];
+    }
+}
+
+fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
+    const PREFIX: &[u8] = b"content-disposition:";
+    let line = headers.split(|&b| b == b'\n').find(|line| {
+        line.len() > PREFIX.len() && line[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
+    })?;
+    line[PREFIX.len()..]
+        .split(|&b| b == b';')
+        .map(|param| param.trim_ascii())
+        .find_map(|param| {
+            let value = param
+                .get(..5)
+                .filter(|name| name.eq_ignore_ascii_case(b"name="))
+                .map(|_| &param[5..])?;
+            Some(
+                value
+                    .strip_prefix(b"\"")
+                    .and_then(|v| v.strip_suffix(b"\""))
+                    .unwrap_or(value),
+            )
+        })
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    if needle.is_empty() || haystack.len() < needle.len() {
+        return None;
+    }
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(
+                http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_str(value).unwrap(),
+            );
+        }
+        map
+    }
+
+    fn header_key(value: &str) -> Result<Option<Vec<u8>>, KeyError> {
+        extract(
+            &KeySource::default(),
+            &Uri::from_static("/"),
+            &headers(&[("idempotency-key", value)]),
+            b"",
+        )
+    }
+
+    #[test]
+    fn bare_and_quoted_header_keys() {
+        assert_eq!(header_key("abc-123").unwrap().unwrap(), b"abc-123");
+        assert_eq!(header_key("\"abc-123\"").unwrap().unwrap(), b"abc-123");
+        assert_eq!(header_key(r#""a\"b""#).unwrap().unwrap(), b"a\"b");
+        assert_eq!(header_key("\"abc").unwrap_err(), KeyError::BadQuoting);
+        assert_eq!(header_key(r#""a\x""#).unwrap_err(), KeyError::BadQuoting);
+    }
+
+    #[test]
+    fn repeated_header_is_refused() {
+        let map = headers(&[("idempotency-key", "a"), ("idempotency-key", "b")]);
+        let err = extract(&KeySource::default(), &Uri::from_static("/"), &map, b"");
+        assert_eq!(err.unwrap_err(), KeyError::Repeated);
+    }
+
+    #[test]
+    fn validation() {
+        assert_eq!(validate(b"", false), Err(KeyError::Empty));
+        assert_eq!(validate(&[b'a'; 256], false), Err(KeyError::TooLong));
+        assert!(validate(&[b'a'; 255], false).is_ok());
+        assert_eq!(validate(b"a b", false), Err(KeyError::InvalidCharacter));
+        assert_eq!(validate(b"a\x01", false), Err(KeyError::InvalidCharacter));
+        assert_eq!(
+            validate("ä".as_bytes(), false),
+            Err(KeyError::InvalidCharacter)
+        );
+        assert_eq!(validate(b"abc", true), Err(KeyError::NotUuid));
+        assert!(validate(b"6f1c7bd2-3e0e-4d49-9a39-4d2c1a4f0b6e", true).is_ok());
+        assert_eq!(
+            validate(b"6f1c7bd2x3e0e-4d49-9a39-4d2c1a4f0b6e", true),
+            Err(KeyError::NotUuid)
+        );
+    }
+
+    #[test]
+    fn form_and_query_keys() {
+        let map = headers(&[("content-type", "application/x-www-form-urlencoded")]);
+        let source = KeySource::FormField("submission_token".into());
+        let body = b"email=a%40b.c&submission_token=t%2D1&message=hi+there";
+        let key = extract(&source, &Uri::from_static("/"), &map, body).unwrap();
+        assert_eq!(key.unwrap(), b"t-1");
+        let uri = Uri::from_static("/pay?x=1&key=q%21");
+        let key = extract(&KeySource::Query("key".into()), &uri, &map, b"").unwrap();
+        assert_eq!(key.unwrap(), b"q!");
+    }
+
+    #[test]
+    fn percent_decoding_edges() {
+        assert_eq!(percent_decode(b"%41%4"), b"A%4");
+        assert_eq!(percent_decode(b"%"), b"%");
+        assert_eq!(percent_decode(b"%zz"), b"%zz");
+    }
+
+    #[test]
+    fn multipart_keys() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"email\"\r\n\r\na@b.c\r\n--XyZ\r\nContent-Disposition: form-data; name=\"submission_token\"\r\n\r\ntok-1\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello\r\n--XyZ--\r\n";
+        let map = headers(&[("content-type", "multipart/form-data; boundary=XyZ")]);
+        let source = KeySource::FormField("submission_token".into());
+        let key = extract(&source, &Uri::from_static("/"), &map, body).unwrap();
+        assert_eq!(key.unwrap(), b"tok-1");
+        let parts = multipart_parts(body, "XyZ").unwrap();
+        assert_eq!(parts.len(), 3);
+        assert_eq!(parts[2].name, b"file");
+        assert_eq!(parts[2].data, b"hello");
+        assert!(multipart_parts(b"--XyZ\r\ngarbage", "XyZ").is_none());
+    }
+
+    #[test]
+    fn json_pointer_keys() {
+        let source = KeySource::JsonPointer("/meta/key".into());
+        let uri = Uri::from_static("/");
+        let map = HeaderMap::new();
+        let key = extract(&source, &uri, &map, br#"{"meta":{"key":"k1"}}"#).unwrap();
+        assert_eq!(key.unwrap(), b"k1");
+        assert_eq!(extract(&source, &uri, &map, b"{}").unwrap(), None);
+        assert_eq!(extract(&source, &uri, &map, b"not json").unwrap(), None);
+        let err = extract(&source, &uri, &map, br#"{"meta":{"key":7}}"#);
+        assert_eq!(err.unwrap_err(), KeyError::NotAString);
+    }
+}

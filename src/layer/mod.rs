@@ -1,0 +1,47 @@
+//! The tower front end: [`IdempotencyLayer`] and [`Idempotency`].
+//!
+//! Wrap any `tower::Service<http::Request<B>>` — an axum `Router`, a hyper
+//! service — and unsafe requests on covered routes take effect once:
+//!
+//! ```
+//! use axum::{routing::post, Router};
+//! use tower_idempotency::{Engine, IdempotencyLayer, MemoryStore, Policy, Routes};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let routes = Routes::new().route("/orders", Policy::default().required(true))?;
+//! let engine = Engine::new(MemoryStore::new(), routes);
+//! let app: Router = Router::new()
+//!     .route("/orders", post(|| async { "created" }))
+//!     .layer(IdempotencyLayer::new(engine));
+//! # let _ = app;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What the layer guarantees
+//!
+//! * Requests the engine does not cover (other methods, other paths) reach
+//!   the inner service untouched and unbuffered.
+//! * A covered request's body is buffered (up to the route's limit; over
+//!   it, 413 and the inner service is not called) and the engine decides.
+//! * When the request proceeds, the inner call runs in its own task: a
+//!   caller that goes away does **not** cancel it. It runs to completion,
+//!   its response is stored, and the retry replays it.
+//! * The response is stored *before* it is returned, so a client that got
+//!   an answer and retries always gets a replay. A response larger than the
+//!   storage cap is still returned whole; only a marker is stored.
+//! * The engine's own answers (400, 409, 413, 422, 503) are responses, not
+//!   errors. The inner service's errors pass through (and release the key).
+//!
+//! Requires a Tokio runtime.
+
+mod body;
+mod future;
+#[allow(clippy::module_inception)]
+mod layer;
+mod service;
+
+pub use body::{RequestBody, ResponseBody};
+pub use future::ResponseFuture;
+pub use layer::IdempotencyLayer;
+pub use service::{Idempotency, Principal};

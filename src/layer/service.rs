@@ -1,0 +1,217 @@
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::BodyExt;
+use tower_service::Service;
+
+use super::{RequestBody, ResponseBody, ResponseFuture};
+use crate::engine::{Decision, RequestHead, Reservation};
+use crate::Engine;
+
+/// The authenticated caller, set as a request extension by an auth layer
+/// that runs before [`Idempotency`]. It is hashed into the key's scope, so
+/// two principals using the same key never see each other's responses. It
+/// is never stored or logged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal(pub Bytes);
+
+impl Principal {
+    /// A principal from any stable identifier (user id, tenant id, …).
+    pub fn new(id: impl Into<Bytes>) -> Self {
+        Principal(id.into())
+    }
+}
+
+/// Makes unsafe requests to the inner service take effect once. Built by
+/// [`IdempotencyLayer`](super::IdempotencyLayer); see the
+/// [module docs](crate::layer) for the guarantees.
+#[derive(Clone, Debug)]
+pub struct Idempotency<S> {
+    inner: S,
+    engine: Engine,
+}
+
+impl<S> Idempotency<S> {
+    /// Wraps `inner` with `engine`.
+    pub fn new(inner: S, engine: Engine) -> Self {
+        Idempotency { inner, engine }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResB::Error: Send + 'static,
+{
+    type Response = Response<ResponseBody<ResB, ResB::Error>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let Some(policy) = self.engine.route(request.method(), request.uri().path()) else {
+            return ResponseFuture::passthrough(
+                self.inner.call(request.map(RequestBody::streaming)),
+            );
+        };
+        // Keep the service that was polled ready; hand it to the future.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let engine = self.engine.clone();
+        ResponseFuture::engine(Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let body = match read_body(body, policy.max_body_bytes()).await {
+                Ok(body) => body,
+                Err(ReadError::TooLarge) => {
+                    return Ok(engine.body_too_large(&policy).map(ResponseBody::full))
+                }
+                Err(ReadError::Failed) => {
+                    return Ok(engine.body_unreadable(false).map(ResponseBody::full))
+                }
+            };
+            let principal = parts.extensions.get::<Principal>().map(|p| p.0.clone());
+            let head = RequestHead {
+                method: &parts.method,
+                uri: &parts.uri,
+                headers: &parts.headers,
+                principal: principal.as_deref(),
+            };
+            let decision = engine.begin(&policy, head, &body).await;
+            let request = Request::from_parts(parts, RequestBody::buffered(body));
+            let mut inner = inner;
+            match decision {
+                Decision::Respond(response) => Ok(response.map(ResponseBody::full)),
+                Decision::Forward => {
+                    let response = inner.call(request).await?;
+                    Ok(response.map(|body| ResponseBody::streaming(body)))
+                }
+                Decision::Proceed(reservation) => {
+                    // Detached: a caller that goes away does not cancel the
+                    // inner call, and its response is still stored.
+                    let task = tokio::spawn(execute(inner, request, reservation));
+                    match task.await {
+                        Ok(result) => result,
+                        Err(error) => std::panic::resume_unwind(error.into_panic()),
+                    }
+                }
+            }
+        }))
+    }
+}
+
+enum ReadError {
+    TooLarge,
+    Failed,
+}
+
+/// Collects a request body, refusing it as soon as it exceeds `limit`.
+async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
+where
+    B: Body<Data = Bytes>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(ReadError::TooLarge);
+    }
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut buffer = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            return Err(ReadError::Failed);
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let total = first.as_ref().map_or(0, Bytes::len) + buffer.len() + data.len();
+        if total > limit {
+            return Err(ReadError::TooLarge);
+        }
+        // The common single-chunk body is passed on without a copy.
+        match first.take() {
+            None if buffer.is_empty() => first = Some(data),
+            Some(previous) => {
+                buffer.extend_from_slice(&previous);
+                buffer.extend_from_slice(&data);
+            }
+            None => buffer.extend_from_slice(&data),
+        }
+    }
+    Ok(first.unwrap_or_else(|| buffer.freeze()))
+}
+
+/// Calls the inner service while holding the reservation, captures the
+/// answer and settles the reservation before returning it.
+async fn execute<S, ReqB, ResB>(
+    mut inner: S,
+    request: Request<RequestBody<ReqB>>,
+    reservation: Reservation,
+) -> Result<Response<ResponseBody<ResB, ResB::Error>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes> + Unpin,
+{
+    let response = match inner.call(request).await {
+        Ok(response) => response,
+        Err(error) => {
+            reservation.release().await;
+            return Err(error);
+        }
+    };
+    let (parts, mut body) = response.into_parts();
+    let mut capture = reservation.capture(parts.status, &parts.headers);
+    if !capture.wants_body() {
+        // Not a status the route stores: free the key, stream as it is.
+        reservation.finish(capture).await;
+        return Ok(Response::from_parts(parts, ResponseBody::streaming(body)));
+    }
+    let mut collected = BytesMut::new();
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Err(error)) => {
+                reservation.release().await;
+                return Ok(Response::from_parts(
+                    parts,
+                    ResponseBody::failed(collected.freeze(), error),
+                ));
+            }
+            Some(Ok(frame)) => {
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                capture.push(&data);
+                collected.extend_from_slice(&data);
+                if !capture.wants_body() {
+                    // Over the storage cap: store the marker, stream the rest.
+                    reservation.finish(capture).await;
+                    return Ok(Response::from_parts(
+                        parts,
+                        ResponseBody::prefixed(collected.freeze(), body),
+                    ));
+                }
+            }
+        }
+    }
+    reservation.finish(capture).await;
+    Ok(Response::from_parts(
+        parts,
+        ResponseBody::full(collected.freeze()),
+    ))
+}

@@ -1,0 +1,444 @@
+//! Where idempotency records live: one [`Store`] trait, several backends.
+//!
+//! A store decides exactly one thing on its own: **who owns a key**. Every
+//! backend reserves atomically (a unique constraint or `SET NX` semantics,
+//! never check-then-insert), checks the owner token on every write, and
+//! lets exactly one caller take over a lease that expired. Everything else —
+//! fingerprints, replays, waiting, HTTP — is the [engine](crate::Engine)'s.
+//!
+//! The same conformance suite (`tests/conformance.rs`) runs against every
+//! backend, so a store that passes it can be swapped for any other.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+
+mod memory;
+pub use memory::MemoryStore;
+
+/// The boxed error type carried by [`StoreError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The stored identity of one idempotent operation: SHA-256 of
+/// (principal, method, route, key).
+///
+/// The raw key is never stored anywhere; only this hash is. Two principals
+/// using the same raw key get different scope keys.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopeKey(pub [u8; 32]);
+
+impl ScopeKey {
+    /// The 32 raw bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hex of all 32 bytes (64 characters), for text columns and
+    /// Redis keys.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// The first 8 hex characters: enough to correlate log lines, too short
+    /// to identify anything. This is what logs and spans carry.
+    pub fn short(&self) -> String {
+        hex::encode(&self.0[..4])
+    }
+
+    /// Rebuilds a key from 32 stored bytes.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, StoreError> {
+        bytes
+            .try_into()
+            .map(ScopeKey)
+            .map_err(|_| StoreError::Corrupt(format!("scope key of {} bytes", bytes.len())))
+    }
+}
+
+impl fmt::Debug for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeKey({})", self.short())
+    }
+}
+
+/// SHA-256 of the canonical request (method, path and query, selected
+/// headers, canonical body). Equal fingerprints mean "the same request".
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// The 32 raw bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Rebuilds a fingerprint from 32 stored bytes.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, StoreError> {
+        bytes
+            .try_into()
+            .map(Fingerprint)
+            .map_err(|_| StoreError::Corrupt(format!("fingerprint of {} bytes", bytes.len())))
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", hex::encode(&self.0[..4]))
+    }
+}
+
+/// A random token naming the one worker that holds a reservation.
+///
+/// Every write after [`Store::reserve`] carries it; a store refuses a write
+/// whose token no longer owns the record (the lease was taken over), so a
+/// slow worker can never overwrite its successor.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct OwnerToken(pub [u8; 16]);
+
+impl OwnerToken {
+    /// A fresh random token (UUID v4 bits).
+    pub fn random() -> Self {
+        OwnerToken(*uuid::Uuid::new_v4().as_bytes())
+    }
+
+    /// The 16 raw bytes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    /// Rebuilds a token from 16 stored bytes.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, StoreError> {
+        bytes
+            .try_into()
+            .map(OwnerToken)
+            .map_err(|_| StoreError::Corrupt(format!("owner token of {} bytes", bytes.len())))
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OwnerToken({})", hex::encode(&self.0[..4]))
+    }
+}
+
+/// A response as it is stored and replayed: status, filtered headers, body.
+///
+/// Hop-by-hop headers, `Date` and (unless a route allows it) `Set-Cookie`
+/// were removed before it was stored; see [`crate::Capture`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status code the first execution answered with.
+    pub status: StatusCode,
+    /// Headers in their original order, repeated names kept.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The complete body.
+    pub body: Bytes,
+}
+
+impl StoredResponse {
+    /// Encodes the headers into a compact, length-prefixed byte string for a
+    /// `bytea`/`BLOB` column. [`StoredResponse::decode_headers`] reverses it.
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.headers.len() * 32);
+        for (name, value) in &self.headers {
+            put_chunk(&mut out, name.as_str().as_bytes());
+            put_chunk(&mut out, value.as_bytes());
+        }
+        out
+    }
+
+    /// Decodes what [`StoredResponse::encode_headers`] wrote. Anything else is
+    /// a [`StoreError::Corrupt`], never a panic.
+    pub fn decode_headers(mut bytes: &[u8]) -> Result<Vec<(HeaderName, HeaderValue)>, StoreError> {
+        let mut headers = Vec::new();
+        while !bytes.is_empty() {
+            let name = take_chunk(&mut bytes)?;
+            let value = take_chunk(&mut bytes)?;
+            let name = HeaderName::from_bytes(name)
+                .map_err(|_| StoreError::Corrupt("stored header name".into()))?;
+            let value = HeaderValue::from_bytes(value)
+                .map_err(|_| StoreError::Corrupt("stored header value".into()))?;
+            headers.push((name, value));
+        }
+        Ok(headers)
+    }
+}
+
+/// How a completed operation ended, as far as replays are concerned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The response was stored and is replayed to every retry.
+    Stored(StoredResponse),
+    /// The response was larger than the route's storage cap. The operation
+    /// took effect and must not run again, but it cannot be replayed:
+    /// retries get a `response-not-stored` problem carrying this status.
+    TooLarge {
+        /// The status the first execution answered with.
+        status: StatusCode,
+    },
+}
+
+impl Outcome {
+    /// Encodes the whole outcome into one self-describing byte string (for
+    /// key-value caches such as Redis). [`Outcome::decode`] reverses it.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        match self {
+            Outcome::Stored(response) => {
+                out.push(1);
+                out.extend_from_slice(&response.status.as_u16().to_be_bytes());
+                put_chunk(&mut out, &response.encode_headers());
+                put_chunk(&mut out, &response.body);
+            }
+            Outcome::TooLarge { status } => {
+                out.push(2);
+                out.extend_from_slice(&status.as_u16().to_be_bytes());
+            }
+        }
+        out
+    }
+
+    /// Decodes what [`Outcome::encode`] wrote; anything else is
+    /// [`StoreError::Corrupt`].
+    pub fn decode(bytes: &[u8]) -> Result<Self, StoreError> {
+        let corrupt = || StoreError::Corrupt("stored outcome".into());
+        let (&tag, rest) = bytes.split_first().ok_or_else(corrupt)?;
+        if rest.len() < 2 {
+            return Err(corrupt());
+        }
+        let status =
+            StatusCode::from_u16(u16::from_be_bytes([rest[0], rest[1]])).map_err(|_| corrupt())?;
+        let mut rest = &rest[2..];
+        match tag {
+            1 => {
+                let headers = StoredResponse::decode_headers(take_chunk(&mut rest)?)?;
+                let body = Bytes::copy_from_slice(take_chunk(&mut rest)?);
+                Ok(Outcome::Stored(StoredResponse {
+                    status,
+                    headers,
+                    body,
+                }))
+            }
+            2 => Ok(Outcome::TooLarge { status }),
+            _ => Err(corrupt()),
+        }
+    }
+
+    /// The status code of the first execution.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Outcome::Stored(response) => response.status,
+            Outcome::TooLarge { status } => *status,
+        }
+    }
+}
+
+fn put_chunk(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+    out.extend_from_slice(bytes);
+}
+
+fn take_chunk<'a>(bytes: &mut &'a [u8]) -> Result<&'a [u8], StoreError> {
+    let corrupt = || StoreError::Corrupt("truncated record".into());
+    if bytes.len() < 4 {
+        return Err(corrupt());
+    }
+    let len = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+    let rest = &bytes[4..];
+    if rest.len() < len {
+        return Err(corrupt());
+    }
+    let (chunk, rest) = rest.split_at(len);
+    *bytes = rest;
+    Ok(chunk)
+}
+
+/// The state of a live (unexpired) record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RecordState {
+    /// A worker holds the key and its lease has not expired yet.
+    InFlight {
+        /// Time left on the lease, by the store's clock.
+        lease_remaining: Duration,
+    },
+    /// The operation finished.
+    Completed(Outcome),
+}
+
+/// A live record, as [`Store::reserve`] or [`Store::get`] found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// The fingerprint of the request that created the record.
+    pub fingerprint: Fingerprint,
+    /// In flight or completed.
+    pub state: RecordState,
+}
+
+/// The answer of [`Store::reserve`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The caller now owns the key and must complete or release it.
+    Acquired {
+        /// The token to present on every later write.
+        owner: OwnerToken,
+        /// `true` when an expired lease was taken over (a previous worker
+        /// crashed or stalled), `false` for a fresh key.
+        takeover: bool,
+    },
+    /// Someone else's live record stands; nothing was written.
+    Existing(Record),
+}
+
+/// Why a store call failed. The engine answers every one of them the same
+/// way (fail closed with 503, or fail open where a route opted in); the
+/// variants exist for logs and metrics.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The backend could not be reached or refused the operation.
+    #[error("store unavailable: {0}")]
+    Unavailable(#[source] BoxError),
+    /// The backend did not answer in time.
+    #[error("store timed out")]
+    Timeout,
+    /// A stored record could not be decoded.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+/// A backend for idempotency records.
+///
+/// # Contract
+///
+/// Every implementation must pass the conformance suite in
+/// `tests/conformance.rs`. In short:
+///
+/// * [`reserve`](Store::reserve) is **atomic**: of any number of concurrent
+///   callers for one key, exactly one gets [`Claim::Acquired`]. A record
+///   whose retention (`ttl`) ran out counts as absent. An in-flight record
+///   whose lease ran out is taken over by exactly one caller — and only by a
+///   caller with the *same* fingerprint; others see the record as it is.
+/// * [`complete`](Store::complete), [`release`](Store::release) and
+///   [`renew`](Store::renew) change the record only while `owner` still owns
+///   it, and return whether they did.
+/// * Time (leases, retention) is the store's own clock; callers never pass
+///   timestamps.
+/// * Records are stored under the [`ScopeKey`] hash only; no raw key,
+///   principal or request body ever reaches a store.
+#[async_trait]
+pub trait Store: fmt::Debug + Send + Sync + 'static {
+    /// Atomically reserves `key` for a new owner with a lease of `lease`, or
+    /// takes over an expired lease with the same fingerprint, or returns the
+    /// live record that stands in the way.
+    async fn reserve(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError>;
+
+    /// Marks the record completed with `outcome`, kept for `ttl` from now.
+    /// Returns `false` (and changes nothing) when `owner` no longer owns it.
+    async fn complete(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        outcome: &Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Deletes an in-flight record so the key can be used again. Returns
+    /// `false` (and changes nothing) when `owner` no longer owns it.
+    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError>;
+
+    /// Extends the lease of an in-flight record to `lease` from now. Returns
+    /// `false` when `owner` no longer owns it.
+    async fn renew(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// The live record for `key`, if any. Expired records are `None`.
+    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError>;
+
+    /// Waits until the record for `key` may have changed, or at most `max`.
+    ///
+    /// `attempt` counts the waits of this caller so far (0, 1, …). The
+    /// default sleeps a backoff step (10 ms doubling to 200 ms), which is
+    /// polling; stores that can be told of a change (the memory store, a
+    /// database with notifications) return as soon as it happens. A spurious
+    /// early return is allowed: the engine looks again.
+    async fn wait(&self, key: &ScopeKey, max: Duration, attempt: u32) -> Result<(), StoreError> {
+        let _ = key;
+        tokio::time::sleep(max.min(backoff(attempt))).await;
+        Ok(())
+    }
+
+    /// Deletes at most `batch` records whose retention ran out and returns
+    /// how many it deleted. Live records are never touched.
+    async fn sweep(&self, batch: usize) -> Result<u64, StoreError>;
+
+    /// Checks that the backend answers (for health checks).
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Backend-specific counters (name, help, value) for the metrics
+    /// endpoint, such as cache hits. Empty by default.
+    fn counters(&self) -> Vec<(&'static str, &'static str, u64)> {
+        Vec::new()
+    }
+}
+
+/// The polling backoff used by the default [`Store::wait`]: 10 ms doubling
+/// up to 200 ms.
+pub fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis((10u64 << attempt.min(5)).min(200))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcome_roundtrip() {
+        let outcome = Outcome::Stored(StoredResponse {
+            status: StatusCode::SEE_OTHER,
+            headers: vec![
+                (http::header::LOCATION, HeaderValue::from_static("/thanks")),
+                (
+                    HeaderName::from_static("x-a"),
+                    HeaderValue::from_bytes(b"\xff bytes").unwrap(),
+                ),
+            ],
+            body: Bytes::from_static(b"body"),
+        });
+        assert_eq!(Outcome::decode(&outcome.encode()).unwrap(), outcome);
+        let marker = Outcome::TooLarge {
+            status: StatusCode::CREATED,
+        };
+        assert_eq!(Outcome::decode(&marker.encode()).unwrap(), marker);
+    }
+
+    #[test]
+    fn corrupt_outcome_is_an_error() {
+        let bytes = Outcome::TooLarge {
+            status: StatusCode::OK,
+        }
+        .encode();
+        assert!(Outcome::decode(&bytes[..1]).is_err());
+        assert!(Outcome::decode(&[9, 0, 200]).is_err());
+        assert!(Outcome::decode(&[1, 0, 200, 0, 0, 0, 9]).is_err());
+        assert!(StoredResponse::decode_headers(&[0, 0, 0, 1, b' ', 0, 0, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn backoff_grows_and_caps() {
+        assert_eq!(backoff(0), Duration::from_millis(10));
+        assert_eq!(backoff(1), Duration::from_millis(20));
+        assert_eq!(backoff(10), Duration::from_millis(200));
+    }
+}
