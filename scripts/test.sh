@@ -4,7 +4,7 @@
 # binary end to end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/services.sh
+./scripts/setup.sh
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 cargo test --workspace --all-features "$@"

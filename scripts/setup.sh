@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Makes sure the services the tests talk to answer: PostgreSQL on
-# 127.0.0.1:5432 (user postgres, database test) and Redis on 127.0.0.1:6379.
-# Starts (and on a bare machine installs) them when they do not.
+# Makes a machine ready to build and test: installs cmake (Pingora's zlib-ng
+# needs it) when missing, and makes sure the services the tests talk to
+# answer: PostgreSQL on 127.0.0.1:5432 (user postgres, database test) and
+# Redis on 127.0.0.1:6379. Starts (on a bare machine, installs) them.
 set -euo pipefail
 
 need_apt_update=1
@@ -10,8 +11,17 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
+command -v cmake >/dev/null 2>&1 || apt_install cmake
+command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+if ! command -v pg_ctlcluster >/dev/null 2>&1; then
+  apt_install postgresql postgresql-client
+  # The tests connect as postgres over loopback without a password.
+  for hba in /etc/postgresql/*/main/pg_hba.conf; do
+    sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
+  done
+fi
+
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
-  command -v pg_ctlcluster >/dev/null 2>&1 || apt_install postgresql
   version=$(ls /etc/postgresql | sort -V | tail -n 1)
   pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
   for _ in $(seq 1 30); do pg_isready -h 127.0.0.1 -p 5432 -q && break; sleep 1; done
@@ -21,7 +31,6 @@ psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 't
   || psql -h 127.0.0.1 -U postgres -c "CREATE DATABASE test" postgres
 
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
-  command -v redis-server >/dev/null 2>&1 || apt_install redis-server
   mkdir -p /var/lib/redis /var/log/redis
   redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
     --dir /var/lib/redis --logfile /var/log/redis/ci.log
