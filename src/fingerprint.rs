@@ -6,8 +6,16 @@
 //! * **JSON** (`application/json`, `*/*+json`): object members sorted by key,
 //!   no insignificant whitespace. Strings and numbers are kept exactly as
 //!   written, so `1.0` and `1`, or `"é"` and `"\u00e9"`, count as different
-//!   requests (a mismatch is answered, never a wrong replay). Duplicate keys
-//!   are all kept, in their order. Configured JSON pointers are left out.
+//!   requests (a mismatch is answered, never a wrong replay). Configured
+//!   JSON pointers are left out.
+//! * **Duplicate JSON keys** are all kept, and members with the same key
+//!   keep their relative order (the sort is stable). RFC 8259 leaves their
+//!   meaning to the receiver, and most backends (serde_json, JavaScript)
+//!   take the last one, some the first: `{"a":1,"a":2}` and `{"a":2,"a":1}`
+//!   may mean different things, so they are **different requests** (the
+//!   second one with the same key gets a mismatch, never the first one's
+//!   response). Moving a duplicated member past *other* keys does not
+//!   change the fingerprint: `{"a":1,"b":0,"a":2}` equals `{"b":0,"a":1,"a":2}`.
 //!   Malformed JSON, or JSON nested deeper than [`MAX_JSON_DEPTH`], is hashed
 //!   as raw bytes — never an error, never unbounded recursion.
 //! * **Forms** (`application/x-www-form-urlencoded`, `multipart/form-data`):

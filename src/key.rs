@@ -2,8 +2,10 @@
 //!
 //! The key is read from exactly one place per route (see
 //! [`KeySource`](crate::KeySource)) and must be 1..=255 visible ASCII
-//! characters (`!`..=`~`). Anything else is a [`KeyError`], which the engine
-//! answers with 400 before anything is reserved.
+//! characters (`!`..=`~`). In a header, a key holding `"`, `,` or `;` must
+//! be sent as the IETF draft's quoted sf-string; bare, it is ambiguous (see
+//! [`KeyError::Ambiguous`]). Anything else is a [`KeyError`], which the
+//! engine answers with 400 before anything is reserved.
 
 use http::{HeaderMap, Uri};
 
@@ -33,6 +35,11 @@ pub enum KeyError {
     /// A quoted sf-string is not closed or has a bad escape.
     #[error("the idempotency key is a malformed quoted string")]
     BadQuoting,
+    /// A bare (unquoted) header key contains `"`, `,` or `;`, which would
+    /// make it ambiguous: a quoted string, two header lines an intermediary
+    /// merged into one list, or structured-field parameters.
+    #[error("a bare idempotency key header may not contain '\"', ',' or ';' (send it as a quoted string)")]
+    Ambiguous,
     /// The key field of a JSON body is not a string.
     #[error("the idempotency key field is not a string")]
     NotAString,
@@ -119,9 +126,16 @@ fn is_uuid(key: &[u8]) -> bool {
 }
 
 /// Strips the IETF draft's sf-string quoting (`"abc"`, with `\"` and `\\`
-/// escapes); a bare token is returned as it is.
+/// escapes); a bare token is returned as it is, unless it holds one of the
+/// delimiters `"`, `,` or `;` ([`KeyError::Ambiguous`]): an intermediary may
+/// merge two key header lines into `a,b` (RFC 9110, section 5.3), and
+/// `a;x=1` is a structured-field item with a parameter, so neither may be
+/// read as one key.
 fn unquote(value: &[u8]) -> Result<Vec<u8>, KeyError> {
     let Some(inner) = value.strip_prefix(b"\"") else {
+        if value.iter().any(|b| matches!(b, b'"' | b',' | b';')) {
+            return Err(KeyError::Ambiguous);
+        }
         return Ok(value.to_vec());
     };
     let Some(inner) = inner.strip_suffix(b"\"") else {
@@ -314,6 +328,12 @@ mod tests {
         assert_eq!(header_key(r#""a\"b""#).unwrap().unwrap(), b"a\"b");
         assert_eq!(header_key("\"abc").unwrap_err(), KeyError::BadQuoting);
         assert_eq!(header_key(r#""a\x""#).unwrap_err(), KeyError::BadQuoting);
+        assert_eq!(header_key(r#""a", "b""#).unwrap_err(), KeyError::BadQuoting);
+        assert_eq!(header_key(r#""a";x=1"#).unwrap_err(), KeyError::BadQuoting);
+        assert_eq!(header_key(r#""a,b;c""#).unwrap().unwrap(), b"a,b;c");
+        for ambiguous in ["a,b", "a;x=1", "a\"b", "abc\""] {
+            assert_eq!(header_key(ambiguous).unwrap_err(), KeyError::Ambiguous);
+        }
     }
 
     #[test]
