@@ -135,9 +135,10 @@ pub fn parse_pointer(pointer: &str) -> Vec<String> {
 
 /// The canonical form of a JSON document: members sorted by key (bytewise,
 /// stable), no insignificant whitespace, members at `exclude` pointers
-/// removed. `None` when `input` is not JSON or nests deeper than
-/// [`MAX_JSON_DEPTH`].
+/// removed. `None` when `input` is not JSON (which includes text that is
+/// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
+    std::str::from_utf8(input).ok()?;
     let mut parser = Parser { input, pos: 0 };
     let value = parser.value(0)?;
     parser.skip_ws();
@@ -444,6 +445,7 @@ mod tests {
         ] {
             assert!(canonical(bad).is_none(), "{bad:?} should not parse");
         }
+        assert!(canonical_json(b"\"\xff\"", &[]).is_none(), "not UTF-8");
     }
 
     #[test]
