@@ -1,0 +1,977 @@
+//! The tower layer end to end: real inner services that count their
+//! executions, called through `IdempotencyLayer` (in process with
+//! `ServiceExt::oneshot`, and once over a real socket).
+//!
+//! Every assertion is about what a user notices: the status and body each
+//! caller gets, whether it is a replay, and how often the inner service ran.
+
+#[path = "../examples/contact_form.rs"]
+#[allow(dead_code)]
+mod contact_form;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::body::Body;
+use bytes::Bytes;
+use http::{header, HeaderMap, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tokio::sync::Notify;
+use tower::util::BoxCloneService;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::layer::{RequestBody, ResponseBody};
+use tower_idempotency::store::{Claim, Fingerprint, Outcome, OwnerToken, Record, ScopeKey};
+use tower_idempotency::{
+    Decision, Engine, Event, FailMode, IdempotencyLayer, InFlightPolicy, MemoryStore, Policy,
+    Principal, RequestHead, Routes, Store, StoreError,
+};
+
+use contact_form::Contacts;
+
+// ---------------------------------------------------------------------------
+// Harness
+
+type Svc = BoxCloneService<Request<Body>, Response<Body>, Infallible>;
+type Inbound = Request<RequestBody<Body>>;
+
+/// A layered service whose inner service counts its executions.
+struct Upstream {
+    svc: Svc,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Upstream {
+    /// How often the inner service was called.
+    fn calls(&self) -> usize {
+        self.calls.load(SeqCst)
+    }
+
+    /// Sends `request` through the layer; the future owns what it needs,
+    /// so it can be spawned.
+    fn send(&self, request: Request<Body>) -> impl Future<Output = Answer> + Send + 'static {
+        let svc = self.svc.clone();
+        async move {
+            let response = svc.oneshot(request).await.unwrap_or_else(|e| match e {});
+            Answer::read(response).await
+        }
+    }
+}
+
+/// `engine` in front of `handler`, which gets the execution number (1, 2, …)
+/// and the request as the inner service sees it.
+fn layered<H, F>(engine: &Engine, handler: H) -> Upstream
+where
+    H: Fn(usize, Inbound) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let inner = tower::service_fn(move |request: Inbound| {
+        let execution = counter.fetch_add(1, SeqCst) + 1;
+        let answer = handler(execution, request);
+        async move { Ok::<_, Infallible>(answer.await) }
+    });
+    let svc = ServiceBuilder::new()
+        .map_response(|response: Response<ResponseBody<Body, axum::Error>>| response.map(Body::new))
+        .layer(IdempotencyLayer::new(engine.clone()))
+        .service(inner);
+    Upstream {
+        svc: BoxCloneService::new(svc),
+        calls,
+    }
+}
+
+/// An engine over a fresh memory store with `policy` on every path.
+fn memory_engine(policy: Policy) -> (Engine, MemoryStore) {
+    let store = MemoryStore::new();
+    let routes = Routes::all(policy).expect("valid test policy");
+    (Engine::new(store.clone(), routes), store)
+}
+
+fn reply(status: StatusCode, body: impl Into<Body>) -> Response<Body> {
+    let mut response = Response::new(body.into());
+    *response.status_mut() = status;
+    response
+}
+
+/// The inner service's view of a request body, collected.
+async fn read(request: Inbound) -> Bytes {
+    request
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes()
+}
+
+/// A JSON `POST /orders` with `Idempotency-Key: key`.
+fn order(key: &str, json: &str) -> Request<Body> {
+    Request::post("/orders")
+        .header("idempotency-key", key)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(json.to_owned()))
+        .expect("valid request")
+}
+
+/// What a caller received.
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    async fn read<B>(response: Response<B>) -> Self
+    where
+        B: http_body::Body<Data = Bytes>,
+        B::Error: std::fmt::Debug,
+    {
+        let (parts, body) = response.into_parts();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.expect("response body").to_bytes(),
+        }
+    }
+
+    fn replayed(&self) -> bool {
+        match self.headers.get("idempotent-replayed") {
+            None => false,
+            Some(value) => {
+                assert_eq!(value, "true");
+                true
+            }
+        }
+    }
+
+    fn text(&self) -> &str {
+        std::str::from_utf8(&self.body).expect("utf-8 body")
+    }
+
+    /// Asserts an answer made by the engine itself: RFC 9457 JSON with the
+    /// documented `type` and the status repeated in the body.
+    fn assert_problem(&self, status: StatusCode, type_uri: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.headers[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+        let problem: serde_json::Value = serde_json::from_slice(&self.body).expect("JSON");
+        assert_eq!(problem["type"], type_uri, "{problem}");
+        assert_eq!(problem["status"], status.as_u16());
+        assert!(problem["title"].is_string() && problem["detail"].is_string());
+        assert!(!self.replayed());
+    }
+}
+
+/// Fails instead of hanging when a request that must be answered without
+/// waiting on anything is not.
+async fn promptly<T>(future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), future)
+        .await
+        .expect("answered without waiting for anything")
+}
+
+/// A one-way latch: the inner service signals `started`, then waits for
+/// the test to `open` it.
+#[derive(Clone, Default)]
+struct Gate {
+    started: Arc<Notify>,
+    open: Arc<Notify>,
+}
+
+impl Gate {
+    async fn pass(&self) {
+        self.started.notify_one();
+        self.open.notified().await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The Laravel seed's contact form (examples/contact_form.rs)
+
+fn contact_app() -> (axum::Router, Arc<Contacts>, MemoryStore) {
+    let contacts = Arc::new(Contacts::default());
+    let store = MemoryStore::new();
+    let engine = Engine::new(store.clone(), contact_form::routes());
+    (contact_form::app(engine, contacts.clone()), contacts, store)
+}
+
+fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            b' ' => "+".to_owned(),
+            b => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn form_body(token: &str, email: &str, message: &str) -> String {
+    format!(
+        "submission_token={}&email={}&message={}",
+        urlencode(token),
+        urlencode(email),
+        urlencode(message)
+    )
+}
+
+fn contact(token: &str, email: &str, message: &str) -> Request<Body> {
+    Request::post("/contact")
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .body(Body::from(form_body(token, email, message)))
+        .expect("valid request")
+}
+
+async fn submit(app: &axum::Router, request: Request<Body>) -> Answer {
+    Answer::read(
+        app.clone()
+            .oneshot(request)
+            .await
+            .unwrap_or_else(|e| match e {}),
+    )
+    .await
+}
+
+fn assert_thanks(answer: &Answer) {
+    assert_eq!(answer.status, StatusCode::SEE_OTHER, "{answer:?}");
+    assert_eq!(answer.headers[header::LOCATION], "/thanks");
+}
+
+/// The token of a rendered form.
+fn token_in(html: &str) -> String {
+    let marker = "name=\"submission_token\" value=\"";
+    let start = html.find(marker).expect("a token field") + marker.len();
+    html[start..start + 36].to_owned()
+}
+
+const EMAIL: &str = "kontakt@example.test";
+const MESSAGE: &str = "Bitte um Rückruf.";
+
+#[tokio::test]
+async fn the_same_submission_twice_is_stored_and_notified_once() {
+    let (app, contacts, _) = contact_app();
+    let token = uuid::Uuid::new_v4().to_string();
+
+    let first = submit(&app, contact(&token, EMAIL, MESSAGE)).await;
+    let second = submit(&app, contact(&token, EMAIL, MESSAGE)).await;
+
+    assert_thanks(&first);
+    assert_thanks(&second);
+    assert!(!first.replayed());
+    assert!(second.replayed());
+    assert_eq!(first.body, second.body);
+    assert_eq!(contacts.requests().len(), 1);
+    assert_eq!(contacts.requests()[0].message, MESSAGE);
+    assert_eq!(contacts.notifications(), 1);
+}
+
+#[tokio::test]
+async fn two_tokens_with_the_same_data_are_two_submissions() {
+    let (app, contacts, _) = contact_app();
+    for _ in 0..2 {
+        let token = uuid::Uuid::new_v4().to_string();
+        let answer = submit(&app, contact(&token, EMAIL, MESSAGE)).await;
+        assert_thanks(&answer);
+        assert!(!answer.replayed());
+    }
+    assert_eq!(contacts.requests().len(), 2);
+    assert_eq!(contacts.notifications(), 2);
+}
+
+#[tokio::test]
+async fn an_invalid_or_missing_token_is_refused_and_nothing_is_stored() {
+    let (app, contacts, store) = contact_app();
+
+    let invalid = submit(&app, contact("not-a-uuid", EMAIL, MESSAGE)).await;
+    invalid.assert_problem(StatusCode::BAD_REQUEST, "urn:tower-idempotency:key-invalid");
+    assert!(invalid.text().contains("UUID"), "{}", invalid.text());
+
+    let missing = Request::post("/contact")
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .body(Body::from(format!("email={EMAIL}&message=hello")))
+        .unwrap();
+    submit(&app, missing)
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST, "urn:tower-idempotency:key-missing");
+
+    assert!(contacts.requests().is_empty());
+    assert_eq!(contacts.notifications(), 0);
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn a_validation_error_keeps_the_token_and_the_correction_goes_through() {
+    let (app, contacts, _) = contact_app();
+    let form = submit(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(form.status, StatusCode::OK);
+    let token = token_in(form.text());
+    assert!(uuid::Uuid::parse_str(&token).is_ok(), "{token}");
+
+    let invalid = submit(&app, contact(&token, "no address", "<b>hi</b>")).await;
+    assert_eq!(invalid.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(!invalid.replayed());
+    // Laravel's old(): the same token, the input escaped.
+    assert_eq!(token_in(invalid.text()), token);
+    assert!(invalid.text().contains("&lt;b&gt;hi&lt;/b&gt;"));
+    assert!(!invalid.text().contains("<b>hi"));
+    assert!(contacts.requests().is_empty());
+
+    let corrected = submit(&app, contact(&token, EMAIL, "<b>hi</b>")).await;
+    assert_thanks(&corrected);
+    assert!(!corrected.replayed());
+    let again = submit(&app, contact(&token, EMAIL, "<b>hi</b>")).await;
+    assert_thanks(&again);
+    assert!(again.replayed());
+
+    assert_eq!(contacts.requests().len(), 1);
+    assert_eq!(contacts.requests()[0].token, token);
+    assert_eq!(contacts.notifications(), 1);
+}
+
+/// The example served by hyper on a real socket; ten "double clicks" of
+/// one form arrive at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_contact_form_over_http() {
+    use http_body_util::Full;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let (app, contacts, _) = contact_app();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+
+    let page = client
+        .get(format!("{base}/").parse().unwrap())
+        .await
+        .unwrap();
+    let token = token_in(Answer::read(page).await.text());
+    let clicks: Vec<_> = (0..10)
+        .map(|_| {
+            let request = Request::post(format!("{base}/contact"))
+                .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+                .body(Full::new(Bytes::from(form_body(&token, EMAIL, MESSAGE))))
+                .unwrap();
+            let client = client.clone();
+            tokio::spawn(async move { Answer::read(client.request(request).await.unwrap()).await })
+        })
+        .collect();
+    let mut replays = 0;
+    for click in clicks {
+        let answer = click.await.unwrap();
+        assert_thanks(&answer);
+        replays += usize::from(answer.replayed());
+    }
+    assert_eq!(replays, 9);
+    assert_eq!(contacts.requests().len(), 1);
+    assert_eq!(contacts.notifications(), 1);
+    server.abort();
+}
+
+// ---------------------------------------------------------------------------
+// Duplicates
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_concurrent_duplicates_execute_once() {
+    let (engine, _) = memory_engine(Policy::default());
+    let upstream = layered(&engine, |n, _| async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        reply(StatusCode::CREATED, format!("order {n}"))
+    });
+    let answers: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(upstream.send(order("fifty", r#"{"amount":10}"#))))
+        .collect();
+    let mut replays = 0;
+    for answer in answers {
+        let answer = answer.await.unwrap();
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert_eq!(answer.text(), "order 1");
+        replays += usize::from(answer.replayed());
+    }
+    assert_eq!(upstream.calls(), 1);
+    assert_eq!(replays, 49);
+    assert_eq!(engine.metrics().count(Event::Executed), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_for_a_different_request_is_refused() {
+    for (status, mismatch_status) in [
+        (StatusCode::UNPROCESSABLE_ENTITY, 422),
+        (StatusCode::CONFLICT, 409),
+    ] {
+        let (engine, _) = memory_engine(Policy {
+            mismatch_status,
+            ..Policy::default()
+        });
+        let upstream = layered(&engine, |n, _| async move {
+            reply(StatusCode::CREATED, format!("order {n}"))
+        });
+        let first = upstream.send(order("k", r#"{"amount":10}"#)).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let other = upstream.send(order("k", r#"{"amount":99}"#)).await;
+        other.assert_problem(status, "urn:tower-idempotency:key-mismatch");
+        // The query is part of the request too (but not of the key's scope).
+        let mut query = order("k", r#"{"amount":10}"#);
+        *query.uri_mut() = "/orders?dry_run=1".parse().unwrap();
+        let answer = upstream.send(query).await;
+        answer.assert_problem(status, "urn:tower-idempotency:key-mismatch");
+        assert_eq!(upstream.calls(), 1);
+    }
+}
+
+#[tokio::test]
+async fn json_key_order_whitespace_and_excluded_fields_do_not_matter() {
+    let (engine, _) = memory_engine(Policy {
+        fingerprint_exclude: vec!["/sent_at".into()],
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |n, _| async move {
+        reply(StatusCode::CREATED, format!("order {n}"))
+    });
+    let first = upstream
+        .send(order(
+            "k",
+            r#"{"amount":10,"currency":"EUR","sent_at":"10:00"}"#,
+        ))
+        .await;
+    let reordered = upstream
+        .send(order(
+            "k",
+            "{\n  \"sent_at\": \"10:05\",\n  \"currency\" : \"EUR\",\n  \"amount\": 10\n}",
+        ))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(reordered.replayed());
+    assert_eq!(reordered.text(), "order 1");
+    let changed = upstream
+        .send(order(
+            "k",
+            r#"{"amount":11,"currency":"EUR","sent_at":"10:00"}"#,
+        ))
+        .await;
+    changed.assert_problem(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "urn:tower-idempotency:key-mismatch",
+    );
+    assert_eq!(upstream.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// What is stored, what is released
+
+#[tokio::test]
+async fn client_and_server_errors_release_the_key() {
+    for failure in [
+        StatusCode::UNPROCESSABLE_ENTITY,
+        StatusCode::INTERNAL_SERVER_ERROR,
+    ] {
+        let (engine, store) = memory_engine(Policy::default());
+        let upstream = layered(&engine, move |n, request| async move {
+            if read(request).await.starts_with(b"{\"bad\"") {
+                reply(failure, "try again")
+            } else {
+                reply(StatusCode::CREATED, format!("order {n}"))
+            }
+        });
+
+        let failed = upstream.send(order("k", r#"{"bad":true}"#)).await;
+        assert_eq!(failed.status, failure);
+        assert_eq!(failed.text(), "try again");
+        assert!(store.is_empty(), "{failure}: the key was not released");
+
+        let corrected = upstream.send(order("k", r#"{"amount":10}"#)).await;
+        assert_eq!(corrected.status, StatusCode::CREATED);
+        assert!(!corrected.replayed());
+        assert_eq!(corrected.text(), "order 2");
+        let retry = upstream.send(order("k", r#"{"amount":10}"#)).await;
+        assert!(retry.replayed());
+        assert_eq!(retry.text(), "order 2");
+        assert_eq!(upstream.calls(), 2);
+    }
+}
+
+#[tokio::test]
+async fn replays_carry_the_marker_and_no_cookie_or_date() {
+    for replay_set_cookie in [false, true] {
+        let (engine, _) = memory_engine(Policy {
+            replay_set_cookie,
+            ..Policy::default()
+        });
+        let upstream = layered(&engine, |n, _| async move {
+            let mut response = reply(StatusCode::CREATED, format!("order {n}"));
+            let headers = response.headers_mut();
+            headers.insert(
+                header::SET_COOKIE,
+                "session=first; HttpOnly".parse().unwrap(),
+            );
+            headers.insert(
+                header::DATE,
+                "Tue, 01 Jan 2030 00:00:00 GMT".parse().unwrap(),
+            );
+            headers.insert("x-order", n.into());
+            headers.append("x-trace", "a".parse().unwrap());
+            headers.append("x-trace", "b".parse().unwrap());
+            response
+        });
+        let first = upstream.send(order("k", "{}")).await;
+        let replay = upstream.send(order("k", "{}")).await;
+
+        assert!(!first.replayed());
+        assert_eq!(first.headers[header::SET_COOKIE], "session=first; HttpOnly");
+        assert!(first.headers.contains_key(header::DATE));
+        assert!(replay.replayed());
+        assert_eq!(replay.status, StatusCode::CREATED);
+        assert_eq!(replay.body, first.body);
+        assert_eq!(replay.headers["x-order"], "1");
+        let traces: Vec<_> = replay.headers.get_all("x-trace").iter().collect();
+        assert_eq!(traces, ["a", "b"]);
+        assert!(!replay.headers.contains_key(header::DATE));
+        assert_eq!(
+            replay.headers.contains_key(header::SET_COOKIE),
+            replay_set_cookie
+        );
+        assert_eq!(upstream.calls(), 1);
+    }
+}
+
+#[tokio::test]
+async fn a_response_over_the_storage_cap_is_delivered_whole_and_never_repeated() {
+    let (engine, _) = memory_engine(Policy {
+        max_response_bytes: 1024,
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |_, _| async move {
+        let chunks = [b'x', b'y', b'z'].map(|b| Ok::<_, Infallible>(Bytes::from(vec![b; 1000])));
+        reply(
+            StatusCode::OK,
+            Body::from_stream(futures::stream::iter(chunks)),
+        )
+    });
+    let first = upstream.send(order("big", "{}")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.body.len(), 3000);
+    assert!(first.body[..1000].iter().all(|&b| b == b'x'));
+    assert!(first.body[2000..].iter().all(|&b| b == b'z'));
+
+    let retry = upstream.send(order("big", "{}")).await;
+    retry.assert_problem(
+        StatusCode::CONFLICT,
+        "urn:tower-idempotency:response-not-stored",
+    );
+    assert_eq!(upstream.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Scope
+
+#[tokio::test]
+async fn two_principals_with_the_same_key_never_share_a_response() {
+    let (engine, _) = memory_engine(Policy::default());
+    let upstream = layered(&engine, |n, _| async move {
+        reply(StatusCode::CREATED, format!("order {n}"))
+    });
+    let as_principal = |who: &'static str| {
+        let mut request = order("shared-key", r#"{"amount":10}"#);
+        request.extensions_mut().insert(Principal::new(who));
+        request
+    };
+    let alice = upstream.send(as_principal("alice")).await;
+    let bob = upstream.send(as_principal("bob")).await;
+    assert_eq!((alice.text(), bob.text()), ("order 1", "order 2"));
+    assert!(!bob.replayed());
+    assert_eq!(upstream.send(as_principal("alice")).await.text(), "order 1");
+    assert_eq!(upstream.send(as_principal("bob")).await.text(), "order 2");
+    // No principal at all is a third scope.
+    assert_eq!(
+        upstream
+            .send(order("shared-key", r#"{"amount":10}"#))
+            .await
+            .text(),
+        "order 3"
+    );
+    assert_eq!(upstream.calls(), 3);
+}
+
+#[tokio::test]
+async fn two_callers_told_apart_by_a_scope_header_never_share_a_response() {
+    let (engine, _) = memory_engine(Policy {
+        scope_headers: vec!["authorization".into()],
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |n, _| async move {
+        reply(StatusCode::CREATED, format!("order {n}"))
+    });
+    let as_caller = |token: &str| {
+        let mut request = order("shared-key", r#"{"amount":10}"#);
+        request
+            .headers_mut()
+            .insert(header::AUTHORIZATION, token.parse().unwrap());
+        request
+    };
+    let alice = upstream.send(as_caller("Bearer alice")).await;
+    let bob = upstream.send(as_caller("Bearer bob")).await;
+    assert_eq!((alice.text(), bob.text()), ("order 1", "order 2"));
+    let bob_again = upstream.send(as_caller("Bearer bob")).await;
+    assert!(bob_again.replayed());
+    assert_eq!(bob_again.text(), "order 2");
+    assert_eq!(upstream.calls(), 2);
+}
+
+// ---------------------------------------------------------------------------
+// Bodies
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_refused_before_anything_is_reserved() {
+    let (engine, store) = memory_engine(Policy {
+        max_body_bytes: 1024,
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |n, request| async move {
+        let body = read(request).await;
+        reply(
+            StatusCode::CREATED,
+            format!("order {n}: {} bytes", body.len()),
+        )
+    });
+    let big = format!(r#"{{"note":"{}"}}"#, "a".repeat(2000));
+
+    // A body that announces its size, and one that streams without a hint.
+    let announced = upstream.send(order("k", &big)).await;
+    let chunks = (0..3).map(|_| Ok::<_, Infallible>(Bytes::from(vec![b' '; 600])));
+    let mut streamed = order("k", "");
+    *streamed.body_mut() = Body::from_stream(futures::stream::iter(chunks));
+    let streamed = upstream.send(streamed).await;
+    for answer in [announced, streamed] {
+        answer.assert_problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "urn:tower-idempotency:body-too-large",
+        );
+    }
+    assert_eq!(upstream.calls(), 0);
+    assert!(store.is_empty());
+
+    let fits = upstream.send(order("k", r#"{"note":"short"}"#)).await;
+    assert_eq!(fits.status, StatusCode::CREATED);
+    assert!(!fits.replayed());
+    assert_eq!(fits.text(), "order 1: 16 bytes");
+}
+
+#[tokio::test]
+async fn an_unreadable_body_reserves_nothing() {
+    let (engine, store) = memory_engine(Policy::default());
+    let upstream = layered(&engine, |_, _| async move { reply(StatusCode::OK, "") });
+    let chunks = [
+        Ok(Bytes::from_static(b"{\"amount\":")),
+        Err(std::io::Error::other("connection reset")),
+    ];
+    let mut request = order("k", "");
+    *request.body_mut() = Body::from_stream(futures::stream::iter(chunks));
+    upstream.send(request).await.assert_problem(
+        StatusCode::BAD_REQUEST,
+        "urn:tower-idempotency:body-unreadable",
+    );
+    assert_eq!(upstream.calls(), 0);
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn get_passes_through_unbuffered_and_uncounted() {
+    let (engine, store) = memory_engine(Policy {
+        max_body_bytes: 16,
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |n, request| async move {
+        // Answers after the first chunk: a buffering layer would never
+        // call it, because the body never ends.
+        let mut body = request.into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        reply(StatusCode::OK, format!("get {n}: {} bytes", first.len()))
+    });
+    let mut senders = Vec::new();
+    for n in 1..=2 {
+        let (mut sender, receiver) =
+            futures::channel::mpsc::channel::<Result<Bytes, Infallible>>(1);
+        sender.try_send(Ok(Bytes::from(vec![b'q'; 64]))).unwrap();
+        senders.push(sender); // kept open: the body never ends
+        let request = Request::get("/orders")
+            .header("idempotency-key", "k")
+            .body(Body::from_stream(receiver))
+            .unwrap();
+        let answer = promptly(upstream.send(request)).await;
+        assert_eq!(answer.status, StatusCode::OK);
+        assert_eq!(answer.text(), format!("get {n}: 64 bytes"));
+        assert!(!answer.replayed());
+    }
+    assert_eq!(upstream.calls(), 2);
+    assert!(store.is_empty());
+    assert_eq!(engine.metrics().count(Event::Executed), 0);
+    assert_eq!(engine.metrics().count(Event::Passthrough), 2);
+}
+
+// ---------------------------------------------------------------------------
+// In flight
+
+#[tokio::test]
+async fn in_flight_reject_answers_409_at_once() {
+    let (engine, _) = memory_engine(Policy {
+        in_flight: InFlightPolicy::Reject,
+        wait_timeout: Duration::from_secs(3600),
+        ..Policy::default()
+    });
+    let gate = Gate::default();
+    let held = gate.clone();
+    let upstream = layered(&engine, move |n, _| {
+        let held = held.clone();
+        async move {
+            held.pass().await;
+            reply(StatusCode::CREATED, format!("order {n}"))
+        }
+    });
+    let first = tokio::spawn(upstream.send(order("k", "{}")));
+    gate.started.notified().await;
+
+    let second = promptly(upstream.send(order("k", "{}"))).await;
+    second.assert_problem(StatusCode::CONFLICT, "urn:tower-idempotency:in-flight");
+    assert!(second.headers.contains_key(header::RETRY_AFTER));
+
+    gate.open.notify_one();
+    assert_eq!(first.await.unwrap().text(), "order 1");
+    let third = upstream.send(order("k", "{}")).await;
+    assert!(third.replayed());
+    assert_eq!(third.text(), "order 1");
+    assert_eq!(upstream.calls(), 1);
+}
+
+#[tokio::test]
+async fn in_flight_wait_times_out_with_409_or_replays() {
+    let (engine, _) = memory_engine(Policy {
+        wait_timeout: Duration::from_millis(50),
+        ..Policy::default()
+    });
+    let gate = Gate::default();
+    let held = gate.clone();
+    let upstream = layered(&engine, move |n, _| {
+        let held = held.clone();
+        async move {
+            held.pass().await;
+            reply(StatusCode::CREATED, format!("order {n}"))
+        }
+    });
+    let first = tokio::spawn(upstream.send(order("k", "{}")));
+    gate.started.notified().await;
+
+    // The first is held until this one has its answer: it must time out.
+    let second = upstream.send(order("k", "{}")).await;
+    second.assert_problem(StatusCode::CONFLICT, "urn:tower-idempotency:in-flight");
+    let retry_after: u64 = second.headers[header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry_after >= 1);
+
+    gate.open.notify_one();
+    assert_eq!(first.await.unwrap().text(), "order 1");
+    assert_eq!(upstream.calls(), 1);
+    assert_eq!(engine.metrics().count(Event::InFlightConflict), 1);
+}
+
+#[tokio::test]
+async fn in_flight_wait_long_enough_replays_the_first_answer() {
+    let (engine, _) = memory_engine(Policy::default());
+    let gate = Gate::default();
+    let held = gate.clone();
+    let upstream = layered(&engine, move |n, _| {
+        let held = held.clone();
+        async move {
+            held.pass().await;
+            reply(StatusCode::SEE_OTHER, format!("order {n}"))
+        }
+    });
+    let first = tokio::spawn(upstream.send(order("k", "{}")));
+    gate.started.notified().await;
+    let second = tokio::spawn(upstream.send(order("k", "{}")));
+    // Let the second arrive while the first is held (if it is late, it
+    // replays without waiting: the assertions hold either way).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    gate.open.notify_one();
+
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!(first.status, StatusCode::SEE_OTHER);
+    assert_eq!(second.status, StatusCode::SEE_OTHER);
+    assert_eq!(second.text(), "order 1");
+    assert!(second.replayed());
+    assert_eq!(upstream.calls(), 1);
+}
+
+#[tokio::test]
+async fn a_caller_that_goes_away_does_not_cancel_the_execution() {
+    let (engine, store) = memory_engine(Policy::default());
+    let gate = Gate::default();
+    let held = gate.clone();
+    let upstream = layered(&engine, move |n, _| {
+        let held = held.clone();
+        async move {
+            held.pass().await;
+            reply(StatusCode::CREATED, format!("order {n}"))
+        }
+    });
+    let first = tokio::spawn(upstream.send(order("k", "{}")));
+    gate.started.notified().await;
+    first.abort(); // the client hangs up mid-flight
+    assert!(first.await.unwrap_err().is_cancelled());
+    gate.open.notify_one();
+
+    let retry = upstream.send(order("k", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.text(), "order 1");
+    assert_eq!(upstream.calls(), 1);
+    assert_eq!(store.len(), 1);
+}
+
+/// A worker reserved the key and died with its process: no heartbeat, no
+/// release. Exactly one of twenty retries takes the lease over once it
+/// expires; the others replay that one's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
+    let policy = Policy {
+        lease: Duration::from_millis(300),
+        ..Policy::default()
+    };
+    let routes = Routes::all(policy).unwrap();
+    let store = MemoryStore::new();
+    let request = || order("crashed", r#"{"amount":10}"#);
+
+    let dead = Engine::new(store.clone(), routes.clone());
+    let doomed = request();
+    std::thread::spawn(move || {
+        let process = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let reservation = process.block_on(async {
+            let (parts, body) = doomed.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            let policy = dead.route(&parts.method, parts.uri.path()).unwrap();
+            let head = RequestHead {
+                method: &parts.method,
+                uri: &parts.uri,
+                headers: &parts.headers,
+                principal: None,
+            };
+            match dead.begin(&policy, head, &body).await {
+                Decision::Proceed(reservation) => reservation,
+                other => panic!("expected to reserve, got {other:?}"),
+            }
+        });
+        drop(process); // the heartbeat dies with the process …
+        drop(reservation); // … and outside any runtime nothing releases the key
+    })
+    .join()
+    .unwrap();
+    assert_eq!(store.len(), 1);
+
+    let engine = Engine::new(store.clone(), routes);
+    let upstream = layered(&engine, |n, _| async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        reply(StatusCode::CREATED, format!("order {n}"))
+    });
+    let retries: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(upstream.send(request())))
+        .collect();
+    let mut replays = 0;
+    for retry in retries {
+        let answer = retry.await.unwrap();
+        assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+        assert_eq!(answer.text(), "order 1");
+        replays += usize::from(answer.replayed());
+    }
+    assert_eq!(upstream.calls(), 1);
+    assert_eq!(replays, 19);
+    assert_eq!(engine.metrics().count(Event::Executed), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Store failures
+
+/// A store whose backend is down: every call fails.
+#[derive(Debug)]
+struct DownStore;
+
+fn down() -> StoreError {
+    StoreError::Unavailable("connection refused".into())
+}
+
+#[async_trait]
+impl Store for DownStore {
+    async fn reserve(
+        &self,
+        _: &ScopeKey,
+        _: &Fingerprint,
+        _: Duration,
+        _: Duration,
+    ) -> Result<Claim, StoreError> {
+        Err(down())
+    }
+    async fn complete(
+        &self,
+        _: &ScopeKey,
+        _: &OwnerToken,
+        _: &Outcome,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(down())
+    }
+    async fn release(&self, _: &ScopeKey, _: &OwnerToken) -> Result<bool, StoreError> {
+        Err(down())
+    }
+    async fn renew(&self, _: &ScopeKey, _: &OwnerToken, _: Duration) -> Result<bool, StoreError> {
+        Err(down())
+    }
+    async fn get(&self, _: &ScopeKey) -> Result<Option<Record>, StoreError> {
+        Err(down())
+    }
+    async fn sweep(&self, _: usize) -> Result<u64, StoreError> {
+        Err(down())
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        Err(down())
+    }
+}
+
+#[tokio::test]
+async fn a_failing_store_fails_closed_unless_the_route_opts_in() {
+    let closed = Engine::new(DownStore, Routes::all(Policy::default()).unwrap());
+    let upstream = layered(&closed, |_, _| async { reply(StatusCode::CREATED, "done") });
+    let answer = upstream.send(order("k", "{}")).await;
+    answer.assert_problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "urn:tower-idempotency:store-unavailable",
+    );
+    assert!(answer.headers.contains_key(header::RETRY_AFTER));
+    assert_eq!(upstream.calls(), 0);
+
+    let open = Policy {
+        fail_mode: FailMode::Open,
+        ..Policy::default()
+    };
+    let open = Engine::new(DownStore, Routes::all(open).unwrap());
+    let upstream = layered(&open, |_, _| async { reply(StatusCode::CREATED, "done") });
+    for _ in 0..2 {
+        let answer = upstream.send(order("k", "{}")).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert!(!answer.replayed());
+    }
+    assert_eq!(upstream.calls(), 2);
+    assert_eq!(open.metrics().count(Event::StoreError), 2);
+}
