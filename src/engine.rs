@@ -713,3 +713,201 @@ impl RoutePolicy {
         self.policy().max_body_bytes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Policy;
+    use crate::store::MemoryStore;
+
+    fn engine(policy: Policy) -> (Engine, MemoryStore, Arc<RoutePolicy>) {
+        let store = MemoryStore::new();
+        let routes = Routes::all(policy).unwrap();
+        let engine = Engine::new(store.clone(), routes);
+        let policy = engine.route(&Method::POST, "/orders").unwrap();
+        (engine, store, policy)
+    }
+
+    /// `POST /orders` with `Idempotency-Key: key` and a JSON body.
+    async fn begin(engine: &Engine, policy: &Arc<RoutePolicy>, key: &str) -> Decision {
+        let mut headers = HeaderMap::new();
+        headers.insert("idempotency-key", key.parse().unwrap());
+        headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        let head = RequestHead {
+            method: &Method::POST,
+            uri: &Uri::from_static("/orders"),
+            headers: &headers,
+            principal: None,
+        };
+        engine.begin(policy, head, br#"{"amount":10}"#).await
+    }
+
+    fn proceed(decision: Decision) -> Reservation {
+        match decision {
+            Decision::Proceed(reservation) => reservation,
+            other => panic!("expected Proceed, got {other:?}"),
+        }
+    }
+
+    fn problem_type(decision: Decision) -> (StatusCode, String) {
+        let Decision::Respond(response) = decision else {
+            panic!("expected a response, got {decision:?}");
+        };
+        let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+        (response.status(), body["type"].as_str().unwrap().to_owned())
+    }
+
+    #[test]
+    fn capture_keeps_only_replayable_headers() {
+        for replay_set_cookie in [false, true] {
+            let mut headers = HeaderMap::new();
+            for (name, value) in [
+                ("content-type", "text/plain"),
+                ("x-trace", "a"),
+                ("connection", "keep-alive, x-hop"),
+                ("x-hop", "per connection"),
+                ("keep-alive", "timeout=5"),
+                ("transfer-encoding", "chunked"),
+                ("date", "Tue, 01 Jan 2030 00:00:00 GMT"),
+                ("content-length", "5"),
+                ("set-cookie", "session=1"),
+                ("idempotent-replayed", "true"),
+                ("x-trace", "b"),
+            ] {
+                headers.append(
+                    HeaderName::from_static(name),
+                    HeaderValue::from_static(value),
+                );
+            }
+            let stored: Vec<_> = headers
+                .iter()
+                .filter(|(name, _)| !never_stored(name, replay_set_cookie))
+                .map(|(name, _)| name.as_str())
+                .collect();
+            assert!(!stored.contains(&"date") && !stored.contains(&"content-length"));
+            assert_eq!(stored.contains(&"set-cookie"), replay_set_cookie);
+            assert!(stored.contains(&"content-type") && stored.contains(&"x-trace"));
+        }
+    }
+
+    #[tokio::test]
+    async fn capture_drops_connection_listed_headers_and_stops_at_the_cap() {
+        let (engine, _, policy) = engine(Policy {
+            max_response_bytes: 8,
+            ..Policy::default()
+        });
+        let reservation = proceed(begin(&engine, &policy, "k").await);
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, "x-hop".parse().unwrap());
+        headers.insert("x-hop", "1".parse().unwrap());
+        headers.append("x-keep", "1".parse().unwrap());
+        headers.append("x-keep", "2".parse().unwrap());
+        let mut capture = reservation.capture(StatusCode::CREATED, &headers);
+        let names: Vec<_> = capture
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+            .collect();
+        assert_eq!(names, [("x-keep", "1"), ("x-keep", "2")]);
+        capture.push(b"12345");
+        assert!(capture.wants_body());
+        capture.push(b"6789");
+        assert!(!capture.wants_body());
+        reservation.finish(capture).await;
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await),
+            (
+                StatusCode::CONFLICT,
+                "urn:tower-idempotency:response-not-stored".to_owned()
+            )
+        );
+    }
+
+    #[tokio::test]
+    async fn unstored_statuses_and_abandoned_reservations_release_the_key() {
+        let (engine, store, policy) = engine(Policy::default());
+        let reservation = proceed(begin(&engine, &policy, "k").await);
+        let capture = reservation.capture(StatusCode::UNPROCESSABLE_ENTITY, &HeaderMap::new());
+        assert!(!capture.wants_body());
+        reservation.finish(capture).await;
+        assert!(store.is_empty());
+
+        // Dropped without finish or release (a panic, a cancelled task).
+        drop(proceed(begin(&engine, &policy, "k").await));
+        let mut next = begin(&engine, &policy, "k").await;
+        for _ in 0..100 {
+            if matches!(next, Decision::Proceed(_)) {
+                break;
+            }
+            tokio::task::yield_now().await;
+            next = begin(&engine, &policy, "k").await;
+        }
+        proceed(next).release().await;
+        assert!(store.is_empty());
+        assert_eq!(engine.metrics().in_flight(), 0);
+    }
+
+    /// The heartbeat keeps a long call's lease alive: a duplicate arriving
+    /// long after the first lease would have run out still sees it in flight.
+    #[tokio::test(start_paused = true)]
+    async fn the_heartbeat_keeps_a_long_call_from_being_taken_over() {
+        let (engine, _, policy) = engine(Policy {
+            lease: Duration::from_millis(300),
+            in_flight: InFlightPolicy::Reject,
+            ..Policy::default()
+        });
+        let first = proceed(begin(&engine, &policy, "k").await);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await),
+            (
+                StatusCode::CONFLICT,
+                "urn:tower-idempotency:in-flight".to_owned()
+            )
+        );
+        let capture = first.capture(StatusCode::OK, &HeaderMap::new());
+        first.finish(capture).await;
+        assert!(matches!(
+            begin(&engine, &policy, "k").await,
+            Decision::Respond(response) if response.headers().contains_key(REPLAYED_HEADER)
+        ));
+    }
+
+    #[test]
+    fn every_part_of_the_scope_changes_the_key() {
+        let policy = Policy {
+            scope_headers: vec!["authorization".into()],
+            ..Policy::default()
+        }
+        .validate()
+        .unwrap();
+        let key = |principal: Option<&[u8]>, auth: &str, method: Method, path: &str, raw: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::AUTHORIZATION, auth.parse().unwrap());
+            let uri: Uri = path.parse().unwrap();
+            let head = RequestHead {
+                method: &method,
+                uri: &uri,
+                headers: &headers,
+                principal,
+            };
+            scope_key(&policy, &head, raw)
+        };
+        let base = key(None, "a", Method::POST, "/o", b"k");
+        assert_eq!(base, key(None, "a", Method::POST, "/o?q=1", b"k"));
+        for other in [
+            key(Some(b"alice"), "a", Method::POST, "/o", b"k"),
+            key(None, "b", Method::POST, "/o", b"k"),
+            key(None, "a", Method::PATCH, "/o", b"k"),
+            key(None, "a", Method::POST, "/p", b"k"),
+            key(None, "a", Method::POST, "/o", b"k2"),
+        ] {
+            assert_ne!(base, other);
+        }
+        // Length prefixes: moving bytes between parts changes the key.
+        assert_ne!(
+            key(Some(b"ab"), "a", Method::POST, "/o", b"c"),
+            key(Some(b"a"), "a", Method::POST, "/o", b"bc")
+        );
+    }
+}
