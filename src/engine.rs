@@ -873,6 +873,26 @@ mod tests {
         ));
     }
 
+    /// A call may outlive the record's retention (`ttl`) when the heartbeat
+    /// keeps renewing its lease; the record must not expire under it.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewed_reservation_outlives_its_retention() {
+        let (engine, store, policy) = engine(Policy {
+            lease: Duration::from_millis(300),
+            ttl: Duration::from_millis(300),
+            in_flight: InFlightPolicy::Reject,
+            ..Policy::default()
+        });
+        let first = proceed(begin(&engine, &policy, "k").await);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(store.sweep(10).await.unwrap(), 0);
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await).1,
+            "urn:tower-idempotency:in-flight"
+        );
+        first.release().await;
+    }
+
     #[test]
     fn every_part_of_the_scope_changes_the_key() {
         let policy = Policy {

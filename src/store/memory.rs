@@ -197,9 +197,14 @@ impl Store for MemoryStore {
                         owner: o,
                         lease_until,
                     },
+                expires_at,
                 ..
             }) if o == owner => {
-                *lease_until = Instant::now() + lease;
+                let now = Instant::now();
+                *lease_until = now + lease;
+                // A live reservation never expires under its owner, however
+                // long the call runs past its retention.
+                *expires_at = (*expires_at).max(*lease_until);
                 Ok(true)
             }
             _ => Ok(false),

@@ -354,8 +354,10 @@ pub trait Store: fmt::Debug + Send + Sync + 'static {
     /// `false` (and changes nothing) when `owner` no longer owns it.
     async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError>;
 
-    /// Extends the lease of an in-flight record to `lease` from now. Returns
-    /// `false` when `owner` no longer owns it.
+    /// Extends the lease of an in-flight record to `lease` from now, and its
+    /// retention to at least that, so a reservation whose owner keeps
+    /// renewing never expires (nor is swept) under it, however long the call
+    /// outlives its `ttl`. Returns `false` when `owner` no longer owns it.
     async fn renew(
         &self,
         key: &ScopeKey,
