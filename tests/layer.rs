@@ -499,6 +499,35 @@ async fn client_and_server_errors_release_the_key() {
     }
 }
 
+/// An inner service error is passed on as the error it is, and frees the
+/// key: the retry executes.
+#[tokio::test]
+async fn an_inner_error_passes_through_and_releases_the_key() {
+    use tower::Layer;
+
+    let (engine, store) = memory_engine(Policy::default());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let svc = IdempotencyLayer::new(engine).layer(tower::service_fn(move |_: Inbound| {
+        let first = counter.fetch_add(1, SeqCst) == 0;
+        async move {
+            if first {
+                Err("connection to the database lost")
+            } else {
+                Ok(reply(StatusCode::CREATED, "saved"))
+            }
+        }
+    }));
+    let error = svc.clone().oneshot(order("k", "{}")).await.unwrap_err();
+    assert_eq!(error, "connection to the database lost");
+    assert!(store.is_empty());
+    let retry = svc.oneshot(order("k", "{}")).await.unwrap();
+    let retry = Answer::read(retry).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(calls.load(SeqCst), 2);
+}
+
 #[tokio::test]
 async fn replays_carry_the_marker_and_no_cookie_or_date() {
     for replay_set_cookie in [false, true] {
