@@ -92,6 +92,28 @@ fn memory_engine(policy: Policy) -> (Engine, MemoryStore) {
     (Engine::new(store.clone(), routes), store)
 }
 
+/// An upstream answering every call with `201 order {n}`.
+fn orders(engine: &Engine) -> Upstream {
+    layered(engine, |n, _| async move {
+        reply(StatusCode::CREATED, format!("order {n}"))
+    })
+}
+
+/// An upstream whose calls wait at the returned [`Gate`], then answer
+/// `status` with `order {n}`.
+fn gated(engine: &Engine, status: StatusCode) -> (Upstream, Gate) {
+    let gate = Gate::default();
+    let held = gate.clone();
+    let upstream = layered(engine, move |n, _| {
+        let held = held.clone();
+        async move {
+            held.pass().await;
+            reply(status, format!("order {n}"))
+        }
+    });
+    (upstream, gate)
+}
+
 fn reply(status: StatusCode, body: impl Into<Body>) -> Response<Body> {
     let mut response = Response::new(body.into());
     *response.status_mut() = status;
@@ -186,9 +208,21 @@ struct Gate {
 }
 
 impl Gate {
+    /// Called by the inner service.
     async fn pass(&self) {
         self.started.notify_one();
         self.open.notified().await;
+    }
+
+    /// Sends `request` and returns once the inner service is held here.
+    async fn hold(
+        &self,
+        upstream: &Upstream,
+        request: Request<Body>,
+    ) -> tokio::task::JoinHandle<Answer> {
+        let answer = tokio::spawn(upstream.send(request));
+        self.started.notified().await;
+        answer
     }
 }
 
@@ -412,9 +446,7 @@ async fn the_same_key_for_a_different_request_is_refused() {
             mismatch_status,
             ..Policy::default()
         });
-        let upstream = layered(&engine, |n, _| async move {
-            reply(StatusCode::CREATED, format!("order {n}"))
-        });
+        let upstream = orders(&engine);
         let first = upstream.send(order("k", r#"{"amount":10}"#)).await;
         assert_eq!(first.status, StatusCode::CREATED);
         let other = upstream.send(order("k", r#"{"amount":99}"#)).await;
@@ -434,9 +466,7 @@ async fn json_key_order_whitespace_and_excluded_fields_do_not_matter() {
         fingerprint_exclude: vec!["/sent_at".into()],
         ..Policy::default()
     });
-    let upstream = layered(&engine, |n, _| async move {
-        reply(StatusCode::CREATED, format!("order {n}"))
-    });
+    let upstream = orders(&engine);
     let first = upstream
         .send(order(
             "k",
@@ -605,9 +635,7 @@ async fn a_response_over_the_storage_cap_is_delivered_whole_and_never_repeated()
 #[tokio::test]
 async fn two_principals_with_the_same_key_never_share_a_response() {
     let (engine, _) = memory_engine(Policy::default());
-    let upstream = layered(&engine, |n, _| async move {
-        reply(StatusCode::CREATED, format!("order {n}"))
-    });
+    let upstream = orders(&engine);
     let as_principal = |who: &'static str| {
         let mut request = order("shared-key", r#"{"amount":10}"#);
         request.extensions_mut().insert(Principal::new(who));
@@ -636,9 +664,7 @@ async fn two_callers_told_apart_by_a_scope_header_never_share_a_response() {
         scope_headers: vec!["authorization".into()],
         ..Policy::default()
     });
-    let upstream = layered(&engine, |n, _| async move {
-        reply(StatusCode::CREATED, format!("order {n}"))
-    });
+    let upstream = orders(&engine);
     let as_caller = |token: &str| {
         let mut request = order("shared-key", r#"{"amount":10}"#);
         request
@@ -756,17 +782,8 @@ async fn in_flight_reject_answers_409_at_once() {
         wait_timeout: Duration::from_secs(3600),
         ..Policy::default()
     });
-    let gate = Gate::default();
-    let held = gate.clone();
-    let upstream = layered(&engine, move |n, _| {
-        let held = held.clone();
-        async move {
-            held.pass().await;
-            reply(StatusCode::CREATED, format!("order {n}"))
-        }
-    });
-    let first = tokio::spawn(upstream.send(order("k", "{}")));
-    gate.started.notified().await;
+    let (upstream, gate) = gated(&engine, StatusCode::CREATED);
+    let first = gate.hold(&upstream, order("k", "{}")).await;
 
     let second = promptly(upstream.send(order("k", "{}"))).await;
     second.assert_problem(StatusCode::CONFLICT, "urn:tower-idempotency:in-flight");
@@ -786,17 +803,8 @@ async fn in_flight_wait_times_out_with_409_or_replays() {
         wait_timeout: Duration::from_millis(50),
         ..Policy::default()
     });
-    let gate = Gate::default();
-    let held = gate.clone();
-    let upstream = layered(&engine, move |n, _| {
-        let held = held.clone();
-        async move {
-            held.pass().await;
-            reply(StatusCode::CREATED, format!("order {n}"))
-        }
-    });
-    let first = tokio::spawn(upstream.send(order("k", "{}")));
-    gate.started.notified().await;
+    let (upstream, gate) = gated(&engine, StatusCode::CREATED);
+    let first = gate.hold(&upstream, order("k", "{}")).await;
 
     // The first is held until this one has its answer: it must time out.
     let second = upstream.send(order("k", "{}")).await;
@@ -817,17 +825,8 @@ async fn in_flight_wait_times_out_with_409_or_replays() {
 #[tokio::test]
 async fn in_flight_wait_long_enough_replays_the_first_answer() {
     let (engine, _) = memory_engine(Policy::default());
-    let gate = Gate::default();
-    let held = gate.clone();
-    let upstream = layered(&engine, move |n, _| {
-        let held = held.clone();
-        async move {
-            held.pass().await;
-            reply(StatusCode::SEE_OTHER, format!("order {n}"))
-        }
-    });
-    let first = tokio::spawn(upstream.send(order("k", "{}")));
-    gate.started.notified().await;
+    let (upstream, gate) = gated(&engine, StatusCode::SEE_OTHER);
+    let first = gate.hold(&upstream, order("k", "{}")).await;
     let second = tokio::spawn(upstream.send(order("k", "{}")));
     // Let the second arrive while the first is held (if it is late, it
     // replays without waiting: the assertions hold either way).
@@ -845,17 +844,8 @@ async fn in_flight_wait_long_enough_replays_the_first_answer() {
 #[tokio::test]
 async fn a_caller_that_goes_away_does_not_cancel_the_execution() {
     let (engine, store) = memory_engine(Policy::default());
-    let gate = Gate::default();
-    let held = gate.clone();
-    let upstream = layered(&engine, move |n, _| {
-        let held = held.clone();
-        async move {
-            held.pass().await;
-            reply(StatusCode::CREATED, format!("order {n}"))
-        }
-    });
-    let first = tokio::spawn(upstream.send(order("k", "{}")));
-    gate.started.notified().await;
+    let (upstream, gate) = gated(&engine, StatusCode::CREATED);
+    let first = gate.hold(&upstream, order("k", "{}")).await;
     first.abort(); // the client hangs up mid-flight
     assert!(first.await.unwrap_err().is_cancelled());
     gate.open.notify_one();
