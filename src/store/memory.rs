@@ -92,14 +92,50 @@ impl MemoryStore {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn notify(&self, key: &ScopeKey) {
-        let waiters = self
-            .inner
+    fn waiters(&self) -> MutexGuard<'_, HashMap<ScopeKey, Arc<Notify>>> {
+        self.inner
             .waiters
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(notify) = waiters.get(key) {
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn notify(&self, key: &ScopeKey) {
+        if let Some(notify) = self.waiters().get(key) {
             notify.notify_waiters();
+        }
+    }
+}
+
+/// One caller's registration for wake-ups on a key. Dropping it — after the
+/// wait, or when the waiting caller is cancelled — removes the key's entry
+/// once nobody else waits on it.
+struct Waiter<'a> {
+    store: &'a MemoryStore,
+    key: ScopeKey,
+    notify: Arc<Notify>,
+}
+
+impl<'a> Waiter<'a> {
+    fn register(store: &'a MemoryStore, key: &ScopeKey) -> Self {
+        let notify = store.waiters().entry(*key).or_default().clone();
+        Waiter {
+            store,
+            key: *key,
+            notify,
+        }
+    }
+}
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        let mut waiters = self.store.waiters();
+        // Two references, the map's and ours: nobody else waits.
+        if Arc::strong_count(&self.notify) <= 2
+            && waiters
+                .get(&self.key)
+                .is_some_and(|n| Arc::ptr_eq(n, &self.notify))
+        {
+            waiters.remove(&self.key);
         }
     }
 }
@@ -221,15 +257,8 @@ impl Store for MemoryStore {
     }
 
     async fn wait(&self, key: &ScopeKey, max: Duration, _attempt: u32) -> Result<(), StoreError> {
-        let notify = {
-            let mut waiters = self
-                .inner
-                .waiters
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            waiters.entry(*key).or_default().clone()
-        };
-        let notified = notify.notified();
+        let waiter = Waiter::register(self, key);
+        let notified = waiter.notify.notified();
         tokio::pin!(notified);
         // Register before looking, so a completion between the look and the
         // await still wakes us.
@@ -240,15 +269,6 @@ impl Store for MemoryStore {
         );
         if still_in_flight {
             let _ = tokio::time::timeout(max, notified).await;
-        }
-        let mut waiters = self
-            .inner
-            .waiters
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // Two references: the map's and ours. Nobody else waits: drop it.
-        if Arc::strong_count(&notify) <= 2 {
-            waiters.remove(key);
         }
         Ok(())
     }
@@ -270,5 +290,41 @@ impl Store for MemoryStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiter_entries(store: &MemoryStore) -> usize {
+        store.waiters().len()
+    }
+
+    /// A caller that gives up while waiting (its client went away) must not
+    /// leave its wake-up entry behind: the map would grow with every one.
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_waiter_leaves_nothing_behind() {
+        let store = MemoryStore::new();
+        let key = ScopeKey([7; 32]);
+        let lease = Duration::from_secs(30);
+        let claim = store.reserve(&key, &Fingerprint([1; 32]), lease, lease);
+        let Claim::Acquired { owner, .. } = claim.await.unwrap() else {
+            panic!("a fresh key is acquired");
+        };
+        let cancelled = tokio::time::timeout(Duration::from_millis(10), store.wait(&key, lease, 0));
+        assert!(cancelled.await.is_err(), "the wait was cut short");
+        assert_eq!(waiter_entries(&store), 0);
+
+        // A waiter that is woken also cleans up after itself.
+        let waiter = tokio::spawn({
+            let store = store.clone();
+            async move { store.wait(&key, lease, 0).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(waiter_entries(&store), 1);
+        assert!(store.release(&key, &owner).await.unwrap());
+        waiter.await.unwrap().unwrap();
+        assert_eq!(waiter_entries(&store), 0);
     }
 }
