@@ -5,7 +5,8 @@
 //!
 //! 1. asks [`Engine::route`] whether a request is covered — if not, it
 //!    forwards the request untouched, without buffering;
-//! 2. buffers the body up to [`RoutePolicy::max_body_bytes`] (over it:
+//! 2. unless [`Engine::passes_without_key`] says to forward it untouched,
+//!    buffers the body up to [`RoutePolicy::max_body_bytes`] (over it:
 //!    [`Engine::body_too_large`]);
 //! 3. calls [`Engine::begin`] and obeys the [`Decision`];
 //! 4. after [`Decision::Proceed`], feeds the upstream's answer into a
@@ -28,7 +29,7 @@ use tracing::Instrument;
 use crate::fingerprint::{fingerprint, Exclusions};
 use crate::key::{self, KeyError};
 use crate::metrics::{Event, Metrics};
-use crate::policy::{FailMode, InFlightPolicy, RoutePolicy, Routes};
+use crate::policy::{FailMode, InFlightPolicy, KeySource, RoutePolicy, Routes};
 use crate::problem::{Problem, ProblemKind};
 use crate::store::{
     Claim, Fingerprint, Outcome, OwnerToken, RecordState, ScopeKey, Store, StoreError,
@@ -175,6 +176,25 @@ impl Engine {
                 }
             }
         })
+    }
+
+    /// Whether a covered request goes to the upstream untouched before its
+    /// body is read: its route takes an optional key from a header or the
+    /// query, and the request carries none. Such a request is not
+    /// protected, so its body is neither buffered nor limited (a large
+    /// upload without a key is not refused with 413).
+    pub fn passes_without_key(&self, policy: &RoutePolicy, head: &RequestHead<'_>) -> bool {
+        let settings = policy.policy();
+        let passes = !settings.required
+            && matches!(settings.key, KeySource::Header(_) | KeySource::Query(_))
+            && matches!(
+                key::extract(&settings.key, head.uri, head.headers, &[]),
+                Ok(None)
+            );
+        if passes {
+            self.inner.metrics.record(Event::Passthrough);
+        }
+        passes
     }
 
     /// The 413 answer for a body over `policy`'s limit. Nothing is reserved.

@@ -738,8 +738,11 @@ async fn an_unreadable_body_reserves_nothing() {
     assert!(store.is_empty());
 }
 
+/// Requests the engine does not protect reach the inner service as they
+/// are: a GET, and a POST without a key on a route where the key is an
+/// optional header. Their bodies are neither buffered nor limited.
 #[tokio::test]
-async fn get_passes_through_unbuffered_and_uncounted() {
+async fn unprotected_requests_pass_through_unbuffered_and_uncounted() {
     let (engine, store) = memory_engine(Policy {
         max_body_bytes: 16,
         ..Policy::default()
@@ -749,27 +752,30 @@ async fn get_passes_through_unbuffered_and_uncounted() {
         // call it, because the body never ends.
         let mut body = request.into_body();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
-        reply(StatusCode::OK, format!("get {n}: {} bytes", first.len()))
+        reply(StatusCode::OK, format!("call {n}: {} bytes", first.len()))
     });
     let mut senders = Vec::new();
-    for n in 1..=2 {
+    let requests = [
+        Request::get("/orders").header("idempotency-key", "k"),
+        Request::get("/orders").header("idempotency-key", "k"),
+        Request::post("/uploads"),
+        Request::post("/uploads"),
+    ];
+    for (n, request) in (1..).zip(requests) {
         let (mut sender, receiver) =
             futures::channel::mpsc::channel::<Result<Bytes, Infallible>>(1);
         sender.try_send(Ok(Bytes::from(vec![b'q'; 64]))).unwrap();
         senders.push(sender); // kept open: the body never ends
-        let request = Request::get("/orders")
-            .header("idempotency-key", "k")
-            .body(Body::from_stream(receiver))
-            .unwrap();
+        let request = request.body(Body::from_stream(receiver)).unwrap();
         let answer = promptly(upstream.send(request)).await;
-        assert_eq!(answer.status, StatusCode::OK);
-        assert_eq!(answer.text(), format!("get {n}: 64 bytes"));
+        assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
+        assert_eq!(answer.text(), format!("call {n}: 64 bytes"));
         assert!(!answer.replayed());
     }
-    assert_eq!(upstream.calls(), 2);
+    assert_eq!(upstream.calls(), 4);
     assert!(store.is_empty());
     assert_eq!(engine.metrics().count(Event::Executed), 0);
-    assert_eq!(engine.metrics().count(Event::Passthrough), 2);
+    assert_eq!(engine.metrics().count(Event::Passthrough), 4);
 }
 
 // ---------------------------------------------------------------------------
@@ -798,7 +804,7 @@ async fn in_flight_reject_answers_409_at_once() {
 }
 
 #[tokio::test]
-async fn in_flight_wait_times_out_with_409_or_replays() {
+async fn in_flight_wait_times_out_with_409() {
     let (engine, _) = memory_engine(Policy {
         wait_timeout: Duration::from_millis(50),
         ..Policy::default()

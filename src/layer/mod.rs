@@ -20,8 +20,9 @@
 //!
 //! # What the layer guarantees
 //!
-//! * Requests the engine does not cover (other methods, other paths) reach
-//!   the inner service untouched and unbuffered.
+//! * Requests the engine does not cover (other methods, other paths, no
+//!   key where the key is an optional header or query parameter) reach the
+//!   inner service untouched and unbuffered.
 //! * A covered request's body is buffered (up to the route's limit; over
 //!   it, 413 and the inner service is not called) and the engine decides.
 //! * When the request proceeds, the inner call runs in its own task: a

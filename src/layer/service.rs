@@ -66,7 +66,17 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        let Some(policy) = self.engine.route(request.method(), request.uri().path()) else {
+        let head = RequestHead {
+            method: request.method(),
+            uri: request.uri(),
+            headers: request.headers(),
+            principal: None,
+        };
+        let covered = self
+            .engine
+            .route(head.method, head.uri.path())
+            .filter(|policy| !self.engine.passes_without_key(policy, &head));
+        let Some(policy) = covered else {
             return ResponseFuture::passthrough(
                 self.inner.call(request.map(RequestBody::streaming)),
             );
