@@ -50,3 +50,5 @@ pub use metrics::{Event, Metrics};
 pub use policy::{FailMode, InFlightPolicy, KeySource, Policy, PolicyError, RoutePolicy, Routes};
 pub use problem::{Problem, ProblemKind};
 pub use store::{MemoryStore, Store, StoreError};
+#[cfg(feature = "redis")]
+pub use store::{RedisCache, RedisCacheConfig};

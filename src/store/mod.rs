@@ -18,6 +18,10 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 mod memory;
 pub use memory::MemoryStore;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+pub use self::redis::{RedisCache, RedisCacheConfig};
 
 /// The boxed error type carried by [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
