@@ -147,7 +147,9 @@ impl fmt::Debug for RedisCacheConfig {
 /// The URL without its credentials, for logs and `Debug`.
 fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => format!("{}***{}", &url[..scheme + 3], &url[at..]),
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}***{}", &url[..scheme + 3], &url[at..])
+        }
         _ => url.to_owned(),
     }
 }

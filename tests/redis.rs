@@ -1,0 +1,651 @@
+//! The Redis front cache against a real Redis: the shared one on
+//! `REDIS_URL` (a unique key prefix per test, never flushed), and private
+//! `redis-server` processes for the tests that kill or flush Redis.
+#![cfg(feature = "redis")]
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::extract::State;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use tower_idempotency::store::{
+    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoredResponse,
+};
+use tower_idempotency::{
+    Engine, IdempotencyLayer, MemoryStore, Policy, RedisCache, RedisCacheConfig, Routes, Store,
+    StoreError,
+};
+
+const LEASE: Duration = Duration::from_millis(300);
+const TTL: Duration = Duration::from_secs(60);
+
+fn shared_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// A prefix no other test (or helper) uses.
+fn prefix(test: &str) -> String {
+    format!("test:{test}:{}:", uuid::Uuid::new_v4().simple())
+}
+
+/// A generous timeout for tests that assert hits: the machine is shared and
+/// slow; what these tests check is where answers come from, not speed.
+fn config(url: &str, test: &str) -> RedisCacheConfig {
+    RedisCacheConfig::new(url)
+        .prefix(prefix(test))
+        .timeout(Duration::from_secs(2))
+}
+
+fn key(n: u8) -> ScopeKey {
+    let mut bytes = *uuid::Uuid::new_v4().as_bytes();
+    bytes[0] = n;
+    let mut key = [0; 32];
+    key[..16].copy_from_slice(&bytes);
+    key[16..].copy_from_slice(&bytes);
+    ScopeKey(key)
+}
+
+fn outcome(body: &'static str) -> Outcome {
+    Outcome::Stored(StoredResponse {
+        status: StatusCode::CREATED,
+        headers: vec![(http::header::CONTENT_TYPE, "text/plain".parse().unwrap())],
+        body: Bytes::from_static(body.as_bytes()),
+    })
+}
+
+fn counter(store: &impl Store, name: &str) -> u64 {
+    store
+        .counters()
+        .into_iter()
+        .find(|(n, _, _)| *n == name)
+        .map(|(_, _, value)| value)
+        .unwrap_or_else(|| panic!("no counter {name}"))
+}
+
+fn hits(store: &impl Store) -> u64 {
+    counter(store, "idempotency_redis_hits_total")
+}
+
+fn errors(store: &impl Store) -> u64 {
+    counter(store, "idempotency_redis_errors_total")
+}
+
+async fn redis(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Counts the lookups that reach the store it wraps.
+#[derive(Clone, Debug, Default)]
+struct Counting<S> {
+    inner: S,
+    reserves: Arc<AtomicUsize>,
+    gets: Arc<AtomicUsize>,
+}
+
+impl<S> Counting<S> {
+    fn lookups(&self) -> usize {
+        self.reserves.load(SeqCst) + self.gets.load(SeqCst)
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for Counting<S> {
+    async fn reserve(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.reserves.fetch_add(1, SeqCst);
+        self.inner.reserve(key, fingerprint, lease, ttl).await
+    }
+    async fn complete(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        outcome: &Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(key, owner, outcome, ttl).await
+    }
+    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
+        self.inner.release(key, owner).await
+    }
+    async fn renew(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, owner, lease).await
+    }
+    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
+        self.gets.fetch_add(1, SeqCst);
+        self.inner.get(key).await
+    }
+    async fn wait(&self, key: &ScopeKey, max: Duration, attempt: u32) -> Result<(), StoreError> {
+        self.inner.wait(key, max, attempt).await
+    }
+    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
+        self.inner.sweep(batch).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+}
+
+async fn acquire(store: &impl Store, key: &ScopeKey, fingerprint: &Fingerprint) -> OwnerToken {
+    match store.reserve(key, fingerprint, LEASE, TTL).await.unwrap() {
+        Claim::Acquired { owner, .. } => owner,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+async fn existing(store: &impl Store, key: &ScopeKey, fingerprint: &Fingerprint) -> Record {
+    match store.reserve(key, fingerprint, LEASE, TTL).await.unwrap() {
+        Claim::Existing(record) => record,
+        other => panic!("expected Existing, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn replays_from_redis_make_no_inner_store_query() {
+    let inner = Counting::<MemoryStore>::default();
+    let cache = RedisCache::new(inner.clone(), config(&shared_url(), "replay")).unwrap();
+    let (k, fp, other) = (key(1), Fingerprint([1; 32]), Fingerprint([2; 32]));
+
+    let owner = acquire(&cache, &k, &fp).await;
+    assert!(cache
+        .complete(&k, &owner, &outcome("done"), TTL)
+        .await
+        .unwrap());
+    let before = inner.lookups();
+
+    for _ in 0..5 {
+        let record = existing(&cache, &k, &fp).await;
+        assert_eq!(record.fingerprint, fp);
+        assert_eq!(record.state, RecordState::Completed(outcome("done")));
+    }
+    // Another fingerprint sees the stored one: the engine answers mismatch.
+    assert_eq!(existing(&cache, &k, &other).await.fingerprint, fp);
+    let got = cache.get(&k).await.unwrap().expect("cached record");
+    assert_eq!(got.state, RecordState::Completed(outcome("done")));
+
+    assert_eq!(inner.lookups(), before, "a replay reached the inner store");
+    assert_eq!(hits(&cache), 7);
+    assert_eq!(errors(&cache), 0);
+}
+
+#[tokio::test]
+async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
+    let url = shared_url();
+    let inner = Counting::<MemoryStore>::default();
+    let config = config(&url, "fill");
+    let prefix = config.prefix.clone();
+    let cache = RedisCache::new(inner.clone(), config).unwrap();
+    let (k, fp) = (key(2), Fingerprint([3; 32]));
+
+    // Completed behind the cache's back (another instance, or Redis lost it).
+    let owner = acquire(&inner, &k, &fp).await;
+    assert!(inner
+        .complete(&k, &owner, &outcome("x"), TTL)
+        .await
+        .unwrap());
+
+    let before = inner.lookups();
+    let record = existing(&cache, &k, &fp).await;
+    assert_eq!(record.state, RecordState::Completed(outcome("x")));
+    assert_eq!(
+        inner.lookups(),
+        before + 1,
+        "the miss asked the inner store"
+    );
+    existing(&cache, &k, &fp).await;
+    assert_eq!(inner.lookups(), before + 1, "the fill answered the second");
+
+    let mut conn = redis(&url).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys, vec![format!("{prefix}{}", k.to_hex())]);
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&keys[0])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let fill_ttl = RedisCacheConfig::default().fill_ttl;
+    assert!(
+        pttl > 0 && pttl as u128 <= fill_ttl.as_millis(),
+        "pttl {pttl}"
+    );
+}
+
+#[tokio::test]
+async fn a_corrupt_entry_is_a_counted_miss_and_loses_nothing() {
+    let url = shared_url();
+    let config = config(&url, "corrupt");
+    let redis_key = |k: &ScopeKey| format!("{}{}", config.prefix, k.to_hex());
+    let cache = RedisCache::new(MemoryStore::new(), config.clone()).unwrap();
+    let (k, fp) = (key(3), Fingerprint([4; 32]));
+    let mut conn = redis(&url).await;
+    let _: () = redis::cmd("SET")
+        .arg(redis_key(&k))
+        .arg(b"\x01garbage".as_slice())
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    // The inner store (empty) decides: the key is free.
+    let owner = acquire(&cache, &k, &fp).await;
+    assert_eq!(errors(&cache), 1);
+    assert!(cache
+        .complete(&k, &owner, &outcome("ok"), TTL)
+        .await
+        .unwrap());
+    // The completion replaced the garbage.
+    let record = existing(&cache, &k, &fp).await;
+    assert_eq!(record.state, RecordState::Completed(outcome("ok")));
+    assert_eq!(hits(&cache), 1);
+}
+
+#[tokio::test]
+async fn the_cached_entry_expires_with_the_record() {
+    let cache = RedisCache::new(MemoryStore::new(), config(&shared_url(), "expiry")).unwrap();
+    let (k, fp) = (key(4), Fingerprint([5; 32]));
+    let ttl = Duration::from_millis(300);
+    let owner = acquire(&cache, &k, &fp).await;
+    assert!(cache
+        .complete(&k, &owner, &outcome("a"), ttl)
+        .await
+        .unwrap());
+    assert!(cache.get(&k).await.unwrap().is_some());
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    assert_eq!(cache.get(&k).await.unwrap(), None);
+    acquire(&cache, &k, &fp).await;
+}
+
+#[tokio::test]
+async fn redis_never_decides_ownership() {
+    let cache = RedisCache::new(MemoryStore::new(), config(&shared_url(), "owner")).unwrap();
+    let (k, fp) = (key(5), Fingerprint([6; 32]));
+
+    // Many concurrent reservations: exactly one owner.
+    let claims = futures::future::join_all(
+        (0..50).map(|_| cache.reserve(&k, &fp, Duration::from_millis(100), TTL)),
+    )
+    .await;
+    let owners: Vec<OwnerToken> = claims
+        .into_iter()
+        .filter_map(|claim| match claim.unwrap() {
+            Claim::Acquired { owner, .. } => Some(owner),
+            Claim::Existing(_) => None,
+        })
+        .collect();
+    assert_eq!(owners.len(), 1);
+
+    // A released key is free again; nothing was cached for it.
+    assert!(cache.release(&k, &owners[0]).await.unwrap());
+    assert_eq!(cache.get(&k).await.unwrap(), None);
+
+    // A worker whose lease was taken over cannot complete, and its response
+    // never reaches Redis; the successor's does.
+    let slow = acquire(&cache, &k, &fp).await;
+    tokio::time::sleep(LEASE + Duration::from_millis(50)).await;
+    let successor = match cache.reserve(&k, &fp, LEASE, TTL).await.unwrap() {
+        Claim::Acquired {
+            owner,
+            takeover: true,
+        } => owner,
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+    assert!(!cache
+        .complete(&k, &slow, &outcome("slow"), TTL)
+        .await
+        .unwrap());
+    assert!(matches!(
+        cache.get(&k).await.unwrap().unwrap().state,
+        RecordState::InFlight { .. }
+    ));
+    assert!(cache
+        .complete(&k, &successor, &outcome("successor"), TTL)
+        .await
+        .unwrap());
+    let record = existing(&cache, &k, &fp).await;
+    assert_eq!(record.state, RecordState::Completed(outcome("successor")));
+    assert!(hits(&cache) >= 1);
+}
+
+#[tokio::test]
+async fn a_bad_url_is_refused_and_a_dead_redis_is_not() {
+    assert!(RedisCache::new(MemoryStore::new(), RedisCacheConfig::new("not a url")).is_err());
+    let dead = format!("redis://127.0.0.1:{}", free_port());
+    let cache = RedisCache::new(MemoryStore::new(), RedisCacheConfig::new(dead)).unwrap();
+    cache.ping().await.unwrap();
+    let (k, fp) = (key(6), Fingerprint([7; 32]));
+    let owner = acquire(&cache, &k, &fp).await;
+    assert!(cache
+        .complete(&k, &owner, &outcome("z"), TTL)
+        .await
+        .unwrap());
+    let record = existing(&cache, &k, &fp).await;
+    assert_eq!(record.state, RecordState::Completed(outcome("z")));
+    assert!(errors(&cache) >= 1);
+    assert_eq!(hits(&cache), 0);
+}
+
+// ---------------------------------------------------------------------------
+// End to end: an axum app behind the layer, real HTTP, concurrent duplicates.
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `redis-server` of this test's own, so it can be killed and flushed.
+struct PrivateRedis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    fn start() -> Self {
+        let mut redis = PrivateRedis {
+            port: free_port(),
+            child: None,
+        };
+        redis.restart();
+        redis
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn restart(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server runs");
+        self.child = Some(child);
+        let client = redis::Client::open(self.url()).unwrap();
+        for _ in 0..100 {
+            if let Ok(mut conn) = client.get_connection() {
+                if redis::cmd("PING").query::<String>(&mut conn).is_ok() {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("private redis-server did not start");
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn flushall(&self) {
+        let mut conn = redis::Client::open(self.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+type Executions = Arc<Mutex<HashMap<String, usize>>>;
+
+/// The upstream: counts executions per (user, key) and answers with them,
+/// so a second execution would show in every later response.
+async fn handler(
+    State(executions): State<Executions>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, String) {
+    let header = |name| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let scope = format!("{}/{}", header("x-user"), header("idempotency-key"));
+    let n = {
+        let mut executions = executions.lock().unwrap();
+        let n = executions.entry(scope.clone()).or_default();
+        *n += 1;
+        *n
+    };
+    // Long enough for duplicates to arrive while it runs.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    (
+        StatusCode::CREATED,
+        format!("{scope}|{}|{n}", String::from_utf8_lossy(&body)),
+    )
+}
+
+struct App {
+    addr: SocketAddr,
+    executions: Executions,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl App {
+    async fn start(store: impl Store) -> App {
+        // A lease the loaded test machine cannot outrun: these tests are about
+        // Redis, not takeovers (a stalled heartbeat would let a duplicate take
+        // the key over, as designed).
+        let policy = Policy {
+            lease: Duration::from_secs(10),
+            scope_headers: vec!["x-user".into()],
+            ..Policy::default()
+        };
+        let engine = Engine::new(store, Routes::all(policy).unwrap());
+        let executions = Executions::default();
+        let router = Router::new()
+            .route("/orders", post(handler))
+            .layer(IdempotencyLayer::new(engine))
+            .with_state(executions.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        App {
+            addr,
+            executions,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    async fn post(&self, user: &str, key: &str, body: &str) -> (StatusCode, String) {
+        let request = http::Request::post(format!("http://{}/orders", self.addr))
+            .header("idempotency-key", key)
+            .header("x-user", user)
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .unwrap();
+        let response = self.client.request(request).await.unwrap();
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    /// Sends `duplicates` concurrent copies of one request per key for
+    /// `keys` keys, calling `midway` once half the answers are in, and
+    /// checks that every caller got the first execution's response.
+    async fn duplicates(
+        self: &Arc<Self>,
+        run: &str,
+        keys: usize,
+        duplicates: usize,
+        midway: impl FnOnce() + Send + 'static,
+    ) {
+        let answered = Arc::new(AtomicUsize::new(0));
+        let total = keys * duplicates;
+        let midway = Arc::new(Mutex::new(Some(midway)));
+        let requests = (0..total).map(|i| {
+            let (app, answered, midway) = (self.clone(), answered.clone(), midway.clone());
+            let key = format!("{run}-{}", i % keys);
+            tokio::spawn(async move {
+                let answer = app.post("u", &key, &format!("body-{key}")).await;
+                if answered.fetch_add(1, SeqCst) + 1 == total / 2 {
+                    if let Some(midway) = midway.lock().unwrap().take() {
+                        midway();
+                    }
+                }
+                (key, answer)
+            })
+        });
+        for result in futures::future::join_all(requests).await {
+            let (key, (status, body)) = result.unwrap();
+            assert_eq!(status, StatusCode::CREATED, "{key}: {body}");
+            assert_eq!(body, format!("u/{key}|body-{key}|1"));
+        }
+    }
+
+    fn assert_executed_once(&self, run: &str, keys: usize) {
+        let executions = self.executions.lock().unwrap();
+        for i in 0..keys {
+            let scope = format!("u/{run}-{i}");
+            assert_eq!(executions.get(&scope), Some(&1), "{scope}");
+        }
+    }
+}
+
+const KEYS: usize = 30;
+const DUPLICATES: usize = 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_unreachable_from_the_start_changes_no_outcome() {
+    let dead = format!("redis://127.0.0.1:{}", free_port());
+    let cache = RedisCache::new(MemoryStore::new(), RedisCacheConfig::new(dead)).unwrap();
+    let app = Arc::new(App::start(cache.clone()).await);
+    app.duplicates("dead", KEYS, DUPLICATES, || {}).await;
+    app.duplicates("dead", KEYS, DUPLICATES, || {}).await;
+    app.assert_executed_once("dead", KEYS);
+    assert!(errors(&cache) >= 1);
+    assert_eq!(hits(&cache), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_that_never_answers_changes_no_outcome() {
+    // The kernel completes connections to a listener nobody accepts from,
+    // and nothing ever answers: every call runs into the timeout.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", silent.local_addr().unwrap());
+    let config = RedisCacheConfig::new(url).timeout(Duration::from_millis(50));
+    let cache = RedisCache::new(MemoryStore::new(), config).unwrap();
+    let app = Arc::new(App::start(cache.clone()).await);
+    app.duplicates("silent", KEYS, DUPLICATES, || {}).await;
+    app.duplicates("silent", KEYS, DUPLICATES, || {}).await;
+    app.assert_executed_once("silent", KEYS);
+    assert!(errors(&cache) >= 1);
+    assert_eq!(hits(&cache), 0);
+    drop(silent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_killed_midway_and_restarted_changes_no_outcome() {
+    let redis = Arc::new(Mutex::new(PrivateRedis::start()));
+    let url = redis.lock().unwrap().url();
+    let cache = RedisCache::new(MemoryStore::new(), config(&url, "kill")).unwrap();
+    let app = Arc::new(App::start(cache.clone()).await);
+
+    let killer = redis.clone();
+    app.duplicates("kill", KEYS, DUPLICATES, move || {
+        killer.lock().unwrap().kill()
+    })
+    .await;
+    // Redis is gone: replays come from the inner store.
+    app.duplicates("kill", KEYS, DUPLICATES, || {}).await;
+    app.assert_executed_once("kill", KEYS);
+    assert!(errors(&cache) >= 1);
+
+    // Back up (empty): the connection manager reconnects by itself and
+    // misses fill Redis again.
+    redis.lock().unwrap().restart();
+    let before = hits(&cache);
+    for _ in 0..100 {
+        app.duplicates("kill", KEYS, 1, || {}).await;
+        if hits(&cache) > before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(hits(&cache) > before, "the cache never reconnected");
+    app.assert_executed_once("kill", KEYS);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_flushed_midway_changes_no_outcome() {
+    let redis = Arc::new(PrivateRedis::start());
+    let cache = RedisCache::new(MemoryStore::new(), config(&redis.url(), "flush")).unwrap();
+    let app = Arc::new(App::start(cache.clone()).await);
+
+    let flusher = redis.clone();
+    app.duplicates("flush", KEYS, DUPLICATES, move || flusher.flushall())
+        .await;
+    redis.flushall();
+    let before = hits(&cache);
+    app.duplicates("flush", KEYS, DUPLICATES, || {}).await;
+    app.assert_executed_once("flush", KEYS);
+    // The flushed entries were filled again from the inner store.
+    assert!(hits(&cache) > before);
+    assert_eq!(errors(&cache), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_entry_is_never_served_to_another_scope() {
+    let cache = RedisCache::new(MemoryStore::new(), config(&shared_url(), "scope")).unwrap();
+    let app = App::start(cache.clone()).await;
+
+    let alice = app.post("alice", "same-key", "from alice").await;
+    assert_eq!(alice.1, "alice/same-key|from alice|1");
+    // Alice's replay comes from Redis.
+    let before = hits(&cache);
+    assert_eq!(app.post("alice", "same-key", "from alice").await, alice);
+    assert_eq!(hits(&cache), before + 1);
+
+    // Bob, same raw key (even the same body): his own execution.
+    let bob = app.post("bob", "same-key", "from alice").await;
+    assert_eq!(
+        bob,
+        (StatusCode::CREATED, "bob/same-key|from alice|1".into())
+    );
+    assert_eq!(app.post("bob", "same-key", "from alice").await, bob);
+    assert_eq!(app.post("alice", "same-key", "from alice").await, alice);
+    let executions = app.executions.lock().unwrap();
+    assert_eq!(executions.get("alice/same-key"), Some(&1));
+    assert_eq!(executions.get("bob/same-key"), Some(&1));
+}
