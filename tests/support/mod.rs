@@ -63,6 +63,32 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Collects `response`.
+    pub async fn read<B>(response: Response<B>) -> Self
+    where
+        B: Body<Data = Bytes>,
+        B::Error: std::fmt::Debug,
+    {
+        let (parts, body) = response.into_parts();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    }
+
+    /// Asserts an answer made by the engine itself: RFC 9457 JSON with
+    /// `status`, the documented `type` `urn:tower-idempotency:<kind>`, and
+    /// never marked as a replay.
+    pub fn assert_problem(&self, status: StatusCode, kind: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(self.problem_type(), format!("urn:tower-idempotency:{kind}"));
+        let problem: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(problem["status"], status.as_u16());
+        assert!(problem["title"].is_string() && problem["detail"].is_string());
+        assert!(!self.replayed());
+    }
+
     /// Whether it is a replay of a stored response.
     pub fn replayed(&self) -> bool {
         self.headers
@@ -136,14 +162,7 @@ impl Harness {
         B::Error: Into<BoxError>,
     {
         let service = Idempotency::new(self.inner.clone(), self.engine.clone());
-        let response = service.oneshot(request).await.unwrap();
-        let (parts, body) = response.into_parts();
-        let body = body.collect().await.unwrap().to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+        Reply::read(service.oneshot(request).await.unwrap()).await
     }
 }
 
