@@ -567,8 +567,9 @@ impl Reservation {
 
     /// Records the upstream's answer: stores it (replayed from now on), stores
     /// a "too large" marker, or releases the key when its status is not one
-    /// the route stores. Never fails: a store error is retried a few times,
-    /// then logged; the lease then expires and the key can be taken over.
+    /// the route stores. Never fails: a store error is retried for up to the
+    /// route's lease (so a store outage shorter than the lease never leads to
+    /// a second execution), then logged; the key can then be taken over.
     pub async fn finish(mut self, capture: Capture) {
         self.heartbeat.abort();
         let status = capture.status;
@@ -587,9 +588,14 @@ impl Reservation {
         };
         let engine = self.engine.clone();
         let ttl = self.policy.policy().ttl;
-        let mut result = Err(StoreError::Timeout);
-        for attempt in 0..3u32 {
-            result = engine
+        // Keep trying for as long as the lease may still be ours: giving up
+        // sooner leaves the key in flight, and the first retry after the
+        // lease would execute the request a second time. The owner check
+        // makes a late success harmless.
+        let deadline = Instant::now() + self.policy.policy().lease;
+        let mut attempt = 0;
+        let result = loop {
+            let result = engine
                 .store_call(
                     engine
                         .inner
@@ -597,11 +603,13 @@ impl Reservation {
                         .complete(&self.key, &self.owner, &outcome, ttl),
                 )
                 .await;
-            if result.is_ok() {
-                break;
+            let now = Instant::now();
+            if result.is_ok() || now >= deadline {
+                break result;
             }
-            tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-        }
+            tokio::time::sleep(crate::store::backoff(attempt).min(deadline - now)).await;
+            attempt += 1;
+        };
         self.settled = true;
         let duration_us = self.started.elapsed().as_micros() as u64;
         match result {
@@ -738,7 +746,9 @@ impl RoutePolicy {
 mod tests {
     use super::*;
     use crate::policy::Policy;
-    use crate::store::MemoryStore;
+    use crate::store::{MemoryStore, Record};
+    use async_trait::async_trait;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn engine(policy: Policy) -> (Engine, MemoryStore, Arc<RoutePolicy>) {
         let store = MemoryStore::new();
@@ -949,5 +959,110 @@ mod tests {
             key(Some(b"ab"), "a", Method::POST, "/o", b"c"),
             key(Some(b"a"), "a", Method::POST, "/o", b"bc")
         );
+    }
+
+    /// The memory store, with `complete` failing while `outage` is above 0
+    /// (each failure counts it down): a store that is briefly unreachable.
+    #[derive(Debug, Default)]
+    struct Flaky {
+        store: MemoryStore,
+        outage: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl Store for Flaky {
+        async fn reserve(
+            &self,
+            key: &ScopeKey,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+            ttl: Duration,
+        ) -> Result<Claim, StoreError> {
+            self.store.reserve(key, fingerprint, lease, ttl).await
+        }
+
+        async fn complete(
+            &self,
+            key: &ScopeKey,
+            owner: &OwnerToken,
+            outcome: &Outcome,
+            ttl: Duration,
+        ) -> Result<bool, StoreError> {
+            let down = self
+                .outage
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if down {
+                return Err(StoreError::Unavailable("down".into()));
+            }
+            self.store.complete(key, owner, outcome, ttl).await
+        }
+
+        async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
+            self.store.release(key, owner).await
+        }
+
+        async fn renew(
+            &self,
+            key: &ScopeKey,
+            owner: &OwnerToken,
+            lease: Duration,
+        ) -> Result<bool, StoreError> {
+            self.store.renew(key, owner, lease).await
+        }
+
+        async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
+            self.store.get(key).await
+        }
+
+        async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
+            self.store.sweep(batch).await
+        }
+
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
+        let store = Arc::new(Flaky::default());
+        let policy = Policy {
+            lease: Duration::from_secs(2),
+            ..Policy::default()
+        };
+        let engine = Engine::with_config(
+            store.clone(),
+            Routes::all(policy).unwrap(),
+            EngineConfig::default(),
+        );
+        let (method, uri) = (Method::POST, Uri::from_static("/orders"));
+        let mut headers = HeaderMap::new();
+        headers.insert("idempotency-key", HeaderValue::from_static("k1"));
+        let head = RequestHead {
+            method: &method,
+            uri: &uri,
+            headers: &headers,
+            principal: None,
+        };
+        let policy = engine.route(&method, "/orders").unwrap();
+        let Decision::Proceed(reservation) = engine.begin(&policy, head, b"").await else {
+            panic!("the first request proceeds");
+        };
+        // The store is down for a while (well under the lease) when the
+        // upstream's answer arrives.
+        store.outage.store(10, Ordering::SeqCst);
+        let capture = reservation.capture(StatusCode::CREATED, &HeaderMap::new());
+        reservation.finish(capture).await;
+        assert_eq!(store.outage.load(Ordering::SeqCst), 0);
+        // Long after the lease, a retry is a replay, not a second execution.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        match engine.begin(&policy, head, b"").await {
+            Decision::Respond(response) => {
+                assert_eq!(response.status(), StatusCode::CREATED);
+                assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+            }
+            other => panic!("the retry executed again: {other:?}"),
+        }
     }
 }
