@@ -1,1 +1,193 @@
-fn main() {}
+//! `idempotency-proxy`: a reverse proxy that makes unsafe HTTP requests take
+//! effect once, in front of any backend, without a code change there.
+//!
+//! ```text
+//! idempotency-proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
+//!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL] \
+//!     [--config idempotency.toml] [--admin 127.0.0.1:9090]
+//! ```
+//!
+//! Every decision is the [`Engine`]'s; see `proxy.rs` for how bytes move.
+
+#![deny(unsafe_code)]
+
+mod admin;
+mod config;
+mod proxy;
+mod shutdown;
+mod store;
+mod upstream;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use pingora_core::server::configuration::ServerConf;
+use pingora_core::server::{RunArgs, Server};
+use tower_idempotency::{Engine, EngineConfig};
+
+use crate::config::{Config, ProxySettings};
+use crate::shutdown::{Drain, Signals};
+use crate::upstream::{Timeouts, Upstream};
+
+/// Makes POST/PATCH requests take effect once, in front of any HTTP backend.
+///
+/// A request carrying an idempotency key (by default the `Idempotency-Key`
+/// header) runs once upstream; retries with the same key get the stored
+/// response replayed, with `Idempotent-Replayed: true`. Routes, key sources
+/// and limits are set in the configuration file (see
+/// idempotency.example.toml). Flags override the file.
+#[derive(Debug, Parser)]
+#[command(name = "idempotency-proxy", version, about, long_about)]
+struct Cli {
+    /// Address to accept client connections on [default: 127.0.0.1:8080].
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<String>,
+
+    /// The backend every request is forwarded to, as http://HOST:PORT.
+    #[arg(long, value_name = "URL")]
+    upstream: Option<String>,
+
+    /// Where idempotency records live: `memory` (lost on restart),
+    /// `sqlite://PATH` (one node, survives restarts) or `postgres://URL`
+    /// (shared by several proxies) [default: sqlite://idempotency.db in the
+    /// working directory].
+    #[arg(long, value_name = "STORE")]
+    store: Option<String>,
+
+    /// A Redis front cache (redis://HOST:PORT) in front of the store: replays
+    /// are answered from Redis; Redis never decides who runs a request.
+    #[arg(long, value_name = "URL")]
+    redis: Option<String>,
+
+    /// A TOML file with the [proxy] settings, [defaults] and [[route]]
+    /// policies. A bad file is refused at start with its line and key.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    /// Address for the admin listener serving /healthz and /metrics
+    /// (Prometheus). Off unless given.
+    #[arg(long, value_name = "ADDR")]
+    admin: Option<String>,
+}
+
+impl Cli {
+    fn settings(&self) -> ProxySettings {
+        ProxySettings {
+            listen: self.listen.clone(),
+            upstream: self.upstream.clone(),
+            store: self.store.clone(),
+            redis: self.redis.clone(),
+            admin: self.admin.clone(),
+            ..ProxySettings::default()
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
+        )
+        .init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("idempotency-proxy: {error}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    let config = match &cli.config {
+        Some(path) => Config::load(path)?,
+        None => Config::builtin(),
+    };
+    let settings = config.proxy.clone().overridden_by(cli.settings()).resolve();
+    let upstream_url = settings
+        .upstream
+        .clone()
+        .ok_or("no upstream: pass --upstream http://HOST:PORT (or `upstream` in [proxy])")?;
+    let upstream = Arc::new(Upstream::new(
+        &upstream_url,
+        Timeouts {
+            connect: settings.connect_timeout,
+            read: settings.read_timeout,
+            write: settings.write_timeout,
+            idle: settings.idle_timeout,
+        },
+    )?);
+    for address in std::iter::once(&settings.listen).chain(&settings.admin) {
+        // Fail early and clearly; Pingora binds again when it starts.
+        std::net::TcpListener::bind(address)
+            .map_err(|error| format!("cannot listen on {address}: {error}"))?;
+    }
+
+    // Store connections belong to this runtime; it lives as long as the
+    // process.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("idempotency-store")
+        .enable_all()
+        .build()?;
+    let store = runtime.block_on(store::open(&settings.store, settings.redis.as_deref()))?;
+    let engine = Engine::with_config(
+        store,
+        config.routes.clone(),
+        EngineConfig {
+            store_timeout: settings.store_timeout,
+            ..EngineConfig::default()
+        },
+    );
+    {
+        let _entered = runtime.enter();
+        engine.spawn_sweeper(settings.sweep_interval, 1000);
+    }
+
+    let mut conf = ServerConf::new().ok_or("Pingora configuration")?;
+    conf.threads = settings.threads;
+    conf.grace_period_seconds = Some(settings.shutdown_timeout.as_secs().max(1));
+    conf.graceful_shutdown_timeout_seconds = Some(1);
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+
+    let drain = Drain::default();
+    let mut proxy = pingora_proxy::http_proxy_service(
+        &server.configuration,
+        proxy::IdempotencyProxy::new(engine.clone(), config.routes, upstream, drain.clone()),
+    );
+    proxy.add_tcp(&settings.listen);
+    server.add_service(proxy);
+    if let Some(address) = &settings.admin {
+        let mut admin = pingora_core::services::listening::Service::new(
+            "admin".to_owned(),
+            admin::Admin { engine },
+        );
+        admin.add_tcp(address);
+        server.add_service(admin);
+    }
+    tracing::info!(
+        listen = %settings.listen,
+        upstream = %upstream_url,
+        store = store_kind(&settings.store),
+        redis = settings.redis.is_some(),
+        admin = settings.admin.as_deref().unwrap_or("off"),
+        "idempotency-proxy started"
+    );
+    server.run(RunArgs {
+        shutdown_signal: Box::new(Signals { drain }),
+    });
+    drop(runtime);
+    Ok(())
+}
+
+/// The store's kind, for the log: never the URL (it may hold a password).
+fn store_kind(spec: &str) -> &str {
+    spec.split(':').next().unwrap_or(spec)
+}

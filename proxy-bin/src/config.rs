@@ -1,0 +1,437 @@
+//! The configuration file (`--config idempotency.toml`).
+//!
+//! Three parts, all optional:
+//!
+//! * `[proxy]`: where to listen, the upstream, the store, timeouts
+//!   ([`ProxySettings`]); every command-line flag overrides its key here;
+//! * `[defaults]`: a [`Policy`] applied to every route (any policy key);
+//! * `[[route]]`: `path` (a prefix such as `/orders`, or a glob with `*` /
+//!   `**`), `enabled` (alias `idempotency`; `false` leaves matching paths as
+//!   plain passthrough) and any policy key, overriding `[defaults]`.
+//!
+//! Routes are tried in file order; the first whose path matches decides.
+//! Without any `[[route]]`, `[defaults]` covers every path.
+//!
+//! The policy keys are exactly [`Policy`]'s fields: this module only merges
+//! tables and reports errors. Every mistake is refused at start with the
+//! file, the line and the key at fault.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+use tower_idempotency::{Policy, PolicyError, RoutePolicy, Routes};
+
+/// The `[proxy]` table. Every key is optional; the command line overrides
+/// it, and [`ProxySettings::resolve`] fills in the defaults.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxySettings {
+    /// Where clients connect (`--listen`).
+    pub listen: Option<String>,
+    /// The backend, `http://host:port` (`--upstream`).
+    pub upstream: Option<String>,
+    /// `memory`, `sqlite://PATH` or `postgres://URL` (`--store`).
+    pub store: Option<String>,
+    /// A Redis front cache, `redis://URL` (`--redis`).
+    pub redis: Option<String>,
+    /// The admin listener for `/healthz` and `/metrics` (`--admin`).
+    pub admin: Option<String>,
+    /// How long connecting to the upstream may take (502 after it).
+    #[serde(default, with = "humantime_serde::option")]
+    pub connect_timeout: Option<Duration>,
+    /// The longest silence while reading the upstream's answer (504 before
+    /// the response head, an aborted response after it).
+    #[serde(default, with = "humantime_serde::option")]
+    pub read_timeout: Option<Duration>,
+    /// The longest a write to the upstream may stall.
+    #[serde(default, with = "humantime_serde::option")]
+    pub write_timeout: Option<Duration>,
+    /// How long an idle upstream connection is kept for reuse.
+    #[serde(default, with = "humantime_serde::option")]
+    pub idle_timeout: Option<Duration>,
+    /// The longest any single store call may take (then 503).
+    #[serde(default, with = "humantime_serde::option")]
+    pub store_timeout: Option<Duration>,
+    /// On SIGTERM, how long in-flight requests may take to finish.
+    #[serde(default, with = "humantime_serde::option")]
+    pub shutdown_timeout: Option<Duration>,
+    /// How often expired records are swept.
+    #[serde(default, with = "humantime_serde::option")]
+    pub sweep_interval: Option<Duration>,
+    /// Worker threads for the proxy (default: one per CPU).
+    pub threads: Option<usize>,
+}
+
+/// [`ProxySettings`] with every default applied.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    /// Where clients connect.
+    pub listen: String,
+    /// The backend URL.
+    pub upstream: Option<String>,
+    /// The store URL.
+    pub store: String,
+    /// The Redis URL, if any.
+    pub redis: Option<String>,
+    /// The admin address, if any.
+    pub admin: Option<String>,
+    /// Upstream connect timeout (default 5 s).
+    pub connect_timeout: Duration,
+    /// Upstream read timeout (default 60 s).
+    pub read_timeout: Duration,
+    /// Upstream write timeout (default 60 s).
+    pub write_timeout: Duration,
+    /// Idle upstream connection lifetime (default 60 s).
+    pub idle_timeout: Duration,
+    /// Store call timeout (default 5 s).
+    pub store_timeout: Duration,
+    /// Drain time on SIGTERM (default 30 s).
+    pub shutdown_timeout: Duration,
+    /// Sweep period (default 60 s).
+    pub sweep_interval: Duration,
+    /// Proxy worker threads.
+    pub threads: usize,
+}
+
+/// The default store: an SQLite file in the working directory.
+pub const DEFAULT_STORE: &str = "sqlite://idempotency.db";
+
+impl ProxySettings {
+    /// Keys set in `over` replace those in `self`.
+    pub fn overridden_by(self, over: ProxySettings) -> ProxySettings {
+        ProxySettings {
+            listen: over.listen.or(self.listen),
+            upstream: over.upstream.or(self.upstream),
+            store: over.store.or(self.store),
+            redis: over.redis.or(self.redis),
+            admin: over.admin.or(self.admin),
+            connect_timeout: over.connect_timeout.or(self.connect_timeout),
+            read_timeout: over.read_timeout.or(self.read_timeout),
+            write_timeout: over.write_timeout.or(self.write_timeout),
+            idle_timeout: over.idle_timeout.or(self.idle_timeout),
+            store_timeout: over.store_timeout.or(self.store_timeout),
+            shutdown_timeout: over.shutdown_timeout.or(self.shutdown_timeout),
+            sweep_interval: over.sweep_interval.or(self.sweep_interval),
+            threads: over.threads.or(self.threads),
+        }
+    }
+
+    /// Applies the defaults.
+    pub fn resolve(self) -> Resolved {
+        let secs = Duration::from_secs;
+        Resolved {
+            listen: self.listen.unwrap_or_else(|| "127.0.0.1:8080".into()),
+            upstream: self.upstream,
+            store: self.store.unwrap_or_else(|| DEFAULT_STORE.into()),
+            redis: self.redis,
+            admin: self.admin,
+            connect_timeout: self.connect_timeout.unwrap_or(secs(5)),
+            read_timeout: self.read_timeout.unwrap_or(secs(60)),
+            write_timeout: self.write_timeout.unwrap_or(secs(60)),
+            idle_timeout: self.idle_timeout.unwrap_or(secs(60)),
+            store_timeout: self.store_timeout.unwrap_or(secs(5)),
+            shutdown_timeout: self.shutdown_timeout.unwrap_or(secs(30)),
+            sweep_interval: self.sweep_interval.unwrap_or(secs(60)),
+            threads: self.threads.filter(|&n| n > 0).unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            }),
+        }
+    }
+}
+
+/// A loaded configuration file.
+#[derive(Debug, Default)]
+pub struct Config {
+    /// The `[proxy]` table.
+    pub proxy: ProxySettings,
+    /// The route table, in file order.
+    pub routes: Routes,
+}
+
+impl Config {
+    /// The configuration used without `--config`: the default policy on
+    /// every path.
+    pub fn builtin() -> Self {
+        Config {
+            proxy: ProxySettings::default(),
+            routes: Routes::all(Policy::default()).expect("the default policy is valid"),
+        }
+    }
+
+    /// Reads and checks `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError {
+            file: path.to_owned(),
+            line: None,
+            message: format!("cannot read the file: {error}"),
+        })?;
+        Self::parse(&text).map_err(|(line, message)| ConfigError {
+            file: path.to_owned(),
+            line,
+            message,
+        })
+    }
+
+    /// Parses a configuration text; an error carries its line (1-based)
+    /// where one is known.
+    pub fn parse(text: &str) -> Result<Self, (Option<usize>, String)> {
+        let file: File = toml::from_str(text).map_err(|error| {
+            let line = error.span().map(|span| line_of(text, span.start));
+            (line, error.message().to_owned())
+        })?;
+        let at = |span: &Range<usize>, message: String| (Some(line_of(text, span.start)), message);
+
+        // `[defaults]` alone must be a valid policy, reported at its own lines.
+        let defaults = file.defaults.unwrap_or_default();
+        let base: Entries = defaults
+            .into_iter()
+            .map(|(k, v)| (k.into_inner(), v))
+            .collect();
+        let default_policy = policy_of(&base).map_err(|(span, msg)| at(&span, msg))?;
+        if let Err(error) = default_policy.validate() {
+            let span = base.get(error.field).map(Spanned::span);
+            return Err((
+                span.map(|s| line_of(text, s.start)),
+                defaults_message(&error),
+            ));
+        }
+
+        let mut routes = Routes::new();
+        if file.route.is_empty() {
+            routes = Routes::all(default_policy).map_err(|e| (None, defaults_message(&e)))?;
+        }
+        for route in &file.route {
+            let route_span = route.span();
+            let mut entries = base.clone();
+            let mut path: Option<Spanned<String>> = None;
+            let mut enabled = true;
+            for (key, value) in route.get_ref() {
+                match key.get_ref().as_str() {
+                    "path" => match value.get_ref() {
+                        toml::Value::String(s) => {
+                            path = Some(Spanned::new(value.span(), s.clone()))
+                        }
+                        _ => return Err(at(&value.span(), "`path` must be a string".into())),
+                    },
+                    "enabled" | "idempotency" => match value.get_ref() {
+                        toml::Value::Boolean(b) => enabled = *b,
+                        _ => {
+                            return Err(at(
+                                &value.span(),
+                                format!("`{}` must be true or false", key.get_ref()),
+                            ))
+                        }
+                    },
+                    other => {
+                        entries.insert(other.to_owned(), value.clone());
+                    }
+                }
+            }
+            let Some(path) = path else {
+                return Err(at(&route_span, "a [[route]] needs a `path`".into()));
+            };
+            let policy = policy_of(&entries).map_err(|(span, msg)| at(&span, msg))?;
+            let result = if enabled {
+                routes.route(path.get_ref(), policy)
+            } else {
+                routes.exclude(path.get_ref())
+            };
+            routes = result.map_err(|error| {
+                let span = match error.field {
+                    "path" => path.span(),
+                    field => entries.get(field).map_or(route_span.clone(), Spanned::span),
+                };
+                at(&span, format!("route `{}`: {error}", path.get_ref()))
+            })?;
+        }
+        Ok(Config {
+            proxy: file.proxy.unwrap_or_default(),
+            routes,
+        })
+    }
+}
+
+/// The label of the route whose policy is `policy` (its path pattern), for
+/// logs.
+pub fn route_label(routes: &Routes, policy: &Arc<RoutePolicy>) -> String {
+    routes
+        .iter()
+        .find(|route| {
+            route
+                .policy
+                .as_ref()
+                .is_some_and(|p| Arc::ptr_eq(p, policy))
+        })
+        .map(|route| match &route.path {
+            tower_idempotency::policy::PathPattern::Prefix(p)
+            | tower_idempotency::policy::PathPattern::Glob(p) => p.clone(),
+        })
+        .unwrap_or_default()
+}
+
+fn defaults_message(error: &PolicyError) -> String {
+    format!("[defaults]: {error}")
+}
+
+type Entries = BTreeMap<String, Spanned<toml::Value>>;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    proxy: Option<ProxySettings>,
+    defaults: Option<BTreeMap<Spanned<String>, Spanned<toml::Value>>>,
+    #[serde(default)]
+    route: Vec<Spanned<BTreeMap<Spanned<String>, Spanned<toml::Value>>>>,
+}
+
+/// Deserializes a [`Policy`] from merged entries. Each key is first tried
+/// alone, so an error names the key at fault and its span.
+fn policy_of(entries: &Entries) -> Result<Policy, (Range<usize>, String)> {
+    for (key, value) in entries {
+        let mut single = toml::Table::new();
+        single.insert(key.clone(), value.get_ref().clone());
+        if let Err(error) = toml::Value::Table(single).try_into::<Policy>() {
+            return Err((value.span(), format!("`{key}`: {}", error.message().trim())));
+        }
+    }
+    let table: toml::Table = entries
+        .iter()
+        .map(|(k, v)| (k.clone(), v.get_ref().clone()))
+        .collect();
+    toml::Value::Table(table)
+        .try_into::<Policy>()
+        .map_err(|error| (0..0, error.message().trim().to_owned()))
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// A configuration file that was refused: where, and why.
+#[derive(Debug)]
+pub struct ConfigError {
+    file: PathBuf,
+    line: Option<usize>,
+    message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{line}: {}", self.file.display(), self.message),
+            None => write!(f, "{}: {}", self.file.display(), self.message),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+#[cfg(test)]
+mod tests {
+    use http::Method;
+
+    use super::*;
+
+    fn error(text: &str) -> (Option<usize>, String) {
+        Config::parse(text).expect_err("the config should be refused")
+    }
+
+    #[test]
+    fn routes_merge_over_defaults_in_file_order() {
+        let config = Config::parse(
+            r#"
+[proxy]
+upstream = "http://127.0.0.1:3000"
+read_timeout = "2s"
+
+[defaults]
+required = true
+lease = "300ms"
+
+[[route]]
+path = "/health"
+enabled = false
+
+[[route]]
+path = "/contact"
+key = { form_field = "submission_token" }
+uuid_only = true
+
+[[route]]
+path = "/api/**"
+mismatch_status = 409
+"#,
+        )
+        .unwrap();
+        assert_eq!(config.proxy.read_timeout, Some(Duration::from_secs(2)));
+        let routes = &config.routes;
+        assert!(routes.find(&Method::POST, "/health").is_none());
+        let contact = routes.find(&Method::POST, "/contact").unwrap();
+        assert!(contact.policy().uuid_only && contact.policy().required);
+        assert_eq!(contact.policy().lease, Duration::from_millis(300));
+        assert_eq!(route_label(routes, contact), "/contact");
+        let api = routes.find(&Method::PATCH, "/api/v1/orders").unwrap();
+        assert_eq!(api.policy().mismatch_status, 409);
+        assert!(!api.policy().uuid_only);
+        assert!(routes.find(&Method::POST, "/elsewhere").is_none());
+    }
+
+    #[test]
+    fn defaults_alone_cover_every_path() {
+        let config = Config::parse("[defaults]\nrequired = true\n").unwrap();
+        assert!(
+            config
+                .routes
+                .find(&Method::POST, "/x")
+                .unwrap()
+                .policy()
+                .required
+        );
+        let config = Config::parse("").unwrap();
+        assert!(config.routes.find(&Method::POST, "/x").is_some());
+    }
+
+    #[test]
+    fn errors_name_the_line_and_the_key() {
+        let (line, message) =
+            error("[[route]]\npath = \"/a\"\n\n[[route]]\npath = \"/b\"\ntll = \"1h\"\n");
+        assert_eq!(line, Some(6));
+        assert!(message.contains("tll"), "{message}");
+
+        let (line, message) = error("[[route]]\npath = \"/a\"\nmismatch_status = 400\n");
+        assert_eq!(line, Some(3));
+        assert!(
+            message.contains("mismatch_status") && message.contains("/a"),
+            "{message}"
+        );
+
+        let (line, message) = error("[[route]]\npath = \"/a\"\nlease = \"soon\"\n");
+        assert_eq!(line, Some(3));
+        assert!(message.contains("lease"), "{message}");
+
+        let (line, message) = error("[defaults]\nmethods = [\"GET\"]\n");
+        assert_eq!(line, Some(2));
+        assert!(message.contains("methods"), "{message}");
+
+        let (line, message) = error("[[route]]\nrequired = true\n");
+        assert_eq!(line, Some(1));
+        assert!(message.contains("path"), "{message}");
+
+        let (line, message) = error("[[route]]\npath = \"orders\"\n");
+        assert_eq!(line, Some(2));
+        assert!(message.contains("path"), "{message}");
+
+        let (line, message) = error("[proxy]\nlisten = \"a\"\nupstreem = \"b\"\n");
+        assert_eq!(line, Some(3));
+        assert!(message.contains("upstreem"), "{message}");
+
+        let (line, _) = error("[proxy\n");
+        assert_eq!(line, Some(1));
+    }
+}

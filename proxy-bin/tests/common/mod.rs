@@ -1,0 +1,410 @@
+//! Shared end-to-end harness: a real HTTP backend that counts executions,
+//! the real `idempotency-proxy` binary in front of it, and a client.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
+
+/// How the backend answers, by path:
+///
+/// * `POST /contact`: a form; without an `email` field 422 (validation
+///   error), else 303 to `/contact/thanks`;
+/// * `POST /api/...`: 201 with a JSON body numbering the execution;
+/// * `POST /upload`: 200 with the SHA-256 and length of the body it got;
+/// * `POST /slow?ms=N`: waits N ms (or until [`Backend::open_gate`] when
+///   `N` is `gate`), then 201;
+/// * anything else: 200 echoing method, path, headers and body as JSON.
+///
+/// Every request is counted per path ([`Backend::hits`]).
+#[derive(Clone)]
+pub struct Backend {
+    pub addr: SocketAddr,
+    state: Arc<BackendState>,
+}
+
+#[derive(Default)]
+struct BackendState {
+    hits: Mutex<HashMap<String, usize>>,
+    total: AtomicUsize,
+    gate: Notify,
+    arrived: Notify,
+}
+
+impl Backend {
+    /// Starts a backend on a free loopback port.
+    pub async fn start() -> Backend {
+        Self::start_on(free_port()).await
+    }
+
+    /// Starts a backend on `addr` (e.g. a port that was down before).
+    pub async fn start_on(addr: SocketAddr) -> Backend {
+        let state = Arc::new(BackendState::default());
+        let app = axum::Router::new()
+            .fallback(handle)
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .expect("bind backend");
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+            .ok();
+        });
+        Backend { addr, state }
+    }
+
+    /// The upstream URL for `--upstream`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// How many requests reached `path`.
+    pub fn hits(&self, path: &str) -> usize {
+        self.state
+            .hits
+            .lock()
+            .unwrap()
+            .get(path)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// How many requests reached the backend at all.
+    pub fn total(&self) -> usize {
+        self.state.total.load(Ordering::SeqCst)
+    }
+
+    /// Lets every `/slow?ms=gate` request finish.
+    pub fn open_gate(&self) {
+        self.state.gate.notify_waiters();
+    }
+
+    /// Waits until a `/slow?ms=gate` request is being held.
+    pub async fn held(&self) {
+        tokio::time::timeout(Duration::from_secs(10), self.state.arrived.notified())
+            .await
+            .expect("a request reached the backend");
+    }
+}
+
+async fn handle(State(state): State<Arc<BackendState>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let path = parts.uri.path().to_owned();
+    let n = {
+        let mut hits = state.hits.lock().unwrap();
+        let n = hits.entry(path.clone()).or_default();
+        *n += 1;
+        *n
+    };
+    state.total.fetch_add(1, Ordering::SeqCst);
+    if parts.method == Method::POST && path == "/contact" {
+        let form = String::from_utf8_lossy(&body);
+        let has_email = form.contains("email=") || form.contains("name=\"email\"");
+        return if has_email {
+            (
+                StatusCode::SEE_OTHER,
+                [
+                    ("location", "/contact/thanks"),
+                    ("set-cookie", "flash=thanks"),
+                ],
+            )
+                .into_response()
+        } else {
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "The email field is required.",
+            )
+                .into_response()
+        };
+    }
+    if parts.method == Method::POST && path.starts_with("/api/") {
+        let json = serde_json::json!({ "execution": n, "path": path, "len": body.len() });
+        return (StatusCode::CREATED, axum::Json(json)).into_response();
+    }
+    if parts.method == Method::POST && path == "/upload" {
+        let sum = hex(&Sha256::digest(&body));
+        return (StatusCode::OK, format!("{sum} {}", body.len())).into_response();
+    }
+    if path == "/slow" {
+        let query = parts.uri.query().unwrap_or("");
+        if query.contains("ms=gate") {
+            let opened = state.gate.notified();
+            state.arrived.notify_waiters();
+            opened.await;
+        } else if let Some(ms) = query.strip_prefix("ms=").and_then(|v| v.parse().ok()) {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        let json = serde_json::json!({ "execution": n });
+        return (StatusCode::CREATED, axum::Json(json)).into_response();
+    }
+    let headers: serde_json::Map<String, serde_json::Value> = parts
+        .headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into()))
+        .collect();
+    let json = serde_json::json!({
+        "method": parts.method.as_str(),
+        "path": parts.uri.to_string(),
+        "headers": headers,
+        "body": String::from_utf8_lossy(&body),
+    });
+    (StatusCode::OK, [("x-backend", "echo")], axum::Json(json)).into_response()
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A loopback address with a port nobody listens on right now.
+pub fn free_port() -> SocketAddr {
+    let listener = StdListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A fresh directory for one test's files.
+pub fn temp_dir(name: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "idempotency-proxy-{name}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A running `idempotency-proxy` process, killed when dropped.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    child: Child,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// How to start a proxy.
+pub struct ProxyArgs<'a> {
+    pub upstream: String,
+    pub store: &'a str,
+    pub config: &'a str,
+    pub dir: &'a Path,
+}
+
+impl Proxy {
+    /// Starts the binary with `config` (TOML text) and waits until it
+    /// accepts connections.
+    pub async fn start(args: ProxyArgs<'_>) -> Proxy {
+        let config_path = args.dir.join("idempotency.toml");
+        std::fs::write(&config_path, args.config).unwrap();
+        let addr = free_port();
+        let admin = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_idempotency-proxy"))
+            .current_dir(args.dir)
+            .args(["--listen", &addr.to_string()])
+            .args(["--upstream", &args.upstream])
+            .args(["--store", args.store])
+            .args(["--admin", &admin.to_string()])
+            .arg("--config")
+            .arg(&config_path)
+            .env(
+                "RUST_LOG",
+                std::env::var("PROXY_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn idempotency-proxy");
+        let mut proxy = Proxy {
+            addr,
+            admin,
+            child,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        };
+        proxy.wait_ready().await;
+        proxy
+    }
+
+    async fn wait_ready(&mut self) {
+        for _ in 0..500 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("idempotency-proxy exited at start: {status}");
+            }
+            let proxy_up = tokio::net::TcpStream::connect(self.addr).await.is_ok();
+            let admin_up = tokio::net::TcpStream::connect(self.admin).await.is_ok();
+            if proxy_up && admin_up {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("idempotency-proxy did not start listening");
+    }
+
+    /// Sends a request through the proxy.
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Reply {
+        send(&self.client, self.addr, method, path, headers, body).await
+    }
+
+    /// GETs a path from the admin listener.
+    pub async fn admin(&self, path: &str) -> Reply {
+        send(&self.client, self.admin, "GET", path, &[], Bytes::new()).await
+    }
+
+    /// Kills the process at once (`kill -9`).
+    pub fn kill(&mut self) {
+        self.child.kill().ok();
+        self.child.wait().ok();
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits (at most 20 s) for the process to exit; its success.
+    pub async fn wait_exit(&mut self) -> bool {
+        for _ in 0..1000 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("idempotency-proxy did not exit");
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A response, fully read.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {}", self.text()))
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+}
+
+/// A client of its own (a fresh connection pool).
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Reply {
+    let body = body.into();
+    let mut request = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    for (name, value) in headers {
+        request = request.header(*name, HeaderValue::from_str(value).unwrap());
+    }
+    let request = request.body(Full::new(body)).unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(30), client.request(request))
+        .await
+        .expect("the proxy answered in time")
+        .expect("a response");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("a whole body").to_bytes();
+    Reply {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// An `application/x-www-form-urlencoded` body.
+pub fn urlencoded(fields: &[(&str, &str)]) -> String {
+    fields
+        .iter()
+        .map(|(k, v)| format!("{}={}", encode(k), encode(v)))
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            b' ' => "+".into(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A `multipart/form-data` body and its content type.
+pub fn multipart(fields: &[(&str, &str)]) -> (String, String) {
+    let boundary = "----proxytestboundary7MA4YWxk";
+    let mut body = String::new();
+    for (name, value) in fields {
+        body.push_str(&format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n"
+        ));
+    }
+    body.push_str(&format!("--{boundary}--\r\n"));
+    (body, format!("multipart/form-data; boundary={boundary}"))
+}
+
+pub fn uuid() -> String {
+    uuid::Uuid::new_v4().to_string()
+}

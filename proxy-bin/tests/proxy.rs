@@ -1,0 +1,534 @@
+//! End-to-end: the real `idempotency-proxy` binary in front of a real HTTP
+//! backend that counts executions.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{multipart, temp_dir, urlencoded, uuid, Backend, Proxy, ProxyArgs};
+
+const FORMS: &str = r#"
+[defaults]
+lease = "2s"
+
+[[route]]
+path = "/contact"
+key = { form_field = "submission_token" }
+required = true
+uuid_only = true
+fingerprint_exclude = ["_token"]
+
+[[route]]
+path = "/api/v2"
+required = true
+mismatch_status = 409
+
+[[route]]
+path = "/api"
+required = true
+scope_headers = ["Authorization"]
+
+[[route]]
+path = "/upload"
+max_body_bytes = 16777216
+
+[[route]]
+path = "/small"
+max_body_bytes = 1024
+
+[[route]]
+path = "/slow"
+
+[[route]]
+path = "/echo"
+
+[[route]]
+path = "/plain"
+enabled = false
+"#;
+
+async fn start(name: &str, config: &str) -> (Backend, Proxy) {
+    let backend = Backend::start().await;
+    let dir = temp_dir(name);
+    let proxy = Proxy::start(ProxyArgs {
+        upstream: backend.url(),
+        store: "memory",
+        config,
+        dir: &dir,
+    })
+    .await;
+    (backend, proxy)
+}
+
+const FORM: (&str, &str) = ("content-type", "application/x-www-form-urlencoded");
+
+#[tokio::test(flavor = "multi_thread")]
+async fn laravel_form_token_urlencoded_and_multipart() {
+    let (backend, proxy) = start("laravel", FORMS).await;
+
+    // urlencoded: the first submission runs, a resubmission replays the 303.
+    let token = uuid();
+    let body = urlencoded(&[
+        ("_token", "csrf-1"),
+        ("submission_token", &token),
+        ("email", "a@example.com"),
+        ("message", "Hallo"),
+    ]);
+    let first = proxy.send("POST", "/contact", &[FORM], body.clone()).await;
+    assert_eq!(first.status, 303);
+    assert_eq!(first.header("location"), Some("/contact/thanks"));
+    assert!(!first.replayed());
+    let again = proxy.send("POST", "/contact", &[FORM], body).await;
+    assert_eq!(again.status, 303);
+    assert_eq!(again.header("location"), Some("/contact/thanks"));
+    assert!(again.replayed());
+    // The session cookie of the first answer is not handed out again.
+    assert!(again.header("set-cookie").is_none());
+    // A fresh CSRF token (excluded from the fingerprint) is the same submission.
+    let body = urlencoded(&[
+        ("_token", "csrf-2"),
+        ("submission_token", &token),
+        ("email", "a@example.com"),
+        ("message", "Hallo"),
+    ]);
+    assert!(proxy
+        .send("POST", "/contact", &[FORM], body)
+        .await
+        .replayed());
+    assert_eq!(backend.hits("/contact"), 1);
+
+    // multipart: the same contract.
+    let token = uuid();
+    let (body, content_type) = multipart(&[
+        ("submission_token", &token),
+        ("email", "b@example.com"),
+        ("message", "Hallo"),
+    ]);
+    let headers = [("content-type", content_type.as_str())];
+    let first = proxy.send("POST", "/contact", &headers, body.clone()).await;
+    assert_eq!((first.status, first.replayed()), (303, false));
+    let again = proxy.send("POST", "/contact", &headers, body).await;
+    assert_eq!((again.status, again.replayed()), (303, true));
+    assert_eq!(again.header("location"), Some("/contact/thanks"));
+    assert_eq!(backend.hits("/contact"), 2);
+
+    // A validation error is not stored: the corrected form with the same
+    // token (Laravel's old()) goes through.
+    let token = uuid();
+    let invalid = urlencoded(&[("submission_token", &token), ("message", "Hallo")]);
+    let rejected = proxy.send("POST", "/contact", &[FORM], invalid).await;
+    assert_eq!(rejected.status, 422);
+    let corrected = urlencoded(&[
+        ("submission_token", &token),
+        ("email", "c@example.com"),
+        ("message", "Hallo"),
+    ]);
+    let accepted = proxy.send("POST", "/contact", &[FORM], corrected).await;
+    assert_eq!((accepted.status, accepted.replayed()), (303, false));
+    assert_eq!(backend.hits("/contact"), 4);
+
+    // Not a UUID, or no token at all: 400, the backend is not called.
+    for body in [
+        urlencoded(&[
+            ("submission_token", "not-a-uuid"),
+            ("email", "d@example.com"),
+        ]),
+        urlencoded(&[("email", "d@example.com")]),
+    ] {
+        let reply = proxy.send("POST", "/contact", &[FORM], body).await;
+        assert_eq!(reply.status, 400, "{}", reply.text());
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+    }
+    assert_eq!(backend.hits("/contact"), 4);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nextjs_idempotency_key_json_contract() {
+    let (backend, proxy) = start("nextjs", FORMS).await;
+    let key = uuid();
+    let json = ("content-type", "application/json");
+    let order = r#"{"product":"book","quantity":1}"#;
+
+    let first = proxy
+        .send(
+            "POST",
+            "/api/orders",
+            &[json, ("idempotency-key", &key)],
+            order,
+        )
+        .await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed());
+    assert_eq!(first.json()["execution"], 1);
+
+    // Same key, same JSON (keys reordered, whitespace): the stored answer.
+    let same = r#"{ "quantity": 1, "product": "book" }"#;
+    let replay = proxy
+        .send(
+            "POST",
+            "/api/orders",
+            &[json, ("idempotency-key", &key)],
+            same,
+        )
+        .await;
+    assert_eq!(replay.status, 201);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("content-type"), first.header("content-type"));
+
+    // Same key, different body: 422 here, 409 where configured.
+    let changed = r#"{"product":"book","quantity":2}"#;
+    let mismatch = proxy
+        .send(
+            "POST",
+            "/api/orders",
+            &[json, ("idempotency-key", &key)],
+            changed,
+        )
+        .await;
+    assert_eq!(mismatch.status, 422);
+    let key2 = uuid();
+    let v2 = [json, ("idempotency-key", key2.as_str())];
+    assert_eq!(
+        proxy
+            .send("POST", "/api/v2/orders", &v2, order)
+            .await
+            .status,
+        201
+    );
+    assert_eq!(
+        proxy
+            .send("POST", "/api/v2/orders", &v2, changed)
+            .await
+            .status,
+        409
+    );
+
+    // Missing or malformed key on a route that requires one: 400.
+    let missing = proxy.send("POST", "/api/orders", &[json], order).await;
+    assert_eq!(missing.status, 400);
+    let long = "k".repeat(256);
+    let invalid = proxy
+        .send(
+            "POST",
+            "/api/orders",
+            &[json, ("idempotency-key", &long)],
+            order,
+        )
+        .await;
+    assert_eq!(invalid.status, 400);
+    assert_eq!(backend.hits("/api/orders"), 1);
+    assert_eq!(backend.hits("/api/v2/orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fifty_concurrent_duplicates_run_once() {
+    let (backend, proxy) = start("concurrent", FORMS).await;
+    let proxy = std::sync::Arc::new(proxy);
+    let key = uuid();
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let proxy = proxy.clone();
+        let key = key.clone();
+        tasks.push(tokio::spawn(async move {
+            // Each with its own connection.
+            common::send(
+                &common::client(),
+                proxy.addr,
+                "POST",
+                "/slow?ms=300",
+                &[("idempotency-key", &key)],
+                "pay 10 EUR",
+            )
+            .await
+        }));
+    }
+    let mut replies = Vec::new();
+    for task in tasks {
+        replies.push(task.await.unwrap());
+    }
+    assert_eq!(backend.hits("/slow"), 1);
+    for reply in &replies {
+        assert_eq!(reply.status, 201, "{}", reply.text());
+        assert_eq!(reply.body, replies[0].body);
+    }
+    assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn five_mib_body_arrives_byte_for_byte_and_over_limit_is_413() {
+    let (backend, proxy) = start("large", FORMS).await;
+    let body: Vec<u8> = (0..5 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let expected = format!("{} {}", common::hex(&sha2_digest(&body)), body.len());
+    let key = uuid();
+    let headers = [
+        ("idempotency-key", key.as_str()),
+        ("content-type", "application/octet-stream"),
+    ];
+    let reply = proxy.send("POST", "/upload", &headers, body.clone()).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.text(), expected);
+    let replay = proxy.send("POST", "/upload", &headers, body).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), expected);
+    assert_eq!(backend.hits("/upload"), 1);
+
+    // Over the route's limit: 413, nothing reaches the backend.
+    let big = vec![b'x'; 2048];
+    let key = uuid();
+    let reply = proxy
+        .send("POST", "/small", &[("idempotency-key", &key)], big)
+        .await;
+    assert_eq!(reply.status, 413);
+    // Over the default 1 MiB limit (no Content-Length check shortcut: still 413).
+    let reply = proxy
+        .send(
+            "POST",
+            "/api/x",
+            &[("idempotency-key", &key)],
+            vec![0u8; 1024 * 1024 + 1],
+        )
+        .await;
+    assert_eq!(reply.status, 413);
+    assert_eq!(backend.hits("/small") + backend.hits("/api/x"), 0);
+}
+
+fn sha2_digest(bytes: &[u8]) -> Vec<u8> {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scope_headers_keep_principals_apart() {
+    let (backend, proxy) = start("scope", FORMS).await;
+    let key = uuid();
+    let alice = [
+        ("idempotency-key", key.as_str()),
+        ("authorization", "Bearer alice"),
+    ];
+    let bob = [
+        ("idempotency-key", key.as_str()),
+        ("authorization", "Bearer bob"),
+    ];
+    let a = proxy.send("POST", "/api/pay", &alice, "10").await;
+    let b = proxy.send("POST", "/api/pay", &bob, "10").await;
+    assert_eq!((a.status, a.replayed()), (201, false));
+    assert_eq!((b.status, b.replayed()), (201, false));
+    assert_eq!(backend.hits("/api/pay"), 2);
+    let a2 = proxy.send("POST", "/api/pay", &alice, "10").await;
+    assert!(a2.replayed());
+    assert_eq!(a2.body, a.body);
+    assert_eq!(backend.hits("/api/pay"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn backend_down_is_502_and_the_key_is_usable_again() {
+    let down = common::free_port();
+    let dir = temp_dir("down");
+    let proxy = Proxy::start(ProxyArgs {
+        upstream: format!("http://{down}"),
+        store: "memory",
+        config: FORMS,
+        dir: &dir,
+    })
+    .await;
+    let key = uuid();
+    let headers = [("idempotency-key", key.as_str())];
+    let reply = proxy.send("POST", "/api/orders", &headers, "{}").await;
+    assert_eq!(reply.status, 502, "{}", reply.text());
+    assert_eq!(
+        reply.header("content-type"),
+        Some("application/problem+json")
+    );
+
+    let backend = Backend::start_on(down).await;
+    let reply = proxy.send("POST", "/api/orders", &headers, "{}").await;
+    assert_eq!((reply.status, reply.replayed()), (201, false));
+    assert_eq!(backend.hits("/api/orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_timeout_is_504_and_releases_the_key() {
+    let config = format!("[proxy]\nread_timeout = \"300ms\"\n{FORMS}");
+    let (backend, proxy) = start("timeout", &config).await;
+    let key = uuid();
+    let headers = [("idempotency-key", key.as_str())];
+    let reply = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
+    assert_eq!(reply.status, 504, "{}", reply.text());
+    // Released: the same key executes again (same path and body).
+    let reply = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
+    assert_eq!(reply.status, 504);
+    assert_eq!(backend.hits("/slow"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unmatched_requests_pass_through_unchanged() {
+    let (backend, proxy) = start("passthrough", FORMS).await;
+    let headers = [
+        ("x-custom", "kept"),
+        ("idempotency-key", "not-looked-at"),
+        ("content-type", "text/plain"),
+    ];
+    for (method, path, body) in [
+        ("GET", "/page?a=1&b=2", ""),
+        ("PUT", "/api/orders/7", "replace it"),
+        ("POST", "/plain/submit", "not covered"),
+        ("DELETE", "/contact", ""),
+    ] {
+        let reply = proxy.send(method, path, &headers, body).await;
+        assert_eq!(reply.status, 200, "{method} {path}: {}", reply.text());
+        assert_eq!(reply.header("x-backend"), Some("echo"));
+        assert!(!reply.replayed());
+        let echo = reply.json();
+        assert_eq!(echo["method"], method);
+        assert_eq!(echo["path"], path);
+        assert_eq!(echo["body"], body);
+        assert_eq!(echo["headers"]["x-custom"], "kept");
+        assert_eq!(echo["headers"]["idempotency-key"], "not-looked-at");
+        assert_eq!(echo["headers"]["x-forwarded-for"], "127.0.0.1");
+        assert_eq!(echo["headers"]["x-forwarded-proto"], "http");
+        assert_eq!(echo["headers"]["host"], proxy.addr.to_string());
+    }
+    // Twice the same: both reach the backend.
+    proxy.send("POST", "/plain/submit", &headers, "again").await;
+    assert_eq!(backend.hits("/plain/submit"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn covered_requests_carry_forwarding_headers_and_their_body() {
+    let (backend, proxy) = start("forwarding", FORMS).await;
+    let key = uuid();
+    let headers = [
+        ("idempotency-key", key.as_str()),
+        ("content-type", "text/plain"),
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-forwarded-proto", "https"),
+        ("x-custom", "kept"),
+    ];
+    let reply = proxy
+        .send("POST", "/echo?x=1", &headers, "buffered body")
+        .await;
+    assert_eq!((reply.status, reply.replayed()), (200, false));
+    let echo = reply.json();
+    assert_eq!(echo["path"], "/echo?x=1");
+    assert_eq!(echo["body"], "buffered body");
+    assert_eq!(echo["headers"]["x-custom"], "kept");
+    assert_eq!(echo["headers"]["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    assert_eq!(echo["headers"]["x-forwarded-proto"], "https");
+    assert_eq!(echo["headers"]["host"], proxy.addr.to_string());
+    assert_eq!(echo["headers"]["content-length"], "13");
+    let replay = proxy
+        .send("POST", "/echo?x=1", &headers, "buffered body")
+        .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, reply.body);
+    assert_eq!(replay.header("x-backend"), Some("echo"));
+    assert_eq!(backend.hits("/echo"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_leaves_mid_request_still_gets_its_answer_stored() {
+    let (backend, proxy) = start("disconnect", FORMS).await;
+    let key = uuid();
+    let addr = proxy.addr;
+    let request = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            common::send(
+                &common::client(),
+                addr,
+                "POST",
+                "/slow?ms=gate",
+                &[("idempotency-key", &key)],
+                "book it",
+            )
+            .await
+        })
+    };
+    backend.held().await;
+    request.abort(); // the client goes away while the backend works
+    let _ = request.await;
+    backend.open_gate();
+    // The retry waits for (or finds) the stored answer: no second execution.
+    let reply = proxy
+        .send(
+            "POST",
+            "/slow?ms=gate",
+            &[("idempotency-key", &key)],
+            "book it",
+        )
+        .await;
+    assert_eq!((reply.status, reply.replayed()), (201, true));
+    assert_eq!(backend.hits("/slow"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_in_flight_requests_finish_and_stops_accepting() {
+    let (backend, mut proxy) = start("sigterm", FORMS).await;
+    let key = uuid();
+    let addr = proxy.addr;
+    let request = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            common::send(
+                &common::client(),
+                addr,
+                "POST",
+                "/slow?ms=gate",
+                &[("idempotency-key", &key)],
+                "ship it",
+            )
+            .await
+        })
+    };
+    backend.held().await;
+    proxy.terminate();
+    // New connections are refused once the listener is closed.
+    let mut refused = false;
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(refused, "the proxy still accepts connections after SIGTERM");
+    backend.open_gate();
+    let reply = request.await.unwrap();
+    assert_eq!((reply.status, reply.replayed()), (201, false));
+    assert!(
+        proxy.wait_exit().await,
+        "the proxy exits cleanly once drained"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_serves_health_and_metrics() {
+    let (_backend, proxy) = start("admin", FORMS).await;
+    let key = uuid();
+    proxy
+        .send("POST", "/api/orders", &[("idempotency-key", &key)], "{}")
+        .await;
+    proxy
+        .send("POST", "/api/orders", &[("idempotency-key", &key)], "{}")
+        .await;
+    let health = proxy.admin("/healthz").await;
+    assert_eq!(health.status, 200);
+    let metrics = proxy.admin("/metrics").await;
+    assert_eq!(metrics.status, 200);
+    let text = metrics.text();
+    assert!(
+        text.contains("idempotency_requests_total{outcome=\"executed\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idempotency_requests_total{outcome=\"replayed\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("idempotency_in_flight 0"), "{text}");
+}
