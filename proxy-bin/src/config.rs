@@ -383,6 +383,34 @@ mismatch_status = 409
     }
 
     #[test]
+    fn the_example_file_is_valid_and_complete() {
+        let text = include_str!("../idempotency.example.toml");
+        let config = Config::parse(text).unwrap();
+        assert!(config
+            .routes
+            .find(&Method::POST, "/webhooks/stripe")
+            .is_none());
+        let api = config
+            .routes
+            .find(&Method::DELETE, "/api/orders/7")
+            .unwrap();
+        assert_eq!(api.policy().max_body_bytes, 16 * 1024 * 1024);
+        // Every policy key is documented in [defaults], with its default value.
+        let file: File = toml::from_str(text).unwrap();
+        let defaults: Entries = file
+            .defaults
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (k.into_inner(), v))
+            .collect();
+        assert_eq!(policy_of(&defaults).unwrap(), Policy::default());
+        let documented = toml::Value::try_from(Policy::default()).unwrap();
+        for key in documented.as_table().unwrap().keys() {
+            assert!(defaults.contains_key(key), "`{key}` is not in the example");
+        }
+    }
+
+    #[test]
     fn defaults_alone_cover_every_path() {
         let config = Config::parse("[defaults]\nrequired = true\n").unwrap();
         assert!(

@@ -227,24 +227,15 @@ async fn nextjs_idempotency_key_json_contract() {
 #[tokio::test(flavor = "multi_thread")]
 async fn fifty_concurrent_duplicates_run_once() {
     let (backend, proxy) = start("concurrent", FORMS).await;
-    let proxy = std::sync::Arc::new(proxy);
     let key = uuid();
     let mut tasks = Vec::new();
     for _ in 0..50 {
-        let proxy = proxy.clone();
-        let key = key.clone();
-        tasks.push(tokio::spawn(async move {
-            // Each with its own connection.
-            common::send(
-                &common::client(),
-                proxy.addr,
-                "POST",
-                "/slow?ms=300",
-                &[("idempotency-key", &key)],
-                "pay 10 EUR",
-            )
-            .await
-        }));
+        tasks.push(common::spawn_post(
+            proxy.addr,
+            "/slow?ms=300",
+            &key,
+            "pay 10 EUR",
+        ));
     }
     let mut replies = Vec::new();
     for task in tasks {
@@ -436,20 +427,7 @@ async fn a_client_that_leaves_mid_request_still_gets_its_answer_stored() {
     let (backend, proxy) = start("disconnect", FORMS).await;
     let key = uuid();
     let addr = proxy.addr;
-    let request = {
-        let key = key.clone();
-        tokio::spawn(async move {
-            common::send(
-                &common::client(),
-                addr,
-                "POST",
-                "/slow?ms=gate",
-                &[("idempotency-key", &key)],
-                "book it",
-            )
-            .await
-        })
-    };
+    let request = common::spawn_post(addr, "/slow?ms=gate", &key, "book it");
     backend.held().await;
     request.abort(); // the client goes away while the backend works
     let _ = request.await;
@@ -472,20 +450,7 @@ async fn sigterm_lets_in_flight_requests_finish_and_stops_accepting() {
     let (backend, mut proxy) = start("sigterm", FORMS).await;
     let key = uuid();
     let addr = proxy.addr;
-    let request = {
-        let key = key.clone();
-        tokio::spawn(async move {
-            common::send(
-                &common::client(),
-                addr,
-                "POST",
-                "/slow?ms=gate",
-                &[("idempotency-key", &key)],
-                "ship it",
-            )
-            .await
-        })
-    };
+    let request = common::spawn_post(addr, "/slow?ms=gate", &key, "ship it");
     backend.held().await;
     proxy.terminate();
     // New connections are refused once the listener is closed.

@@ -371,6 +371,28 @@ pub async fn send(
     }
 }
 
+/// POSTs `body` with `Idempotency-Key: key` on a connection of its own,
+/// in the background.
+pub fn spawn_post(
+    addr: SocketAddr,
+    path: &str,
+    key: &str,
+    body: &'static str,
+) -> tokio::task::JoinHandle<Reply> {
+    let (path, key) = (path.to_owned(), key.to_owned());
+    tokio::spawn(async move {
+        send(
+            &client(),
+            addr,
+            "POST",
+            &path,
+            &[("idempotency-key", &key)],
+            body,
+        )
+        .await
+    })
+}
+
 /// An `application/x-www-form-urlencoded` body.
 pub fn urlencoded(fields: &[(&str, &str)]) -> String {
     fields
