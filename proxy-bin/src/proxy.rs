@@ -77,13 +77,7 @@ impl IdempotencyProxy {
                 return Ok(true);
             }
         };
-        let request = session.req_header();
-        let head = RequestHead {
-            method: &request.method,
-            uri: &request.uri,
-            headers: &request.headers,
-            principal: None,
-        };
+        let head = request_head(session.req_header());
         let reservation = match self.engine.begin(&policy, head, &body).await {
             Decision::Respond(response) => {
                 write_response(session, response).await?;
@@ -140,6 +134,13 @@ impl ProxyHttp for IdempotencyProxy {
         let Some(policy) = self.engine.route(&request.method, request.uri.path()) else {
             return Ok(false);
         };
+        if self
+            .engine
+            .passes_without_key(&policy, &request_head(request))
+        {
+            // Unprotected anyway: stream it, without a body limit.
+            return Ok(false);
+        }
         let route = route_label(&self.routes, &policy);
         let span = tracing::info_span!("request", method = %request.method, route = %route);
         ctx.route = Some(route);
@@ -224,6 +225,17 @@ impl ProxyHttp for IdempotencyProxy {
                 tracing::debug!(method = %request.method, status, duration_us, error = error.map(tracing::field::display), "passthrough done")
             }
         }
+    }
+}
+
+/// What the engine sees of a request. The proxy knows no principal of its
+/// own; callers are told apart by the route's `scope_headers`.
+fn request_head(request: &RequestHeader) -> RequestHead<'_> {
+    RequestHead {
+        method: &request.method,
+        uri: &request.uri,
+        headers: &request.headers,
+        principal: None,
     }
 }
 

@@ -48,11 +48,21 @@ enabled = false
 "#;
 
 async fn start(name: &str, config: &str) -> (Backend, Proxy) {
+    start_with(name, config, "memory", None).await
+}
+
+async fn start_with(
+    name: &str,
+    config: &str,
+    store: &str,
+    redis: Option<String>,
+) -> (Backend, Proxy) {
     let backend = Backend::start().await;
     let dir = temp_dir(name);
     let proxy = Proxy::start(ProxyArgs {
         upstream: backend.url(),
-        store: "memory",
+        store,
+        redis,
         config,
         dir: &dir,
     })
@@ -287,6 +297,13 @@ async fn five_mib_body_arrives_byte_for_byte_and_over_limit_is_413() {
         .await;
     assert_eq!(reply.status, 413);
     assert_eq!(backend.hits("/small") + backend.hits("/api/x"), 0);
+
+    // Without a key on a route where it is optional, nothing is protected:
+    // the body streams through, with no limit.
+    let big = "a".repeat(2 * 1024 * 1024);
+    let reply = proxy.send("POST", "/small/echo", &[], big.clone()).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.json()["body"], big.as_str());
 }
 
 fn sha2_digest(bytes: &[u8]) -> Vec<u8> {
@@ -324,6 +341,7 @@ async fn backend_down_is_502_and_the_key_is_usable_again() {
     let proxy = Proxy::start(ProxyArgs {
         upstream: format!("http://{down}"),
         store: "memory",
+        redis: None,
         config: FORMS,
         dir: &dir,
     })
@@ -496,4 +514,28 @@ async fn admin_serves_health_and_metrics() {
         "{text}"
     );
     assert!(text.contains("idempotency_in_flight 0"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replays_come_from_the_redis_front_cache() {
+    let redis = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let (backend, proxy) = start_with("redis", FORMS, "memory", Some(redis)).await;
+    let key = uuid();
+    let headers = [("idempotency-key", key.as_str())];
+    let first = proxy.send("POST", "/api/orders", &headers, "{}").await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    for _ in 0..3 {
+        let replay = proxy.send("POST", "/api/orders", &headers, "{}").await;
+        assert!(replay.replayed());
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(backend.hits("/api/orders"), 1);
+    let metrics = proxy.admin("/metrics").await.text();
+    let hits: u64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("idempotency_redis_hits_total "))
+        .expect("Redis counters in /metrics")
+        .parse()
+        .unwrap();
+    assert!(hits >= 1, "{metrics}");
 }

@@ -210,6 +210,7 @@ pub struct Proxy {
 pub struct ProxyArgs<'a> {
     pub upstream: String,
     pub store: &'a str,
+    pub redis: Option<String>,
     pub config: &'a str,
     pub dir: &'a Path,
 }
@@ -222,7 +223,11 @@ impl Proxy {
         std::fs::write(&config_path, args.config).unwrap();
         let addr = free_port();
         let admin = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_idempotency-proxy"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idempotency-proxy"));
+        if let Some(redis) = &args.redis {
+            command.args(["--redis", redis]);
+        }
+        let child = command
             .current_dir(args.dir)
             .args(["--listen", &addr.to_string()])
             .args(["--upstream", &args.upstream])
