@@ -400,23 +400,7 @@ pub fn spawn_post(
 
 /// An `application/x-www-form-urlencoded` body.
 pub fn urlencoded(fields: &[(&str, &str)]) -> String {
-    fields
-        .iter()
-        .map(|(k, v)| format!("{}={}", encode(k), encode(v)))
-        .collect::<Vec<_>>()
-        .join("&")
-}
-
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            b' ' => "+".into(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    serde_urlencoded::to_string(fields).unwrap()
 }
 
 /// A `multipart/form-data` body and its content type.
