@@ -49,6 +49,10 @@ pub use layer::{Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};
 pub use policy::{FailMode, InFlightPolicy, KeySource, Policy, PolicyError, RoutePolicy, Routes};
 pub use problem::{Problem, ProblemKind};
+#[cfg(feature = "postgres")]
+pub use store::PostgresStore;
+#[cfg(feature = "sqlite")]
+pub use store::SqliteStore;
 pub use store::{MemoryStore, Store, StoreError};
 #[cfg(feature = "redis")]
 pub use store::{RedisCache, RedisCacheConfig};

@@ -18,6 +18,16 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 mod memory;
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "postgres")]
+pub use postgres::PostgresStore;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod sql;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+#[cfg(feature = "sqlite")]
+pub use sqlite::SqliteStore;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]

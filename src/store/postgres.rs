@@ -1,0 +1,271 @@
+//! The PostgreSQL store: the source of truth when several instances share
+//! the work.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+use super::sql::{self, micros, store_error, OutcomeColumns, RecordRow};
+use super::{Claim, Fingerprint, Outcome, OwnerToken, Record, ScopeKey, Store, StoreError};
+
+/// Insert, or overwrite a record whose retention ran out or whose lease ran
+/// out (same fingerprint only), in one statement. Returns no row when a live
+/// record stands. A takeover keeps the first reservation's `created_at`,
+/// which is how `takeover` is told apart from a fresh or reused key.
+const RESERVE: &str = "
+INSERT INTO idempotency_records AS r
+    (key, fingerprint, owner, state, lease_expires_at, expires_at)
+VALUES ($1, $2, $3, 'in_flight',
+        now() + $4::bigint * interval '1 microsecond',
+        now() + $5::bigint * interval '1 microsecond')
+ON CONFLICT (key) DO UPDATE SET
+    fingerprint = EXCLUDED.fingerprint,
+    owner = EXCLUDED.owner,
+    state = 'in_flight',
+    lease_expires_at = EXCLUDED.lease_expires_at,
+    expires_at = EXCLUDED.expires_at,
+    status = NULL,
+    headers = NULL,
+    body = NULL,
+    created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END
+WHERE r.expires_at <= now()
+   OR (r.state = 'in_flight' AND r.lease_expires_at <= now()
+       AND r.fingerprint = EXCLUDED.fingerprint)
+RETURNING created_at < now() AS takeover";
+
+const SELECT_LIVE: &str = "
+SELECT fingerprint, state, status, headers, body,
+       (extract(epoch FROM greatest(lease_expires_at - now(), interval '0')) * 1000000)::bigint
+           AS lease_remaining_us
+FROM idempotency_records
+WHERE key = $1 AND expires_at > now()";
+
+const COMPLETE: &str = "
+UPDATE idempotency_records
+SET state = $3, owner = NULL, lease_expires_at = NULL,
+    status = $4, headers = $5, body = $6,
+    expires_at = now() + $7::bigint * interval '1 microsecond'
+WHERE key = $1 AND owner = $2 AND state = 'in_flight'";
+
+const RELEASE: &str = "
+DELETE FROM idempotency_records
+WHERE key = $1 AND owner = $2 AND state = 'in_flight'";
+
+const RENEW: &str = "
+UPDATE idempotency_records
+SET lease_expires_at = now() + $3::bigint * interval '1 microsecond'
+WHERE key = $1 AND owner = $2 AND state = 'in_flight'";
+
+/// Oldest expired rows first, through the `expires_at` index. `SKIP LOCKED`
+/// lets sweepers of several instances run side by side; the outer condition
+/// is checked again on the locked row, so a key reserved anew a moment ago
+/// is never deleted.
+const SWEEP: &str = "
+DELETE FROM idempotency_records
+WHERE key IN (SELECT key FROM idempotency_records
+              WHERE expires_at <= now()
+              ORDER BY expires_at
+              LIMIT $1
+              FOR UPDATE SKIP LOCKED)
+  AND expires_at <= now()";
+
+/// Keeps records in a PostgreSQL table, `idempotency_records` (see
+/// `migrations/`), shared by every instance that connects to it.
+///
+/// * A reservation is one atomic `INSERT … ON CONFLICT DO UPDATE … WHERE`
+///   statement: of any number of concurrent callers on any number of
+///   instances, exactly one gets the key, and an expired lease is taken over
+///   by exactly one caller with the same fingerprint.
+/// * Completion, release and renewal are `… WHERE owner = $2`: a worker
+///   that lost its lease can never overwrite its successor.
+/// * All time is the database's clock (`now()`); instance clocks never
+///   matter.
+/// * Waiters poll with the default bounded backoff (10 ms doubling to
+///   200 ms, one primary-key lookup per step), and only while a duplicate
+///   actually waits. `LISTEN/NOTIFY` was not used: a committing `NOTIFY`
+///   takes a database-wide lock, which would serialise every completion.
+/// * A failed connection, a pool that has no connection within its acquire
+///   timeout, or any database error becomes a [`StoreError`], which the
+///   engine answers with 503 (fail closed). The pool reconnects on its own.
+///
+/// The table is searched through the connection's `search_path`; to keep it
+/// in another schema, add `?options=-c%20search_path%3Dmy_schema` to the URL.
+///
+/// Clones share the pool.
+#[derive(Clone, Debug)]
+pub struct PostgresStore {
+    pool: PgPool,
+}
+
+impl PostgresStore {
+    /// The schema migrations (`migrations/*.sql`), for teams that apply them
+    /// separately. It tolerates other migrations recorded in the same
+    /// `_sqlx_migrations` table (the application's own).
+    pub const MIGRATOR: Migrator = Migrator {
+        ignore_missing: true,
+        ..sqlx::migrate!("./migrations")
+    };
+
+    /// How long a request waits for a pooled connection before the store
+    /// reports [`StoreError::Timeout`] (and the engine answers 503).
+    pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
+
+    /// Connects to `url` (`postgres://user:password@host/database`) with
+    /// [`PostgresStore::pool_options`] and applies the migrations.
+    ///
+    /// Fails when the database cannot be reached now or a migration fails;
+    /// once connected, an outage only fails the calls made during it.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = Self::pool_options()
+            .connect(url)
+            .await
+            .map_err(store_error)?;
+        let store = Self::from_pool(pool);
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// The pool settings [`connect`](PostgresStore::connect) uses: an acquire
+    /// timeout of [`ACQUIRE_TIMEOUT`](PostgresStore::ACQUIRE_TIMEOUT), so an
+    /// unreachable database becomes a quick 503 rather than a hung request.
+    pub fn pool_options() -> PgPoolOptions {
+        PgPoolOptions::new().acquire_timeout(Self::ACQUIRE_TIMEOUT)
+    }
+
+    /// A store over an existing pool. Nothing is migrated: call
+    /// [`migrate`](PostgresStore::migrate), or apply
+    /// [`MIGRATOR`](PostgresStore::MIGRATOR) or the SQL files yourself.
+    pub fn from_pool(pool: PgPool) -> Self {
+        PostgresStore { pool }
+    }
+
+    /// Creates or upgrades the table. Safe to run from several instances at
+    /// once (the migrator holds an advisory lock) and on every start.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        Self::MIGRATOR
+            .run(&self.pool)
+            .await
+            .map_err(sql::migrate_error)
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Closes the pool's connections; later calls fail with
+    /// [`StoreError::Unavailable`].
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn reserve(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        sql::reserve(
+            |owner| async move {
+                sqlx::query_scalar::<_, bool>(RESERVE)
+                    .bind(key.as_bytes().as_slice())
+                    .bind(fingerprint.as_bytes().as_slice())
+                    .bind(owner.as_bytes().as_slice())
+                    .bind(micros(lease))
+                    .bind(micros(ttl))
+                    .fetch_optional(&self.pool)
+                    .await
+            },
+            || self.select_live(key),
+        )
+        .await
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        outcome: &Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let columns = OutcomeColumns::from(outcome);
+        let done = sqlx::query(COMPLETE)
+            .bind(key.as_bytes().as_slice())
+            .bind(owner.as_bytes().as_slice())
+            .bind(columns.state)
+            .bind(columns.status)
+            .bind(columns.headers)
+            .bind(columns.body)
+            .bind(micros(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
+        let done = sqlx::query(RELEASE)
+            .bind(key.as_bytes().as_slice())
+            .bind(owner.as_bytes().as_slice())
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(RENEW)
+            .bind(key.as_bytes().as_slice())
+            .bind(owner.as_bytes().as_slice())
+            .bind(micros(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
+        self.select_live(key)
+            .await
+            .map_err(store_error)?
+            .map(RecordRow::into_record)
+            .transpose()
+    }
+
+    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
+        let done = sqlx::query(SWEEP)
+            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+}
+
+impl PostgresStore {
+    async fn select_live(&self, key: &ScopeKey) -> Result<Option<RecordRow>, sqlx::Error> {
+        sqlx::query_as(SELECT_LIVE)
+            .bind(key.as_bytes().as_slice())
+            .fetch_optional(&self.pool)
+            .await
+    }
+}

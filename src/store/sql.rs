@@ -1,0 +1,160 @@
+//! What the SQL stores share: the row they read, the columns an outcome is
+//! written to, the reserve protocol around the atomic upsert, and the
+//! mapping of sqlx errors onto [`StoreError`].
+//!
+//! Both schemas (`migrations/`, `migrations/sqlite/`) have the same
+//! columns; only time is represented differently (PostgreSQL
+//! `timestamptz` by the database clock, SQLite integer microseconds).
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+
+use super::{
+    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, StoreError, StoredResponse,
+};
+
+/// The `state` column of a record still held by its owner.
+pub(super) const IN_FLIGHT: &str = "in_flight";
+
+/// A live record as both stores select it.
+#[derive(sqlx::FromRow)]
+pub(super) struct RecordRow {
+    fingerprint: Vec<u8>,
+    state: String,
+    /// Lease time left in microseconds (NULL once completed).
+    lease_remaining_us: Option<i64>,
+    status: Option<i16>,
+    headers: Option<Vec<u8>>,
+    body: Option<Vec<u8>>,
+}
+
+impl RecordRow {
+    /// Decodes the row; anything the stores never write is
+    /// [`StoreError::Corrupt`].
+    pub(super) fn into_record(self) -> Result<Record, StoreError> {
+        let corrupt =
+            |what: &str| StoreError::Corrupt(format!("{what} of a `{}` record", self.state));
+        let status = || {
+            self.status
+                .and_then(|code| u16::try_from(code).ok())
+                .and_then(|code| StatusCode::from_u16(code).ok())
+                .ok_or_else(|| corrupt("status"))
+        };
+        let state = match self.state.as_str() {
+            IN_FLIGHT => RecordState::InFlight {
+                lease_remaining: Duration::from_micros(
+                    self.lease_remaining_us.unwrap_or(0).max(0) as u64
+                ),
+            },
+            "completed" => {
+                let (Some(headers), Some(body)) = (&self.headers, &self.body) else {
+                    return Err(corrupt("response"));
+                };
+                RecordState::Completed(Outcome::Stored(StoredResponse {
+                    status: status()?,
+                    headers: StoredResponse::decode_headers(headers)?,
+                    body: Bytes::copy_from_slice(body),
+                }))
+            }
+            "too_large" => RecordState::Completed(Outcome::TooLarge { status: status()? }),
+            other => return Err(StoreError::Corrupt(format!("record state `{other}`"))),
+        };
+        Ok(Record {
+            fingerprint: Fingerprint::from_slice(&self.fingerprint)?,
+            state,
+        })
+    }
+}
+
+/// The columns a completed record is written to.
+pub(super) struct OutcomeColumns<'a> {
+    /// `completed` or `too_large`.
+    pub(super) state: &'static str,
+    pub(super) status: i16,
+    pub(super) headers: Option<Vec<u8>>,
+    pub(super) body: Option<&'a [u8]>,
+}
+
+impl<'a> From<&'a Outcome> for OutcomeColumns<'a> {
+    fn from(outcome: &'a Outcome) -> Self {
+        // Status codes are 100..=999, so they always fit a smallint.
+        let status = outcome.status().as_u16() as i16;
+        match outcome {
+            Outcome::Stored(response) => OutcomeColumns {
+                state: "completed",
+                status,
+                headers: Some(response.encode_headers()),
+                body: Some(&response.body),
+            },
+            Outcome::TooLarge { .. } => OutcomeColumns {
+                state: "too_large",
+                status,
+                headers: None,
+                body: None,
+            },
+        }
+    }
+}
+
+/// A duration as bound to the queries: whole microseconds, saturating.
+pub(super) fn micros(duration: Duration) -> i64 {
+    i64::try_from(duration.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// The reserve protocol shared by the SQL stores.
+///
+/// `acquire(owner)` runs the one atomic upsert (insert, or overwrite an
+/// expired record or an expired lease of the same fingerprint) and returns
+/// `Some(takeover)` when it wrote the row, `None` when a live record stands.
+/// `existing()` then selects that record. If it vanished in between
+/// (released or expired), the upsert runs again: the loop ends as soon as
+/// either statement sees a row, which under any real contention is the
+/// second round.
+pub(super) async fn reserve<A, E>(
+    mut acquire: impl FnMut(OwnerToken) -> A,
+    mut existing: impl FnMut() -> E,
+) -> Result<Claim, StoreError>
+where
+    A: Future<Output = Result<Option<bool>, sqlx::Error>>,
+    E: Future<Output = Result<Option<RecordRow>, sqlx::Error>>,
+{
+    const ROUNDS: usize = 8;
+    for _ in 0..ROUNDS {
+        let owner = OwnerToken::random();
+        if let Some(takeover) = acquire(owner).await.map_err(store_error)? {
+            return Ok(Claim::Acquired { owner, takeover });
+        }
+        if let Some(row) = existing().await.map_err(store_error)? {
+            return Ok(Claim::Existing(row.into_record()?));
+        }
+    }
+    Err(StoreError::Unavailable(
+        format!("the record changed under {ROUNDS} reservation attempts").into(),
+    ))
+}
+
+/// Maps a sqlx error: no connection in time is [`StoreError::Timeout`], an
+/// undecodable row is [`StoreError::Corrupt`], anything else (I/O, TLS, a
+/// closed pool, a database error) is [`StoreError::Unavailable`].
+pub(super) fn store_error(error: sqlx::Error) -> StoreError {
+    match error {
+        sqlx::Error::PoolTimedOut => StoreError::Timeout,
+        sqlx::Error::Decode(_)
+        | sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. }
+        | sqlx::Error::TypeNotFound { .. } => StoreError::Corrupt(error.to_string()),
+        other => StoreError::Unavailable(Box::new(other)),
+    }
+}
+
+/// Maps a failed migration onto [`StoreError::Unavailable`].
+pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
+    match error {
+        sqlx::migrate::MigrateError::Execute(error) => store_error(error),
+        other => StoreError::Unavailable(Box::new(other)),
+    }
+}
