@@ -4,7 +4,7 @@
 //! To check a new backend, add one line at the bottom:
 //! `conformance!(name, async { /* a fresh, empty store */ });`
 
-mod common;
+mod fixtures;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +27,7 @@ macro_rules! conformance {
                 too_large_marker_round_trips,
                 wrong_owner_is_refused,
                 release_frees_the_key,
-                renew_keeps_the_lease,
+                renew_keeps_the_lease_and_the_record,
                 expired_lease_is_taken_over_by_the_same_fingerprint_only,
                 expired_retention_frees_the_key,
                 sweep_deletes_only_expired_records_in_batches,
@@ -48,14 +48,14 @@ macro_rules! conformance {
 
 conformance!(memory, async { MemoryStore::new() });
 #[cfg(feature = "sqlite")]
-conformance!(sqlite, common::sqlite_store());
+conformance!(sqlite, fixtures::sqlite_store());
 #[cfg(feature = "postgres")]
-conformance!(postgres, common::postgres_store());
+conformance!(postgres, fixtures::postgres_store());
 
 /// The tests, each against a fresh store.
 mod suite {
     use super::*;
-    use common::{fingerprint, random_key};
+    use fixtures::{fingerprint, random_key};
 
     /// A lease or retention that does not run out during a test.
     const LONG: Duration = Duration::from_secs(600);
@@ -231,18 +231,22 @@ mod suite {
         acquire(&store, &key, 2, LONG, LONG).await;
     }
 
-    pub(super) async fn renew_keeps_the_lease(store: Arc<dyn Store>) {
+    pub(super) async fn renew_keeps_the_lease_and_the_record(store: Arc<dyn Store>) {
         let key = random_key();
-        let owner = acquire(&store, &key, 1, SHORT, LONG).await;
+        // Lease and retention both short: the call outlives its ttl.
+        let owner = acquire(&store, &key, 1, SHORT, SHORT).await;
         assert!(store.renew(&key, &owner, LONG).await.unwrap());
         tokio::time::sleep(PAST_SHORT).await;
-        assert!(matches!(
-            store
-                .reserve(&key, &fingerprint(1), LONG, LONG)
-                .await
-                .unwrap(),
-            Claim::Existing(_)
-        ));
+        assert_eq!(store.sweep(100).await.unwrap(), 0);
+        for fp in [1, 2] {
+            assert!(matches!(
+                store
+                    .reserve(&key, &fingerprint(fp), LONG, LONG)
+                    .await
+                    .unwrap(),
+                Claim::Existing(_)
+            ));
+        }
         assert!(store
             .complete(&key, &owner, &response(), LONG)
             .await

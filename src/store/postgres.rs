@@ -53,9 +53,11 @@ const RELEASE: &str = "
 DELETE FROM idempotency_records
 WHERE key = $1 AND owner = $2 AND state = 'in_flight'";
 
+/// A renewed reservation never expires (nor is swept) under its owner.
 const RENEW: &str = "
 UPDATE idempotency_records
-SET lease_expires_at = now() + $3::bigint * interval '1 microsecond'
+SET lease_expires_at = now() + $3::bigint * interval '1 microsecond',
+    expires_at = greatest(expires_at, now() + $3::bigint * interval '1 microsecond')
 WHERE key = $1 AND owner = $2 AND state = 'in_flight'";
 
 /// Oldest expired rows first, through the `expires_at` index. `SKIP LOCKED`

@@ -48,9 +48,10 @@ const RELEASE: &str = "
 DELETE FROM idempotency_records
 WHERE key = ?1 AND owner = ?2 AND state = 'in_flight'";
 
+/// A renewed reservation never expires (nor is swept) under its owner.
 const RENEW: &str = "
 UPDATE idempotency_records
-SET lease_expires_at = ?3 + ?4
+SET lease_expires_at = ?3 + ?4, expires_at = max(expires_at, ?3 + ?4)
 WHERE key = ?1 AND owner = ?2 AND state = 'in_flight'";
 
 const SWEEP: &str = "

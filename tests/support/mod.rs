@@ -150,6 +150,15 @@ impl Harness {
         }
     }
 
+    /// The same inner service (and call count) behind `engine`: another
+    /// instance sharing the work, or an engine over another store.
+    pub fn with_engine(&self, engine: Engine) -> Self {
+        Harness {
+            engine,
+            ..self.clone()
+        }
+    }
+
     /// How often the inner service ran.
     pub fn calls(&self) -> usize {
         self.inner.calls.load(Ordering::SeqCst)

@@ -1,0 +1,299 @@
+//! The PostgreSQL store beyond the conformance suite: separate connections,
+//! several instances on one database, an outage, the sweeper.
+#![cfg(feature = "postgres")]
+
+mod fixtures;
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use sqlx::postgres::PgConnectOptions;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Barrier};
+use tower_idempotency::store::{Claim, Outcome, StoredResponse};
+use tower_idempotency::{Engine, Policy, PostgresStore, Routes, Store};
+
+use fixtures::{fingerprint, fresh_schema, pool, postgres_store, random_key};
+use support::{post_json, Harness};
+
+const LONG: Duration = Duration::from_secs(600);
+
+fn routes(policy: &Policy) -> Routes {
+    Routes::all(policy.clone()).unwrap()
+}
+
+fn outcome() -> Outcome {
+    Outcome::Stored(StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: Vec::new(),
+        body: bytes::Bytes::from_static(b"done"),
+    })
+}
+
+/// Spawns one task per store; all reserve `key` at the same moment.
+async fn reserve_at_once(
+    stores: Vec<PostgresStore>,
+    key: tower_idempotency::store::ScopeKey,
+) -> Vec<Claim> {
+    let start = Arc::new(Barrier::new(stores.len()));
+    let tasks = stores.into_iter().map(|store| {
+        let start = start.clone();
+        tokio::spawn(async move {
+            start.wait().await;
+            store
+                .reserve(&key, &fingerprint(1), LONG, LONG)
+                .await
+                .unwrap()
+        })
+    });
+    join_all(tasks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_connections_reserving_one_key_let_exactly_one_proceed() {
+    let options = fresh_schema().await;
+    let stores = join_all(
+        (0..50).map(|_| async { PostgresStore::from_pool(pool(options.clone(), 1).await) }),
+    )
+    .await;
+    stores[0].migrate().await.unwrap();
+
+    let claims = reserve_at_once(stores.clone(), random_key()).await;
+    let acquired = claims
+        .iter()
+        .filter(|claim| {
+            matches!(
+                claim,
+                Claim::Acquired {
+                    takeover: false,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(acquired, 1, "{claims:?}");
+    assert!(claims
+        .iter()
+        .all(|claim| matches!(claim, Claim::Acquired { .. } | Claim::Existing(_))));
+    join_all(stores.iter().map(PostgresStore::close)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_one_database_execute_a_request_once() {
+    let options = fresh_schema().await;
+    let first = PostgresStore::from_pool(pool(options.clone(), 10).await);
+    first.migrate().await.unwrap();
+    let second = PostgresStore::from_pool(pool(options, 10).await);
+    let policy = Policy::default();
+    let base = Harness::new(policy.clone());
+    let instances = [
+        base.with_engine(Engine::new(first, routes(&policy))),
+        base.with_engine(Engine::new(second, routes(&policy))),
+    ];
+
+    let replies = join_all((0..40).map(|i| {
+        let instance = instances[i % 2].clone();
+        tokio::spawn(async move {
+            instance
+                .send(post_json(b"order-7", r#"{"amount": 5}"#))
+                .await
+        })
+    }))
+    .await;
+
+    assert_eq!(base.calls(), 1);
+    let replies: Vec<_> = replies.into_iter().map(Result::unwrap).collect();
+    for reply in &replies {
+        assert_eq!(reply.status, http::StatusCode::CREATED);
+        assert_eq!(reply.text(), "order 1");
+    }
+    assert_eq!(replies.iter().filter(|reply| !reply.replayed()).count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
+    let options = fresh_schema().await;
+    let stores = join_all(
+        (0..20).map(|_| async { PostgresStore::from_pool(pool(options.clone(), 1).await) }),
+    )
+    .await;
+    stores[0].migrate().await.unwrap();
+    let key = random_key();
+    let crashed = match stores[0]
+        .reserve(&key, &fingerprint(1), Duration::from_millis(100), LONG)
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { owner, .. } => owner,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(250)).await;
+
+    let claims = reserve_at_once(stores.clone(), key).await;
+    let successors: Vec<_> = claims
+        .iter()
+        .filter_map(|claim| match claim {
+            Claim::Acquired { owner, takeover } => {
+                assert!(takeover);
+                Some(*owner)
+            }
+            Claim::Existing(_) => None,
+        })
+        .collect();
+    assert_eq!(successors.len(), 1, "{claims:?}");
+
+    let store = &stores[0];
+    assert!(!store
+        .complete(&key, &crashed, &outcome(), LONG)
+        .await
+        .unwrap());
+    assert!(store
+        .complete(&key, &successors[0], &outcome(), LONG)
+        .await
+        .unwrap());
+    assert_eq!(
+        store.get(&key).await.unwrap().unwrap().state,
+        tower_idempotency::store::RecordState::Completed(outcome())
+    );
+    join_all(stores.iter().map(PostgresStore::close)).await;
+}
+
+/// A TCP forwarder to PostgreSQL that can be switched off (connections
+/// through it are cut, new ones closed at once) and on again: an outage
+/// without touching the shared server.
+struct Switch {
+    port: u16,
+    up: watch::Sender<bool>,
+}
+
+impl Switch {
+    async fn start(target: &PgConnectOptions) -> Self {
+        let target = format!("{}:{}", target.get_host(), target.get_port());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (up, state) = watch::channel(true);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let mut state = state.clone();
+                if !*state.borrow() {
+                    continue; // dropped: closed at once
+                }
+                let target = target.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = state.wait_for(|up| !up) => {}
+                    }
+                });
+            }
+        });
+        Switch { port, up }
+    }
+
+    /// `options` pointed at the switch.
+    fn route(&self, options: &PgConnectOptions) -> PgConnectOptions {
+        options.clone().host("127.0.0.1").port(self.port)
+    }
+
+    fn set(&self, up: bool) {
+        self.up.send_replace(up);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_fails_closed_and_recovers_without_restart() {
+    let options = fresh_schema().await;
+    let switch = Switch::start(&options).await;
+    let store = PostgresStore::from_pool(pool(switch.route(&options), 5).await);
+    store.migrate().await.unwrap();
+    let policy = Policy::default();
+    let harness = Harness::new(policy.clone()).with_engine(Engine::new(store, routes(&policy)));
+
+    let first = harness.send(post_json(b"before", "{}")).await;
+    assert_eq!(first.status, http::StatusCode::CREATED);
+    assert_eq!(harness.calls(), 1);
+
+    switch.set(false);
+    for key in [&b"before"[..], b"during"] {
+        let reply = harness.send(post_json(key, "{}")).await;
+        assert_eq!(reply.status, http::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(reply.headers.contains_key(http::header::RETRY_AFTER));
+        assert_eq!(
+            reply.problem_type(),
+            "urn:tower-idempotency:store-unavailable"
+        );
+    }
+    assert!(harness.engine.health().await.is_err());
+    assert_eq!(
+        harness.calls(),
+        1,
+        "the inner service ran during the outage"
+    );
+
+    switch.set(true);
+    let during = harness.send(post_json(b"during", "{}")).await;
+    assert_eq!(during.status, http::StatusCode::CREATED);
+    assert_eq!(during.text(), "order 2");
+    let before = harness.send(post_json(b"before", "{}")).await;
+    assert!(before.replayed());
+    assert_eq!(before.text(), "order 1");
+    assert_eq!(harness.calls(), 2);
+    assert!(harness.engine.health().await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_removes_only_expired_records() {
+    let store = postgres_store().await;
+    let short = Duration::from_millis(100);
+    let mut live = Vec::new();
+    for i in 0..8 {
+        let key = random_key();
+        let ttl = if i < 5 { short } else { LONG };
+        let Claim::Acquired { owner, .. } = store
+            .reserve(&key, &fingerprint(1), LONG, ttl)
+            .await
+            .unwrap()
+        else {
+            panic!("a fresh key was not acquired");
+        };
+        if i % 2 == 0 {
+            assert!(store.complete(&key, &owner, &outcome(), ttl).await.unwrap());
+        }
+        if i >= 5 {
+            live.push(key);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(250)).await;
+
+    let engine = Engine::new(store.clone(), routes(&Policy::default()));
+    let sweeper = engine.spawn_sweeper(Duration::from_millis(20), 2);
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM idempotency_records")
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    };
+    for _ in 0..500 {
+        if count().await == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sweeper.abort();
+    assert_eq!(count().await, 3);
+    for key in &live {
+        assert!(
+            store.get(key).await.unwrap().is_some(),
+            "a live record was swept"
+        );
+    }
+}
