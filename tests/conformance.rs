@@ -55,7 +55,7 @@ conformance!(postgres, fixtures::postgres_store());
 /// The tests, each against a fresh store.
 mod suite {
     use super::*;
-    use fixtures::{fingerprint, random_key};
+    use fixtures::{fingerprint, random_key, reserve_at_once};
 
     /// A lease or retention that does not run out during a test.
     const LONG: Duration = Duration::from_secs(600);
@@ -349,24 +349,10 @@ mod suite {
     }
 
     pub(super) async fn concurrent_reservations_have_one_winner(store: Arc<dyn Store>) {
-        const CALLERS: usize = 50;
-        let key = random_key();
-        let start = Arc::new(tokio::sync::Barrier::new(CALLERS));
-        let tasks: Vec<_> = (0..CALLERS)
-            .map(|_| {
-                let (store, start) = (store.clone(), start.clone());
-                tokio::spawn(async move {
-                    start.wait().await;
-                    store
-                        .reserve(&key, &fingerprint(1), LONG, LONG)
-                        .await
-                        .unwrap()
-                })
-            })
-            .collect();
+        let claims = reserve_at_once(vec![store; 50], random_key(), LONG).await;
         let mut acquired = 0;
-        for task in tasks {
-            match task.await.unwrap() {
+        for claim in &claims {
+            match claim {
                 Claim::Acquired { takeover, .. } => {
                     assert!(!takeover);
                     acquired += 1;
@@ -376,6 +362,6 @@ mod suite {
                 }
             }
         }
-        assert_eq!(acquired, 1);
+        assert_eq!(acquired, 1, "{claims:?}");
     }
 }

@@ -11,11 +11,11 @@ use std::time::Duration;
 use futures::future::join_all;
 use sqlx::postgres::PgConnectOptions;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Barrier};
+use tokio::sync::watch;
 use tower_idempotency::store::{Claim, Outcome, StoredResponse};
 use tower_idempotency::{Engine, Policy, PostgresStore, Routes, Store};
 
-use fixtures::{fingerprint, fresh_schema, pool, postgres_store, random_key};
+use fixtures::{fingerprint, fresh_schema, pool, postgres_store, random_key, reserve_at_once};
 use support::{post_json, Harness};
 
 const LONG: Duration = Duration::from_secs(600);
@@ -24,35 +24,19 @@ fn routes(policy: &Policy) -> Routes {
     Routes::all(policy.clone()).unwrap()
 }
 
+fn shared(stores: &[PostgresStore]) -> Vec<Arc<dyn Store>> {
+    stores
+        .iter()
+        .map(|store| Arc::new(store.clone()) as Arc<dyn Store>)
+        .collect()
+}
+
 fn outcome() -> Outcome {
     Outcome::Stored(StoredResponse {
         status: http::StatusCode::CREATED,
         headers: Vec::new(),
         body: bytes::Bytes::from_static(b"done"),
     })
-}
-
-/// Spawns one task per store; all reserve `key` at the same moment.
-async fn reserve_at_once(
-    stores: Vec<PostgresStore>,
-    key: tower_idempotency::store::ScopeKey,
-) -> Vec<Claim> {
-    let start = Arc::new(Barrier::new(stores.len()));
-    let tasks = stores.into_iter().map(|store| {
-        let start = start.clone();
-        tokio::spawn(async move {
-            start.wait().await;
-            store
-                .reserve(&key, &fingerprint(1), LONG, LONG)
-                .await
-                .unwrap()
-        })
-    });
-    join_all(tasks)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -64,7 +48,7 @@ async fn fifty_connections_reserving_one_key_let_exactly_one_proceed() {
     .await;
     stores[0].migrate().await.unwrap();
 
-    let claims = reserve_at_once(stores.clone(), random_key()).await;
+    let claims = reserve_at_once(shared(&stores), random_key(), LONG).await;
     let acquired = claims
         .iter()
         .filter(|claim| {
@@ -135,7 +119,7 @@ async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
     };
     tokio::time::sleep(Duration::from_millis(250)).await;
 
-    let claims = reserve_at_once(stores.clone(), key).await;
+    let claims = reserve_at_once(shared(&stores), key, LONG).await;
     let successors: Vec<_> = claims
         .iter()
         .filter_map(|claim| match claim {
