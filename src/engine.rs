@@ -567,13 +567,15 @@ impl Reservation {
 
     /// Records the upstream's answer: stores it (replayed from now on), stores
     /// a "too large" marker, or releases the key when its status is not one
-    /// the route stores. Never fails: a store error is retried for up to the
-    /// route's lease (so a store outage shorter than the lease never leads to
-    /// a second execution), then logged; the key can then be taken over.
+    /// the route stores. Never fails and never holds the caller up for long:
+    /// when storing fails, it is retried in the background (the heartbeat
+    /// still renewing the lease) for up to the route's lease, so a store
+    /// outage shorter than the lease never leads to a second execution; after
+    /// that it is logged and the key can be taken over.
     pub async fn finish(mut self, capture: Capture) {
-        self.heartbeat.abort();
         let status = capture.status;
         if !capture.store {
+            self.heartbeat.abort();
             self.release_now(status).await;
             return;
         }
@@ -586,31 +588,54 @@ impl Reservation {
                 body: capture.body.freeze(),
             })
         };
-        let engine = self.engine.clone();
-        let ttl = self.policy.policy().ttl;
-        // Keep trying for as long as the lease may still be ours: giving up
-        // sooner leaves the key in flight, and the first retry after the
-        // lease would execute the request a second time. The owner check
-        // makes a late success harmless.
-        let deadline = Instant::now() + self.policy.policy().lease;
-        let mut attempt = 0;
-        let result = loop {
-            let result = engine
-                .store_call(
-                    engine
-                        .inner
-                        .store
-                        .complete(&self.key, &self.owner, &outcome, ttl),
-                )
-                .await;
-            let now = Instant::now();
-            if result.is_ok() || now >= deadline {
-                break result;
+        match self.complete(&outcome).await {
+            Ok(done) => self.completed(status, Ok(done)),
+            Err(_) => {
+                // Giving up would leave the key in flight, and the first retry
+                // after the lease would execute the request a second time. So
+                // keep trying in the background — with the heartbeat still
+                // renewing the lease — for as long as the lease may be ours,
+                // and let the caller have its response now. The owner check
+                // makes a late success harmless.
+                tokio::spawn(async move {
+                    let deadline = Instant::now() + self.policy.policy().lease;
+                    let mut attempt = 0;
+                    let result = loop {
+                        let now = Instant::now();
+                        if now >= deadline {
+                            break Err(StoreError::Timeout);
+                        }
+                        tokio::time::sleep(crate::store::backoff(attempt).min(deadline - now))
+                            .await;
+                        attempt += 1;
+                        let result = self.complete(&outcome).await;
+                        if result.is_ok() {
+                            break result;
+                        }
+                    };
+                    self.completed(status, result);
+                });
             }
-            tokio::time::sleep(crate::store::backoff(attempt).min(deadline - now)).await;
-            attempt += 1;
-        };
+        }
+    }
+
+    async fn complete(&self, outcome: &Outcome) -> Result<bool, StoreError> {
+        let engine = &self.engine;
+        let ttl = self.policy.policy().ttl;
+        engine
+            .store_call(
+                engine
+                    .inner
+                    .store
+                    .complete(&self.key, &self.owner, outcome, ttl),
+            )
+            .await
+    }
+
+    fn completed(&mut self, status: StatusCode, result: Result<bool, StoreError>) {
+        self.heartbeat.abort();
         self.settled = true;
+        let engine = &self.engine;
         let duration_us = self.started.elapsed().as_micros() as u64;
         match result {
             Ok(true) => {
@@ -622,7 +647,7 @@ impl Reservation {
             }
             Err(error) => {
                 engine.inner.metrics.record(Event::StoreError);
-                tracing::error!(%error, status = status.as_u16(), key = %self.key.short(), "idempotency response could not be stored");
+                tracing::error!(%error, status = status.as_u16(), key = %self.key.short(), "idempotency response could not be stored; the key frees when its lease expires");
             }
         }
     }
@@ -1054,9 +1079,13 @@ mod tests {
         store.outage.store(10, Ordering::SeqCst);
         let capture = reservation.capture(StatusCode::CREATED, &HeaderMap::new());
         reservation.finish(capture).await;
-        assert_eq!(store.outage.load(Ordering::SeqCst), 0);
         // Long after the lease, a retry is a replay, not a second execution.
         tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(
+            store.outage.load(Ordering::SeqCst),
+            0,
+            "storing was retried"
+        );
         match engine.begin(&policy, head, b"").await {
             Decision::Respond(response) => {
                 assert_eq!(response.status(), StatusCode::CREATED);
