@@ -1,0 +1,69 @@
+//! Fingerprint throughput: raw bytes (SHA-256 bound) and canonical JSON
+//! (parse, sort members, re-emit, hash) at 1 KiB, 64 KiB and 1 MiB, next to
+//! plain SHA-256 of the same bytes (the floor) measured in the same run.
+//!
+//! `cargo bench --bench fingerprint`
+//!
+//! Times are the bench thread's CPU time, so other load on the machine
+//! does not inflate them.
+
+mod common;
+
+use common::CpuTime;
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use http::{header::CONTENT_TYPE, HeaderMap, HeaderValue, Method, Uri};
+use sha2::{Digest, Sha256};
+use std::hint::black_box;
+use tower_idempotency::fingerprint::{canonical_json, fingerprint, Exclusions};
+
+const SIZES: [(&str, usize); 3] = [("1KiB", 1 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20)];
+
+fn headers(content_type: &'static str) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers
+}
+
+fn bench(c: &mut Criterion<CpuTime>) {
+    let uri = Uri::from_static("/orders");
+    let fingerprinted = [CONTENT_TYPE];
+    let mut group = c.benchmark_group("fingerprint");
+    for (label, size) in SIZES {
+        let body = common::json_body(size, 42);
+        assert_eq!(body.len(), size);
+        assert!(
+            canonical_json(&body, &[]).is_some(),
+            "the bench body is JSON"
+        );
+        group.throughput(Throughput::Bytes(size as u64));
+        group.bench_with_input(BenchmarkId::new("sha256", label), &body, |b, body| {
+            b.iter(|| Sha256::digest(black_box(body)))
+        });
+        for (name, content_type) in [
+            ("raw", "application/octet-stream"),
+            ("canonical_json", "application/json"),
+        ] {
+            let headers = headers(content_type);
+            group.bench_with_input(BenchmarkId::new(name, label), &body, |b, body| {
+                b.iter(|| {
+                    fingerprint(
+                        &Method::POST,
+                        &uri,
+                        &headers,
+                        &fingerprinted,
+                        black_box(body),
+                        Exclusions::default(),
+                    )
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = common::criterion();
+    targets = bench
+}
+criterion_main!(benches);

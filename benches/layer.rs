@@ -1,0 +1,228 @@
+//! What the tower layer adds per request, with the memory store: the same
+//! inner service with and without `IdempotencyLayer`, 1 KiB JSON body, for a
+//! first execution (a new key every request) and for a replay (one key).
+//!
+//! `cargo bench --bench layer`
+//!
+//! Both sides build the same request (key header included), call the
+//! service and read the whole response body, on the same current-thread
+//! Tokio runtime, so everything (spawned tasks included) runs on the bench
+//! thread and its CPU time is the cost. The added time per request is
+//! `layer - baseline`; the summary printed at the end gives it and the
+//! ratio, from the medians of this run.
+
+mod common;
+
+use std::convert::Infallible;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{thread_cpu_time, CpuTime};
+use criterion::Criterion;
+use http::{header, HeaderValue, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Full};
+use tower::{Layer, Service, ServiceExt};
+use tower_idempotency::{Engine, IdempotencyLayer, MemoryStore, Policy, Routes};
+
+/// The application: reads the JSON body, answers 201 with a small JSON.
+async fn handler<B>(request: Request<B>) -> Result<Response<Full<Bytes>>, Infallible>
+where
+    B: Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    let body = request.into_body().collect().await.unwrap().to_bytes();
+    let response = Response::builder()
+        .status(201)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::LOCATION, "/orders/4711")
+        .body(Full::new(Bytes::from(format!(
+            "{{\"id\":4711,\"received\":{}}}",
+            body.len()
+        ))))
+        .unwrap();
+    Ok(response)
+}
+
+fn request(body: &Bytes, key: HeaderValue) -> Request<Full<Bytes>> {
+    Request::post("/orders")
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", key)
+        .body(Full::new(body.clone()))
+        .unwrap()
+}
+
+async fn call<S>(service: &mut S, request: Request<Full<Bytes>>) -> usize
+where
+    S: Service<Request<Full<Bytes>>>,
+    S::Response: IntoBody,
+    S::Error: std::fmt::Debug,
+{
+    let response = service.ready().await.unwrap().call(request).await.unwrap();
+    response.body_len().await
+}
+
+/// Reads a response body whatever the service's body type.
+trait IntoBody {
+    async fn body_len(self) -> usize;
+}
+
+impl<B> IntoBody for Response<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    async fn body_len(self) -> usize {
+        self.into_body().collect().await.unwrap().to_bytes().len()
+    }
+}
+
+fn engine() -> Engine {
+    Engine::new(
+        MemoryStore::new(),
+        Routes::new()
+            .route("/orders", Policy::default())
+            .expect("valid policy"),
+    )
+}
+
+/// A fresh key per request, formatted outside nothing: both sides pay it.
+fn key(n: u64) -> HeaderValue {
+    HeaderValue::try_from(format!("order-{n:016x}")).unwrap()
+}
+
+/// Fresh store every this many first executions, so the store's size (and
+/// the memory the bench uses) stays bounded.
+const STORE_BATCH: u64 = 20_000;
+
+/// Every (iterations, CPU time) sample, per bench, for the summary.
+static SAMPLES: Mutex<Vec<(&'static str, u64, Duration)>> = Mutex::new(Vec::new());
+
+fn record(name: &'static str, iters: u64, elapsed: Duration) -> Duration {
+    SAMPLES.lock().unwrap().push((name, iters, elapsed));
+    elapsed
+}
+
+fn bench(c: &mut Criterion<CpuTime>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let body = Bytes::from(common::json_body(1024, 7));
+    let baseline = tower::service_fn(handler::<tower_idempotency::layer::RequestBody<Full<Bytes>>>);
+    let plain = tower::service_fn(handler::<Full<Bytes>>);
+
+    let mut group = c.benchmark_group("layer");
+    group.bench_function("baseline", |b| {
+        let mut n = 0u64;
+        b.to_async(&runtime).iter_custom(|iters| {
+            let (body, mut service) = (body.clone(), plain);
+            let start = n;
+            n += iters;
+            async move {
+                let started = thread_cpu_time();
+                for i in start..start + iters {
+                    std::hint::black_box(call(&mut service, request(&body, key(i))).await);
+                }
+                record("baseline", iters, thread_cpu_time() - started)
+            }
+        })
+    });
+    group.bench_function("first_execution", |b| {
+        let mut n = 0u64;
+        b.to_async(&runtime).iter_custom(|iters| {
+            let body = body.clone();
+            let start = n;
+            n += iters;
+            async move {
+                let mut total = Duration::ZERO;
+                let mut i = start;
+                while i < start + iters {
+                    let end = (i + STORE_BATCH).min(start + iters);
+                    let mut service = IdempotencyLayer::new(engine()).layer(baseline);
+                    let started = thread_cpu_time();
+                    for k in i..end {
+                        let len = call(&mut service, request(&body, key(k))).await;
+                        debug_assert_eq!(len, 27);
+                        std::hint::black_box(len);
+                    }
+                    total += thread_cpu_time() - started;
+                    i = end;
+                }
+                record("first_execution", iters, total)
+            }
+        })
+    });
+    group.bench_function("replay", |b| {
+        b.to_async(&runtime).iter_custom(|iters| {
+            let body = body.clone();
+            async move {
+                let mut service = IdempotencyLayer::new(engine()).layer(baseline);
+                let key = key(u64::MAX);
+                call(&mut service, request(&body, key.clone())).await;
+                let started = thread_cpu_time();
+                for _ in 0..iters {
+                    std::hint::black_box(call(&mut service, request(&body, key.clone())).await);
+                }
+                record("replay", iters, thread_cpu_time() - started)
+            }
+        })
+    });
+    group.finish();
+}
+
+/// The mean time per request over the last `sample_size` samples of `name`
+/// (criterion's measured samples come after its warm-up calls).
+fn per_request(name: &str, sample_size: usize) -> Option<Duration> {
+    let samples = SAMPLES.lock().unwrap();
+    let (iters, total) = samples
+        .iter()
+        .rev()
+        .filter(|(n, _, _)| *n == name)
+        .take(sample_size)
+        .fold((0u64, Duration::ZERO), |(i, t), (_, iters, elapsed)| {
+            (i + iters, t + *elapsed)
+        });
+    (iters > 0).then(|| total.div_f64(iters as f64))
+}
+
+fn summary(sample_size: usize) {
+    let Some(baseline) = per_request("baseline", sample_size) else {
+        return;
+    };
+    println!(
+        "\n| layer, memory store, 1 KiB JSON | CPU time per request | added by the layer | ratio |"
+    );
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| without the layer | {:.2} µs | | 1.00 |",
+        baseline.as_secs_f64() * 1e6
+    );
+    for name in ["first_execution", "replay"] {
+        if let Some(t) = per_request(name, sample_size) {
+            let added = t.as_secs_f64() - baseline.as_secs_f64();
+            println!(
+                "| {name} | {:.2} µs | {:+.2} µs | {:.2} |",
+                t.as_secs_f64() * 1e6,
+                added * 1e6,
+                t.as_secs_f64() / baseline.as_secs_f64()
+            );
+        }
+    }
+}
+
+const SAMPLE_SIZE: usize = 100;
+
+fn main() {
+    let mut criterion = common::criterion()
+        .sample_size(SAMPLE_SIZE)
+        .configure_from_args();
+    bench(&mut criterion);
+    criterion.final_summary();
+    // `cargo bench` passes `--bench`; `cargo test --benches` runs each bench
+    // once, unoptimised, which makes no meaningful summary.
+    if std::env::args().any(|arg| arg == "--bench") {
+        summary(SAMPLE_SIZE);
+    }
+}
