@@ -13,6 +13,7 @@
 
 mod admin;
 mod config;
+mod demo;
 mod proxy;
 mod shutdown;
 mod store;
@@ -70,13 +71,27 @@ struct Cli {
     /// (Prometheus). Off unless given.
     #[arg(long, value_name = "ADDR")]
     admin: Option<String>,
+
+    /// Also run the bundled demo backend (a contact form and a JSON orders
+    /// endpoint that count their executions) on ADDR, and use it as the
+    /// upstream unless --upstream is given. For trying the proxy out.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        num_args = 0..=1,
+        default_missing_value = "127.0.0.1:3000"
+    )]
+    demo_backend: Option<String>,
 }
 
 impl Cli {
     fn settings(&self) -> ProxySettings {
         ProxySettings {
             listen: self.listen.clone(),
-            upstream: self.upstream.clone(),
+            upstream: self.upstream.clone().or_else(|| {
+                let demo = self.demo_backend.as_ref()?;
+                Some(format!("http://{demo}"))
+            }),
             store: self.store.clone(),
             redis: self.redis.clone(),
             admin: self.admin.clone(),
@@ -123,7 +138,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             idle: settings.idle_timeout,
         },
     )?);
-    for address in std::iter::once(&settings.listen).chain(&settings.admin) {
+    let listeners = [
+        Some(&settings.listen),
+        settings.admin.as_ref(),
+        cli.demo_backend.as_ref(),
+    ];
+    for address in listeners.into_iter().flatten() {
         // Fail early and clearly; Pingora binds again when it starts.
         std::net::TcpListener::bind(address)
             .map_err(|error| format!("cannot listen on {address}: {error}"))?;
@@ -171,6 +191,15 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         );
         admin.add_tcp(address);
         server.add_service(admin);
+    }
+    if let Some(address) = &cli.demo_backend {
+        let mut demo = pingora_core::services::listening::Service::new(
+            "demo backend".to_owned(),
+            demo::DemoBackend::default(),
+        );
+        demo.add_tcp(address);
+        server.add_service(demo);
+        tracing::info!(%address, "demo backend started: open http://{}/contact", settings.listen);
     }
     tracing::info!(
         listen = %settings.listen,

@@ -60,11 +60,9 @@ async fn start_with(
     let backend = Backend::start().await;
     let dir = temp_dir(name);
     let proxy = Proxy::start(ProxyArgs {
-        upstream: backend.url(),
-        store,
+        store: store.into(),
         redis,
-        config,
-        dir: &dir,
+        ..ProxyArgs::new(backend.url(), config, &dir)
     })
     .await;
     (backend, proxy)
@@ -243,7 +241,7 @@ async fn fifty_concurrent_duplicates_run_once() {
         tasks.push(common::spawn_post(
             proxy.addr,
             "/slow?ms=300",
-            &key,
+            &[("idempotency-key", &key)],
             "pay 10 EUR",
         ));
     }
@@ -338,14 +336,7 @@ async fn scope_headers_keep_principals_apart() {
 async fn backend_down_is_502_and_the_key_is_usable_again() {
     let down = common::free_port();
     let dir = temp_dir("down");
-    let proxy = Proxy::start(ProxyArgs {
-        upstream: format!("http://{down}"),
-        store: "memory",
-        redis: None,
-        config: FORMS,
-        dir: &dir,
-    })
-    .await;
+    let proxy = Proxy::start(ProxyArgs::new(format!("http://{down}"), FORMS, &dir)).await;
     let key = uuid();
     let headers = [("idempotency-key", key.as_str())];
     let reply = proxy.send("POST", "/api/orders", &headers, "{}").await;
@@ -445,7 +436,12 @@ async fn a_client_that_leaves_mid_request_still_gets_its_answer_stored() {
     let (backend, proxy) = start("disconnect", FORMS).await;
     let key = uuid();
     let addr = proxy.addr;
-    let request = common::spawn_post(addr, "/slow?ms=gate", &key, "book it");
+    let request = common::spawn_post(
+        addr,
+        "/slow?ms=gate",
+        &[("idempotency-key", &key)],
+        "book it",
+    );
     backend.held().await;
     request.abort(); // the client goes away while the backend works
     let _ = request.await;
@@ -468,7 +464,12 @@ async fn sigterm_lets_in_flight_requests_finish_and_stops_accepting() {
     let (backend, mut proxy) = start("sigterm", FORMS).await;
     let key = uuid();
     let addr = proxy.addr;
-    let request = common::spawn_post(addr, "/slow?ms=gate", &key, "ship it");
+    let request = common::spawn_post(
+        addr,
+        "/slow?ms=gate",
+        &[("idempotency-key", &key)],
+        "ship it",
+    );
     backend.held().await;
     proxy.terminate();
     // New connections are refused once the listener is closed.
@@ -538,4 +539,33 @@ async fn replays_come_from_the_redis_front_cache() {
         .parse()
         .unwrap();
     assert!(hits >= 1, "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_quick_start_demo_backend_runs_a_double_click_once() {
+    let demo = common::free_port();
+    let dir = temp_dir("demo");
+    let example = include_str!("../idempotency.example.toml");
+    let proxy = Proxy::start(ProxyArgs {
+        extra: vec!["--demo-backend".into(), demo.to_string()],
+        ..ProxyArgs::new(format!("http://{demo}"), example, &dir)
+    })
+    .await;
+    let page = proxy.send("GET", "/contact", &[], "").await;
+    let html = page.text();
+    let token = html
+        .split("name=submission_token value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("a hidden submission token")
+        .to_owned();
+    let body = urlencoded(&[("submission_token", &token), ("email", "a@example.com")]);
+    let first = common::spawn_post(proxy.addr, "/contact", &[FORM], body.clone());
+    let second = common::spawn_post(proxy.addr, "/contact", &[FORM], body);
+    for click in [first.await.unwrap(), second.await.unwrap()] {
+        assert_eq!(click.status, 303);
+        assert_eq!(click.header("location"), Some("/contact/thanks"));
+    }
+    let stats = proxy.send("GET", "/stats", &[], "").await.json();
+    assert_eq!(stats["contact_requests"], 1);
 }

@@ -207,20 +207,38 @@ pub struct Proxy {
 }
 
 /// How to start a proxy.
-pub struct ProxyArgs<'a> {
+#[derive(Clone)]
+pub struct ProxyArgs {
     pub upstream: String,
-    pub store: &'a str,
+    pub store: String,
     pub redis: Option<String>,
-    pub config: &'a str,
-    pub dir: &'a Path,
+    /// The TOML configuration text.
+    pub config: String,
+    /// The working directory (relative SQLite paths live here).
+    pub dir: PathBuf,
+    pub extra: Vec<String>,
+}
+
+impl ProxyArgs {
+    /// A memory store, no Redis, no extra flags.
+    pub fn new(upstream: impl Into<String>, config: &str, dir: &Path) -> Self {
+        ProxyArgs {
+            upstream: upstream.into(),
+            store: "memory".into(),
+            redis: None,
+            config: config.into(),
+            dir: dir.to_owned(),
+            extra: Vec::new(),
+        }
+    }
 }
 
 impl Proxy {
     /// Starts the binary with `config` (TOML text) and waits until it
     /// accepts connections.
-    pub async fn start(args: ProxyArgs<'_>) -> Proxy {
+    pub async fn start(args: ProxyArgs) -> Proxy {
         let config_path = args.dir.join("idempotency.toml");
-        std::fs::write(&config_path, args.config).unwrap();
+        std::fs::write(&config_path, &args.config).unwrap();
         let addr = free_port();
         let admin = free_port();
         let mut command = Command::new(env!("CARGO_BIN_EXE_idempotency-proxy"));
@@ -228,10 +246,11 @@ impl Proxy {
             command.args(["--redis", redis]);
         }
         let child = command
-            .current_dir(args.dir)
+            .current_dir(&args.dir)
             .args(["--listen", &addr.to_string()])
             .args(["--upstream", &args.upstream])
-            .args(["--store", args.store])
+            .args(["--store", &args.store])
+            .args(&args.extra)
             .args(["--admin", &admin.to_string()])
             .arg("--config")
             .arg(&config_path)
@@ -376,25 +395,23 @@ pub async fn send(
     }
 }
 
-/// POSTs `body` with `Idempotency-Key: key` on a connection of its own,
-/// in the background.
+/// POSTs `body` with `headers` on a connection of its own, in the
+/// background.
 pub fn spawn_post(
     addr: SocketAddr,
     path: &str,
-    key: &str,
-    body: &'static str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
 ) -> tokio::task::JoinHandle<Reply> {
-    let (path, key) = (path.to_owned(), key.to_owned());
+    let path = path.to_owned();
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let body = body.into();
     tokio::spawn(async move {
-        send(
-            &client(),
-            addr,
-            "POST",
-            &path,
-            &[("idempotency-key", &key)],
-            body,
-        )
-        .await
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (&**k, &**v)).collect();
+        send(&client(), addr, "POST", &path, &headers, body).await
     })
 }
 
