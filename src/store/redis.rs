@@ -1,68 +1,7 @@
 //! A Redis front cache in front of another store: [`RedisCache`].
 //!
-//! Replays are the hot path of an idempotency layer (double clicks, client
-//! and proxy retries), and a replay only needs a *completed* record. The
-//! cache keeps completed records in Redis, so a replay usually costs one
-//! Redis round trip instead of a query to the store of record (PostgreSQL in
-//! production). It follows tower-sessions' `CachingSessionStore`: the inner
-//! store is the truth, Redis a copy of some of its records.
-//!
-//! # What Redis decides: nothing
-//!
-//! * Reservations, takeovers, completions, releases, renewals and sweeps go
-//!   to the inner store only, and their answers are the inner store's.
-//!   Redis never decides who executes.
-//! * Only completed records are cached, and only *after* the inner store
-//!   committed them: [`Store::complete`] writes to Redis once the inner
-//!   store returned `true`.
-//! * A lookup ([`Store::reserve`], [`Store::get`]) asks Redis first. A hit
-//!   is returned as the record that stands ([`Claim::Existing`]), whatever
-//!   the request's fingerprint: the engine replays it when the fingerprint
-//!   matches and answers "mismatch" when it does not — exactly what it does
-//!   with the same record from the inner store, because the inner store
-//!   returns a live completed record as `Existing` for every fingerprint
-//!   (only in-flight records can be taken over). A miss asks the inner
-//!   store, and a completed record found there is copied into Redis.
-//!
-//! # Why the cache cannot change an outcome
-//!
-//! A cached entry exists only for a record the inner store completed, and a
-//! completed record never changes until its retention runs out (owner checks
-//! make `complete`, `release` and `renew` fail on it; takeovers apply to
-//! in-flight records only). So while the inner record lives, the cached copy
-//! is exactly what the inner store would answer. Two things remain:
-//!
-//! * **Expiry.** An entry written by `complete` gets the record's TTL minus
-//!   the time elapsed since just *before* the inner call, so it expires no
-//!   later than the inner record (up to the one-way delay to Redis, far
-//!   below any real TTL). The [`Store`] trait cannot tell the remaining
-//!   retention of a record found by a lookup, so an entry *filled* from the
-//!   inner store lives at most [`RedisCacheConfig::fill_ttl`] (and, in
-//!   `reserve`, at most the route's TTL). This is the one stale window: for
-//!   at most `fill_ttl` after the inner record expired, a request with that
-//!   key gets the old replay (or mismatch) instead of a fresh execution. It
-//!   can never cause a second execution. Keep `fill_ttl` short (default
-//!   60 s) relative to the retention.
-//! * **A new record after expiry.** Completions overwrite (`SET`), fills
-//!   only write where nothing is cached (`SET NX`), so a slow fill of an old
-//!   record can never replace the entry of a newer completion.
-//!
-//! # Redis failures change latency, never an outcome
-//!
-//! Every Redis call is bounded by [`RedisCacheConfig::timeout`]. A failure,
-//! a timeout or an undecodable entry is counted, logged at most once per
-//! 10 s (with the count since the last warning), and the call goes on
-//! through the inner store as if Redis had missed. After a failure Redis is
-//! skipped for [`RedisCacheConfig::cooldown`], so a dead Redis costs at most
-//! one timeout per cooldown, not one per request. Redis may be down when the
-//! cache is built: it connects in the background on first use and the
-//! `redis` crate's connection manager reconnects after a restart. A flushed
-//! or evicted Redis is just a cold cache.
-//!
-//! Redis keys are `prefix + hex(scope key)`: hashes only, no raw key,
-//! principal or body. Values are the fingerprint and [`Outcome::encode`].
-//! Run Redis with a `maxmemory` and a `volatile-*` eviction policy: every
-//! entry has a TTL, and an evicted entry is a miss.
+//! The cached records, the connection and the counters live here; the
+//! guarantees are documented on [`RedisCache`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -155,7 +94,71 @@ fn redact(url: &str) -> String {
 }
 
 /// A [`Store`] that answers replays from Redis and leaves every decision to
-/// the inner store `S`. See the [module docs](self) for the guarantees.
+/// the inner store `S`.
+///
+/// Replays are the hot path of an idempotency layer (double clicks, client
+/// and proxy retries), and a replay only needs a *completed* record. The
+/// cache keeps completed records in Redis, so a replay usually costs one
+/// Redis round trip instead of a query to the store of record (PostgreSQL in
+/// production). It follows tower-sessions' `CachingSessionStore`: the inner
+/// store is the truth, Redis a copy of some of its records.
+///
+/// # What Redis decides: nothing
+///
+/// * Reservations, takeovers, completions, releases, renewals and sweeps go
+///   to the inner store only, and their answers are the inner store's.
+///   Redis never decides who executes.
+/// * Only completed records are cached, and only *after* the inner store
+///   committed them: [`Store::complete`] writes to Redis once the inner
+///   store returned `true`.
+/// * A lookup ([`Store::reserve`], [`Store::get`]) asks Redis first. A hit
+///   is returned as the record that stands ([`Claim::Existing`]), whatever
+///   the request's fingerprint: the engine replays it when the fingerprint
+///   matches and answers "mismatch" when it does not — exactly what it does
+///   with the same record from the inner store, because the inner store
+///   returns a live completed record as `Existing` for every fingerprint
+///   (only in-flight records can be taken over). A miss asks the inner
+///   store, and a completed record found there is copied into Redis.
+///
+/// # Why the cache cannot change an outcome
+///
+/// A cached entry exists only for a record the inner store completed, and a
+/// completed record never changes until its retention runs out (owner checks
+/// make `complete`, `release` and `renew` fail on it; takeovers apply to
+/// in-flight records only). So while the inner record lives, the cached copy
+/// is exactly what the inner store would answer. Two things remain:
+///
+/// * **Expiry.** An entry written by `complete` gets the record's TTL minus
+///   the time elapsed since just *before* the inner call, so it expires no
+///   later than the inner record (up to the one-way delay to Redis, far
+///   below any real TTL). The [`Store`] trait cannot tell the remaining
+///   retention of a record found by a lookup, so an entry *filled* from the
+///   inner store lives at most [`RedisCacheConfig::fill_ttl`] (and, in
+///   `reserve`, at most the route's TTL). This is the one stale window: for
+///   at most `fill_ttl` after the inner record expired, a request with that
+///   key gets the old replay (or mismatch) instead of a fresh execution. It
+///   can never cause a second execution. Keep `fill_ttl` short (default
+///   60 s) relative to the retention.
+/// * **A new record after expiry.** Completions overwrite (`SET`), fills
+///   only write where nothing is cached (`SET NX`), so a slow fill of an old
+///   record can never replace the entry of a newer completion.
+///
+/// # Redis failures change latency, never an outcome
+///
+/// Every Redis call is bounded by [`RedisCacheConfig::timeout`]. A failure,
+/// a timeout or an undecodable entry is counted, logged at most once per
+/// 10 s (with the count since the last warning), and the call goes on
+/// through the inner store as if Redis had missed. After a failure Redis is
+/// skipped for [`RedisCacheConfig::cooldown`], so a dead Redis costs at most
+/// one timeout per cooldown, not one per request. Redis may be down when the
+/// cache is built: it connects in the background on first use and the
+/// `redis` crate's connection manager reconnects after a restart. A flushed
+/// or evicted Redis is just a cold cache.
+///
+/// Redis keys are `prefix + hex(scope key)`: hashes only, no raw key,
+/// principal or body. Values are the fingerprint and [`Outcome::encode`].
+/// Run Redis with a `maxmemory` and a `volatile-*` eviction policy: every
+/// entry has a TTL, and an evicted entry is a miss.
 ///
 /// Clones share the connection and the counters.
 #[derive(Clone)]
