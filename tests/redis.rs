@@ -93,15 +93,26 @@ async fn redis(url: &str) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
-/// Counts the lookups that reach the store it wraps.
+/// Counts the lookups that reach the store it wraps, and fails the next
+/// `failing_completes` completions.
 #[derive(Clone, Debug, Default)]
 struct Counting<S> {
     inner: S,
     reserves: Arc<AtomicUsize>,
     gets: Arc<AtomicUsize>,
+    failing_completes: Arc<AtomicUsize>,
 }
 
 impl<S> Counting<S> {
+    fn new(inner: S) -> Self {
+        Counting {
+            inner,
+            reserves: Arc::default(),
+            gets: Arc::default(),
+            failing_completes: Arc::default(),
+        }
+    }
+
     fn lookups(&self) -> usize {
         self.reserves.load(SeqCst) + self.gets.load(SeqCst)
     }
@@ -126,6 +137,13 @@ impl<S: Store> Store for Counting<S> {
         outcome: &Outcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        let fail = self
+            .failing_completes
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if fail {
+            return Err(StoreError::Timeout);
+        }
         self.inner.complete(key, owner, outcome, ttl).await
     }
     async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
@@ -170,7 +188,7 @@ async fn existing(store: &impl Store, key: &ScopeKey, fingerprint: &Fingerprint)
 
 #[tokio::test]
 async fn replays_from_redis_make_no_inner_store_query() {
-    let inner = Counting::<MemoryStore>::default();
+    let inner = Counting::new(MemoryStore::new());
     let cache = RedisCache::new(inner.clone(), config(&shared_url(), "replay")).unwrap();
     let (k, fp, other) = (key(1), Fingerprint([1; 32]), Fingerprint([2; 32]));
 
@@ -197,9 +215,34 @@ async fn replays_from_redis_make_no_inner_store_query() {
 }
 
 #[tokio::test]
+async fn a_completion_retried_after_an_inner_failure_is_cached() {
+    let inner = Counting::new(MemoryStore::new());
+    let cache = RedisCache::new(inner.clone(), config(&shared_url(), "retry")).unwrap();
+    let (k, fp) = (key(8), Fingerprint([8; 32]));
+    let owner = acquire(&cache, &k, &fp).await;
+    inner.failing_completes.store(1, SeqCst);
+    assert!(cache
+        .complete(&k, &owner, &outcome("r"), TTL)
+        .await
+        .is_err());
+    assert!(cache
+        .complete(&k, &owner, &outcome("r"), TTL)
+        .await
+        .unwrap());
+    let before = inner.lookups();
+    let record = existing(&cache, &k, &fp).await;
+    assert_eq!(record.state, RecordState::Completed(outcome("r")));
+    assert_eq!(
+        inner.lookups(),
+        before,
+        "the retried completion was not cached"
+    );
+}
+
+#[tokio::test]
 async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
     let url = shared_url();
-    let inner = Counting::<MemoryStore>::default();
+    let inner = Counting::new(MemoryStore::new());
     let config = config(&url, "fill");
     let prefix = config.prefix.clone();
     let cache = RedisCache::new(inner.clone(), config).unwrap();

@@ -192,7 +192,7 @@ impl<S: Store> RedisCache<S> {
                 misses: AtomicU64::new(0),
                 errors: AtomicU64::new(0),
                 skipped: AtomicU64::new(0),
-                pending: Mutex::new(HashMap::new()),
+                pending: Mutex::default(),
             }),
         })
     }
@@ -245,8 +245,10 @@ impl<S: Store> Store for RedisCache<S> {
         // Taken before the inner store starts its clock, so the cached entry
         // expires no later than the inner record.
         let started = Instant::now();
-        let fingerprint = self.redis.forget(owner);
+        let fingerprint = self.redis.fingerprint_of(owner);
+        // On an error the entry stays, for the engine's retry.
         let done = self.inner.complete(key, owner, outcome, ttl).await?;
+        self.redis.forget(owner);
         if let (true, Some(fingerprint)) = (done, fingerprint) {
             if let Some(left) = ttl.checked_sub(started.elapsed()) {
                 let value = encode(&fingerprint, outcome);
@@ -378,11 +380,24 @@ struct Link {
     misses: AtomicU64,
     errors: AtomicU64,
     skipped: AtomicU64,
-    /// The fingerprint of every reservation this cache granted and that is
-    /// not settled yet: `complete` needs it for the cached value but is not
-    /// given it. Bounded by the reservations in flight.
-    pending: Mutex<HashMap<OwnerToken, Fingerprint>>,
+    pending: Mutex<Pending>,
 }
+
+/// The fingerprint of every reservation this cache granted and that is not
+/// settled yet: `complete` needs it for the cached value but is not given
+/// it. An entry leaves at `complete` or `release`; one whose reservation
+/// was abandoned (its completion failed for good, its task was cancelled)
+/// is dropped once older than [`PENDING_MAX_AGE`], when the map has doubled
+/// since the last look — a dropped entry only means one completion is not
+/// cached.
+#[derive(Default)]
+struct Pending {
+    entries: HashMap<OwnerToken, (Fingerprint, Instant)>,
+    prune_at: usize,
+}
+
+/// No reservation outlives this without being settled, in practice.
+const PENDING_MAX_AGE: Duration = Duration::from_secs(60 * 60);
 
 /// How long after the last warning a Redis failure is logged again.
 const WARN_EVERY_MS: u64 = 10_000;
@@ -392,17 +407,28 @@ impl Link {
         format!("{}{}", self.config.prefix, key.to_hex())
     }
 
-    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<OwnerToken, Fingerprint>> {
-        // Every mutation is one insert or remove: a poisoned map is whole.
+    fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
+        // Every mutation leaves the map whole: a poisoned one can be used.
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn remember(&self, owner: OwnerToken, fingerprint: Fingerprint) {
-        self.pending().insert(owner, fingerprint);
+        let mut pending = self.pending();
+        pending.entries.insert(owner, (fingerprint, Instant::now()));
+        if pending.entries.len() >= pending.prune_at {
+            pending
+                .entries
+                .retain(|_, (_, since)| since.elapsed() < PENDING_MAX_AGE);
+            pending.prune_at = (pending.entries.len() * 2).max(1024);
+        }
     }
 
-    fn forget(&self, owner: &OwnerToken) -> Option<Fingerprint> {
-        self.pending().remove(owner)
+    fn fingerprint_of(&self, owner: &OwnerToken) -> Option<Fingerprint> {
+        self.pending().entries.get(owner).map(|(fp, _)| *fp)
+    }
+
+    fn forget(&self, owner: &OwnerToken) {
+        self.pending().entries.remove(owner);
     }
 
     /// The cached completed record for `key`, or `None` (miss, failure,
