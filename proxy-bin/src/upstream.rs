@@ -98,8 +98,10 @@ impl Upstream {
     /// Sends a whole buffered request and reads the response head.
     ///
     /// A pooled connection the upstream closed while idle is retried once
-    /// on a fresh one, but only when the failure says no byte of the
-    /// request was processed (Pingora's `ReusedOnly` classification).
+    /// on a fresh one, but only when writing the request failed (and
+    /// Pingora classifies the failure `ReusedOnly`). Once the request was
+    /// written whole, the upstream may have acted on it: it is never sent
+    /// twice, the caller answers 502 and releases the key.
     pub async fn send(
         &self,
         request: &RequestHeader,
@@ -121,8 +123,10 @@ impl Upstream {
             session.write_timeout = Some(self.timeouts.write);
             match exchange_head(&mut session, request, body).await {
                 Ok(()) => return Ok(session),
-                Err(error) => {
-                    let stale = reused && matches!(error.retry, RetryType::ReusedOnly);
+                Err((sent, error)) => {
+                    // Once the whole request is written, the upstream may
+                    // have acted on it: never send it a second time.
+                    let stale = reused && !sent && matches!(error.retry, RetryType::ReusedOnly);
                     if stale && attempt == 1 {
                         tracing::debug!(%error, "stale pooled upstream connection; retrying");
                         continue;
@@ -186,20 +190,27 @@ pub const HOP_BY_HOP: [HeaderName; 8] = [
     header::EXPECT,
 ];
 
+/// Sends the request and reads the response head. An error says whether
+/// the request had been written whole (`true`) when it happened.
 async fn exchange_head(
     session: &mut HttpSession,
     request: &RequestHeader,
     body: &Bytes,
-) -> Result<(), Box<Error>> {
+) -> Result<(), (bool, Box<Error>)> {
+    let unsent = |error| (false, error);
     session
         .write_request_header(Box::new(request.clone()))
-        .await?;
+        .await
+        .map_err(unsent)?;
     if !body.is_empty() {
-        session.write_body(body).await?;
+        session.write_body(body).await.map_err(unsent)?;
     }
-    session.finish_body().await?;
+    session.finish_body().await.map_err(unsent)?;
     loop {
-        session.read_response().await?;
+        session
+            .read_response()
+            .await
+            .map_err(|error| (true, error))?;
         match session.get_status() {
             // Interim responses (100 Continue, 103 Early Hints) are not the
             // answer; 101 cannot happen without an Upgrade header.
