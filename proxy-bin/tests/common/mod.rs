@@ -2,6 +2,8 @@
 //! the real `idempotency-proxy` binary in front of it, and a client.
 #![allow(dead_code)]
 
+pub mod services;
+
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::{Path, PathBuf};
@@ -237,6 +239,25 @@ impl Proxy {
     /// Starts the binary with `config` (TOML text) and waits until it
     /// accepts connections.
     pub async fn start(args: ProxyArgs) -> Proxy {
+        Self::start_with(args, |_| {}).await
+    }
+
+    /// Like [`Proxy::start`], with the proxy's log (stdout and stderr, at
+    /// `RUST_LOG=log_level`) written to `log`.
+    pub async fn start_logged(args: ProxyArgs, log: &Path, log_level: &str) -> Proxy {
+        let file = std::fs::File::create(log).unwrap();
+        let stderr = file.try_clone().unwrap();
+        Self::start_with(args, |command| {
+            command
+                .env("RUST_LOG", log_level)
+                .stdout(file)
+                .stderr(stderr);
+        })
+        .await
+    }
+
+    /// Like [`Proxy::start`], letting `configure` adjust the command.
+    pub async fn start_with(args: ProxyArgs, configure: impl FnOnce(&mut Command)) -> Proxy {
         let config_path = args.dir.join("idempotency.toml");
         std::fs::write(&config_path, &args.config).unwrap();
         let addr = free_port();
@@ -245,7 +266,7 @@ impl Proxy {
         if let Some(redis) = &args.redis {
             command.args(["--redis", redis]);
         }
-        let child = command
+        command
             .current_dir(&args.dir)
             .args(["--listen", &addr.to_string()])
             .args(["--upstream", &args.upstream])
@@ -258,9 +279,9 @@ impl Proxy {
                 "RUST_LOG",
                 std::env::var("PROXY_LOG").unwrap_or_else(|_| "warn".into()),
             )
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn idempotency-proxy");
+            .stdin(Stdio::null());
+        configure(&mut command);
+        let child = command.spawn().expect("spawn idempotency-proxy");
         let mut proxy = Proxy {
             addr,
             admin,
@@ -300,6 +321,11 @@ impl Proxy {
     /// GETs a path from the admin listener.
     pub async fn admin(&self, path: &str) -> Reply {
         send(&self.client, self.admin, "GET", path, &[], Bytes::new()).await
+    }
+
+    /// The process id (for `/proc/<pid>/status`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Kills the process at once (`kill -9`).
@@ -382,17 +408,30 @@ pub async fn send(
         request = request.header(*name, HeaderValue::from_str(value).unwrap());
     }
     let request = request.body(Full::new(body)).unwrap();
+    try_request(client, request).await.unwrap()
+}
+
+/// Sends `request`; an error (connection refused or cut, no answer within
+/// 30 s) is returned, not a panic.
+pub async fn try_request(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    request: hyper::Request<Full<Bytes>>,
+) -> Result<Reply, String> {
     let response = tokio::time::timeout(Duration::from_secs(30), client.request(request))
         .await
-        .expect("the proxy answered in time")
-        .expect("a response");
+        .map_err(|_| "no answer in 30 s".to_owned())?
+        .map_err(|error| format!("request failed: {error}"))?;
     let (parts, body) = response.into_parts();
-    let body = body.collect().await.expect("a whole body").to_bytes();
-    Reply {
+    let body = body
+        .collect()
+        .await
+        .map_err(|error| format!("body cut off: {error}"))?
+        .to_bytes();
+    Ok(Reply {
         status: parts.status.as_u16(),
         headers: parts.headers,
         body,
-    }
+    })
 }
 
 /// POSTs `body` with `headers` on a connection of its own, in the

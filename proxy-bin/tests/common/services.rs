@@ -1,0 +1,271 @@
+//! Private PostgreSQL and Redis servers that a fault test may stop, kill and
+//! restart without touching the shared instances other tests use.
+//!
+//! PostgreSQL: a throwaway cluster (`initdb` in a temporary directory,
+//! trust auth, its own port), run as the `postgres` user via `runuser` when
+//! the tests run as root (as in CI). Redis: `redis-server` on its own port
+//! with persistence off and RDB compression off (so a `SAVE` dump can be
+//! searched byte for byte).
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{free_port, temp_dir};
+
+/// Polls until something accepts connections on `port` (readiness, not a
+/// timing assertion: gives up after a minute).
+pub fn wait_for_port(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn check(what: &str, output: std::io::Result<Output>) -> Output {
+    let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// A PostgreSQL cluster of its own.
+pub struct PrivatePostgres {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl PrivatePostgres {
+    /// Creates and starts a fresh cluster on a free port.
+    pub fn start() -> Self {
+        let bin = postgres_bin();
+        let dir = temp_dir("pg");
+        let as_root = is_root();
+        if as_root {
+            check(
+                "chown",
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(&dir)
+                    .output(),
+            );
+        }
+        let postgres = PrivatePostgres {
+            bin,
+            dir,
+            port: free_port().port(),
+        };
+        let data = postgres.data();
+        postgres.run(
+            "initdb",
+            &["-A", "trust", "-U", "postgres", "--no-sync", "-D", &data],
+        );
+        postgres.start_again();
+        postgres
+    }
+
+    /// `postgres://…` for the cluster's `postgres` database.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops the server at once (`immediate`: like a crash, connections cut).
+    pub fn stop(&self) {
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        );
+    }
+
+    /// Starts the (stopped) server again on the same port and data.
+    pub fn start_again(&self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.dir.display()
+        );
+        let log = self.dir.join("server.log");
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data(),
+                "-o",
+                &options,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+            ],
+        );
+        wait_for_port(self.port);
+    }
+
+    /// The whole database as SQL text (`pg_dump`), to search for leaks.
+    pub fn dump(&self) -> String {
+        let port = self.port.to_string();
+        let output = self.run(
+            "pg_dump",
+            &["-h", "127.0.0.1", "-p", &port, "-U", "postgres", "postgres"],
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    fn data(&self) -> String {
+        self.dir.join("data").to_str().unwrap().to_owned()
+    }
+
+    fn run(&self, program: &str, args: &[&str]) -> Output {
+        let program = self.bin.join(program);
+        let mut command = if is_root() {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(&program);
+            command
+        } else {
+            Command::new(&program)
+        };
+        command
+            .args(args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::null());
+        check(&format!("{}", program.display()), command.output())
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let data = self.data();
+        let _ = std::panic::catch_unwind(|| {
+            self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"])
+        });
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+}
+
+/// The newest `/usr/lib/postgresql/<version>/bin`, or `$PG_BIN`.
+fn postgres_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("PG_BIN") {
+        return bin.into();
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server binaries under /usr/lib/postgresql (or set PG_BIN)")
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let version = entry.file_name().to_str()?.parse().ok()?;
+            Some((version, entry.path().join("bin")))
+        })
+        .collect();
+    versions.sort();
+    versions.pop().expect("a PostgreSQL version").1
+}
+
+/// A Redis server of its own.
+pub struct PrivateRedis {
+    dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    /// Starts `redis-server` on a free port.
+    pub fn start() -> Self {
+        let mut redis = PrivateRedis {
+            dir: temp_dir("redis"),
+            port: free_port().port(),
+            child: None,
+        };
+        redis.start_again();
+        redis
+    }
+
+    /// `redis://…` for it.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// SIGKILL: no shutdown, every key gone (persistence is off).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+
+    /// Starts it again on the same port, empty.
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "already running");
+        let port = self.port.to_string();
+        let child = Command::new("redis-server")
+            .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "no", "--rdbcompression", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server");
+        self.child = Some(child);
+        wait_for_port(self.port);
+    }
+
+    /// Every byte Redis holds (an uncompressed RDB snapshot), to search for
+    /// leaks.
+    pub fn dump(&self) -> Vec<u8> {
+        let port = self.port.to_string();
+        check(
+            "redis-cli SAVE",
+            Command::new("redis-cli")
+                .args(["-p", &port, "SAVE"])
+                .output(),
+        );
+        std::fs::read(self.dir.join("dump.rdb")).unwrap()
+    }
+
+    /// How many keys it holds.
+    pub fn key_count(&self) -> usize {
+        let port = self.port.to_string();
+        let output = check(
+            "redis-cli DBSIZE",
+            Command::new("redis-cli")
+                .args(["-p", &port, "DBSIZE"])
+                .output(),
+        );
+        String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The resident set size of process `pid`, in KiB (`VmRSS` in
+/// `/proc/<pid>/status`).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status =
+        std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status")).unwrap();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
