@@ -65,18 +65,6 @@ fn problem_type(reply: &Reply) -> String {
     reply.json()["type"].as_str().unwrap_or_default().to_owned()
 }
 
-/// Polls `done` until it holds (readiness, not a timing assertion: fails
-/// after a minute).
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    for _ in 0..3000 {
-        if done() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("never happened: {what}");
-}
-
 /// A hand-written HTTP/1.1 upstream for faults a real server never makes.
 /// It reads every request whole, counts it per path, then:
 ///
