@@ -498,6 +498,10 @@ impl Link {
     /// (so a slow connect outlives the caller's timeout) and after a failed
     /// connect.
     async fn connection(self: &Arc<Self>) -> Result<ConnectionManager, RedisError> {
+        // The common case, without registering as a waiter.
+        if let Some(manager) = self.manager.get() {
+            return Ok(manager.clone());
+        }
         let connected = self.connected.notified();
         tokio::pin!(connected);
         // Register before looking, so an end of the connect in between
