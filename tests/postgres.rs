@@ -9,13 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use sqlx::postgres::PgConnectOptions;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 use tower_idempotency::store::{Claim, Outcome, StoredResponse};
 use tower_idempotency::{Engine, Policy, PostgresStore, Routes, Store};
 
-use fixtures::{fingerprint, fresh_schema, pool, postgres_store, random_key, reserve_at_once};
+use fixtures::{
+    fingerprint, fresh_schema, pool, postgres_store, random_key, reserve_at_once, Switch,
+};
 use support::{post_json, Harness};
 
 const LONG: Duration = Duration::from_secs(600);
@@ -146,51 +145,6 @@ async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
         tower_idempotency::store::RecordState::Completed(outcome())
     );
     join_all(stores.iter().map(PostgresStore::close)).await;
-}
-
-/// A TCP forwarder to PostgreSQL that can be switched off (connections
-/// through it are cut, new ones closed at once) and on again: an outage
-/// without touching the shared server.
-struct Switch {
-    port: u16,
-    up: watch::Sender<bool>,
-}
-
-impl Switch {
-    async fn start(target: &PgConnectOptions) -> Self {
-        let target = format!("{}:{}", target.get_host(), target.get_port());
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (up, state) = watch::channel(true);
-        tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                let mut state = state.clone();
-                if !*state.borrow() {
-                    continue; // dropped: closed at once
-                }
-                let target = target.clone();
-                tokio::spawn(async move {
-                    let Ok(mut server) = TcpStream::connect(target).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = state.wait_for(|up| !up) => {}
-                    }
-                });
-            }
-        });
-        Switch { port, up }
-    }
-
-    /// `options` pointed at the switch.
-    fn route(&self, options: &PgConnectOptions) -> PgConnectOptions {
-        options.clone().host("127.0.0.1").port(self.port)
-    }
-
-    fn set(&self, up: bool) {
-        self.up.send_replace(up);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
