@@ -51,6 +51,14 @@ conformance!(memory, async { MemoryStore::new() });
 conformance!(sqlite, fixtures::sqlite_store());
 #[cfg(feature = "postgres")]
 conformance!(postgres, fixtures::postgres_store());
+#[cfg(feature = "redis")]
+conformance!(redis_memory, async {
+    fixtures::redis_cache(MemoryStore::new())
+});
+#[cfg(all(feature = "redis", feature = "postgres"))]
+conformance!(redis_postgres, async {
+    fixtures::redis_cache(fixtures::postgres_store().await)
+});
 
 /// The tests, each against a fresh store.
 mod suite {

@@ -3,6 +3,8 @@
 //! `redis-server` processes for the tests that kill or flush Redis.
 #![cfg(feature = "redis")]
 
+mod fixtures;
+
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
 use std::process::{Child, Command, Stdio};
@@ -15,6 +17,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
+use fixtures::{fingerprint, random_key};
 use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -49,15 +52,6 @@ fn config(url: &str, test: &str) -> RedisCacheConfig {
     RedisCacheConfig::new(url)
         .prefix(prefix(test))
         .timeout(Duration::from_secs(10))
-}
-
-fn key(n: u8) -> ScopeKey {
-    let mut bytes = *uuid::Uuid::new_v4().as_bytes();
-    bytes[0] = n;
-    let mut key = [0; 32];
-    key[..16].copy_from_slice(&bytes);
-    key[16..].copy_from_slice(&bytes);
-    ScopeKey(key)
 }
 
 fn outcome(body: &'static str) -> Outcome {
@@ -187,10 +181,20 @@ async fn existing(store: &impl Store, key: &ScopeKey, fingerprint: &Fingerprint)
 }
 
 #[tokio::test]
-async fn replays_from_redis_make_no_inner_store_query() {
-    let inner = Counting::new(MemoryStore::new());
+async fn replays_from_redis_make_no_memory_store_query() {
+    replays_from_redis_make_no_inner_store_query(MemoryStore::new()).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn replays_from_redis_make_no_postgres_query() {
+    replays_from_redis_make_no_inner_store_query(fixtures::postgres_store().await).await;
+}
+
+async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone) {
+    let inner = Counting::new(store);
     let cache = RedisCache::new(inner.clone(), config(&shared_url(), "replay")).unwrap();
-    let (k, fp, other) = (key(1), Fingerprint([1; 32]), Fingerprint([2; 32]));
+    let (k, fp, other) = (random_key(), fingerprint(1), fingerprint(2));
 
     let owner = acquire(&cache, &k, &fp).await;
     assert!(cache
@@ -218,7 +222,7 @@ async fn replays_from_redis_make_no_inner_store_query() {
 async fn a_completion_retried_after_an_inner_failure_is_cached() {
     let inner = Counting::new(MemoryStore::new());
     let cache = RedisCache::new(inner.clone(), config(&shared_url(), "retry")).unwrap();
-    let (k, fp) = (key(8), Fingerprint([8; 32]));
+    let (k, fp) = (random_key(), fingerprint(8));
     let owner = acquire(&cache, &k, &fp).await;
     inner.failing_completes.store(1, SeqCst);
     assert!(cache
@@ -246,7 +250,7 @@ async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
     let config = config(&url, "fill");
     let prefix = config.prefix.clone();
     let cache = RedisCache::new(inner.clone(), config).unwrap();
-    let (k, fp) = (key(2), Fingerprint([3; 32]));
+    let (k, fp) = (random_key(), fingerprint(3));
 
     // Completed behind the cache's back (another instance, or Redis lost it).
     let owner = acquire(&inner, &k, &fp).await;
@@ -291,7 +295,7 @@ async fn a_corrupt_entry_is_a_counted_miss_and_loses_nothing() {
     let config = config(&url, "corrupt");
     let redis_key = |k: &ScopeKey| format!("{}{}", config.prefix, k.to_hex());
     let cache = RedisCache::new(MemoryStore::new(), config.clone()).unwrap();
-    let (k, fp) = (key(3), Fingerprint([4; 32]));
+    let (k, fp) = (random_key(), fingerprint(4));
     let mut conn = redis(&url).await;
     let _: () = redis::cmd("SET")
         .arg(redis_key(&k))
@@ -318,7 +322,7 @@ async fn a_corrupt_entry_is_a_counted_miss_and_loses_nothing() {
 #[tokio::test]
 async fn the_cached_entry_expires_with_the_record() {
     let cache = RedisCache::new(MemoryStore::new(), config(&shared_url(), "expiry")).unwrap();
-    let (k, fp) = (key(4), Fingerprint([5; 32]));
+    let (k, fp) = (random_key(), fingerprint(5));
     let ttl = Duration::from_millis(300);
     let owner = acquire(&cache, &k, &fp).await;
     assert!(cache
@@ -334,7 +338,7 @@ async fn the_cached_entry_expires_with_the_record() {
 #[tokio::test]
 async fn redis_never_decides_ownership() {
     let cache = RedisCache::new(MemoryStore::new(), config(&shared_url(), "owner")).unwrap();
-    let (k, fp) = (key(5), Fingerprint([6; 32]));
+    let (k, fp) = (random_key(), fingerprint(6));
 
     // Many concurrent reservations: exactly one owner.
     let claims = futures::future::join_all(
@@ -388,7 +392,7 @@ async fn a_bad_url_is_refused_and_a_dead_redis_is_not() {
     let dead = format!("redis://127.0.0.1:{}", free_port());
     let cache = RedisCache::new(MemoryStore::new(), RedisCacheConfig::new(dead)).unwrap();
     cache.ping().await.unwrap();
-    let (k, fp) = (key(6), Fingerprint([7; 32]));
+    let (k, fp) = (random_key(), fingerprint(7));
     let owner = acquire(&cache, &k, &fp).await;
     assert!(cache
         .complete(&k, &owner, &outcome("z"), TTL)
@@ -629,10 +633,36 @@ async fn a_redis_that_never_answers_changes_no_outcome() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn redis_killed_midway_and_restarted_changes_no_outcome() {
+async fn redis_killed_midway_over_memory_changes_no_outcome() {
+    killed_midway_and_restarted(MemoryStore::new()).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_killed_midway_over_postgres_changes_no_outcome() {
+    killed_midway_and_restarted(postgres_for_a_crowd().await).await;
+}
+
+/// A PostgreSQL store with a pool large and patient enough for 300
+/// concurrent requests on a loaded machine: these tests are about Redis,
+/// not pool exhaustion.
+#[cfg(feature = "postgres")]
+async fn postgres_for_a_crowd() -> tower_idempotency::PostgresStore {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .acquire_timeout(PATIENCE)
+        .connect_with(fixtures::fresh_schema().await)
+        .await
+        .unwrap();
+    let store = tower_idempotency::PostgresStore::from_pool(pool);
+    store.migrate().await.unwrap();
+    store
+}
+
+async fn killed_midway_and_restarted(inner: impl Store + Clone) {
     let redis = Arc::new(Mutex::new(PrivateRedis::start()));
     let url = redis.lock().unwrap().url();
-    let cache = RedisCache::new(MemoryStore::new(), config(&url, "kill")).unwrap();
+    let cache = RedisCache::new(inner, config(&url, "kill")).unwrap();
     let app = Arc::new(App::start(cache.clone()).await);
 
     let killer = redis.clone();
@@ -661,9 +691,19 @@ async fn redis_killed_midway_and_restarted_changes_no_outcome() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn redis_flushed_midway_changes_no_outcome() {
+async fn redis_flushed_midway_over_memory_changes_no_outcome() {
+    flushed_midway(MemoryStore::new()).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_flushed_midway_over_postgres_changes_no_outcome() {
+    flushed_midway(postgres_for_a_crowd().await).await;
+}
+
+async fn flushed_midway(inner: impl Store + Clone) {
     let redis = Arc::new(PrivateRedis::start());
-    let cache = RedisCache::new(MemoryStore::new(), config(&redis.url(), "flush")).unwrap();
+    let cache = RedisCache::new(inner, config(&redis.url(), "flush")).unwrap();
     let app = Arc::new(App::start(cache.clone()).await);
 
     let flusher = redis.clone();
@@ -708,4 +748,38 @@ async fn an_entry_is_never_served_to_another_scope() {
         metrics.contains("\nidempotency_redis_hits_total 3\n"),
         "{metrics}"
     );
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replays_need_no_postgres_but_reservations_do() {
+    let options = fixtures::fresh_schema().await;
+    let switch = fixtures::Switch::start(&options).await;
+    let inner = tower_idempotency::PostgresStore::from_pool(
+        fixtures::pool(switch.route(&options), 5).await,
+    );
+    inner.migrate().await.unwrap();
+    let cache = RedisCache::new(inner, config(&shared_url(), "pg-down")).unwrap();
+    let app = App::start(cache.clone()).await;
+    let first = app.post("u", "paid", "42 EUR").await;
+    assert_eq!(first, (StatusCode::CREATED, "u/paid|42 EUR|1".to_owned()));
+
+    switch.set(false);
+    // PostgreSQL is unreachable: replays and mismatches still come from
+    // Redis ...
+    for _ in 0..5 {
+        assert_eq!(app.post("u", "paid", "42 EUR").await, first);
+    }
+    let mismatch = app.post("u", "paid", "43 EUR").await;
+    assert_eq!(mismatch.0, StatusCode::UNPROCESSABLE_ENTITY);
+    // ... but Redis never grants a reservation: a new key fails closed.
+    let new = app.post("u", "new", "1 EUR").await;
+    assert_eq!(new.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(cache.ping().await.is_err());
+
+    let executions = app.executions.lock().unwrap();
+    assert_eq!(executions.get("u/paid"), Some(&1));
+    assert_eq!(executions.get("u/new"), None);
+    drop(executions);
+    assert_eq!(hits(&cache), 6);
 }
