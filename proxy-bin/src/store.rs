@@ -1,12 +1,19 @@
 //! Building the store named by `--store` and `--redis`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use tower_idempotency::store::{RedisCache, RedisCacheConfig};
-use tower_idempotency::{MemoryStore, Store};
+use tower_idempotency::{
+    MemoryStore, PostgresStore, RedisCache, RedisCacheConfig, SqliteStore, Store,
+};
 
 /// Opens the store `spec` names (`memory`, `sqlite://PATH`,
 /// `postgres://URL`), with a Redis front cache when `redis` is set.
+///
+/// An SQLite file that cannot be opened is an error. An unreachable
+/// PostgreSQL is not: the proxy starts, answers 503 (fail closed) and
+/// reports unhealthy until the database answers, then applies the
+/// migrations — so a sidecar may start before its database.
 ///
 /// Must run inside the Tokio runtime that stays alive for the whole process
 /// (connection pools are bound to it). Errors never repeat a URL (it may
@@ -15,17 +22,39 @@ pub async fn open(spec: &str, redis: Option<&str>) -> Result<Arc<dyn Store>, Str
     if spec == "memory" {
         with_cache(MemoryStore::new(), redis)
     } else if spec.starts_with("sqlite:") {
-        Err(format!(
-            "the SQLite store is not available in this build (`--store {spec}`); use `--store memory`"
-        ))
+        let store = SqliteStore::connect(spec)
+            .await
+            .map_err(|error| format!("cannot open the SQLite store `{spec}`: {error}"))?;
+        with_cache(store, redis)
     } else if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
-        Err("the PostgreSQL store is not available in this build; use `--store memory`".into())
+        with_cache(postgres(spec).await?, redis)
     } else {
         let scheme = spec.split(':').next().unwrap_or_default();
         Err(format!(
             "unknown store kind `{scheme}`: expected `memory`, `sqlite://PATH` or `postgres://URL`"
         ))
     }
+}
+
+async fn postgres(url: &str) -> Result<PostgresStore, String> {
+    let pool = PostgresStore::pool_options()
+        .connect_lazy(url)
+        .map_err(|_| "the PostgreSQL URL given to `--store` is malformed".to_owned())?;
+    let store = PostgresStore::from_pool(pool);
+    if let Err(error) = store.migrate().await {
+        tracing::warn!(%error, "PostgreSQL is unavailable; answering 503 until it answers");
+        let store = store.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if store.migrate().await.is_ok() {
+                    tracing::info!("PostgreSQL is available; migrations applied");
+                    return;
+                }
+            }
+        });
+    }
+    Ok(store)
 }
 
 /// `inner`, behind a Redis front cache when `redis` names one.

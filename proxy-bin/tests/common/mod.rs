@@ -30,6 +30,8 @@ use tokio::sync::Notify;
 /// * `POST /upload`: 200 with the SHA-256 and length of the body it got;
 /// * `POST /slow?ms=N`: waits N ms (or until [`Backend::open_gate`] when
 ///   `N` is `gate`), then 201;
+/// * `POST /hold-first`: the first request waits for [`Backend::open_gate`],
+///   later ones answer 201 at once;
 /// * anything else: 200 echoing method, path, headers and body as JSON.
 ///
 /// Every request is counted per path ([`Backend::hits`]).
@@ -151,9 +153,9 @@ async fn handle(State(state): State<Arc<BackendState>>, request: Request) -> Res
         let sum = hex(&Sha256::digest(&body));
         return (StatusCode::OK, format!("{sum} {}", body.len())).into_response();
     }
-    if path == "/slow" {
+    if path == "/slow" || path == "/hold-first" {
         let query = parts.uri.query().unwrap_or("");
-        if query.contains("ms=gate") {
+        if query.contains("ms=gate") || (path == "/hold-first" && n == 1) {
             let opened = state.gate.notified();
             state.arrived.notify_waiters();
             opened.await;
