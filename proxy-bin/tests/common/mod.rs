@@ -52,7 +52,7 @@ struct BackendState {
 impl Backend {
     /// Starts a backend on a free loopback port.
     pub async fn start() -> Backend {
-        Self::start_on(free_port()).await
+        Self::start_on("127.0.0.1:0".parse().unwrap()).await
     }
 
     /// Starts a backend on `addr` (e.g. a port that was down before).
@@ -248,61 +248,67 @@ impl Proxy {
     /// `RUST_LOG=log_level`) written to `log`.
     pub async fn start_logged(args: ProxyArgs, log: &Path, log_level: &str) -> Proxy {
         let file = std::fs::File::create(log).unwrap();
-        let stderr = file.try_clone().unwrap();
         Self::start_with(args, |command| {
             command
                 .env("RUST_LOG", log_level)
-                .stdout(file)
-                .stderr(stderr);
+                .stdout(file.try_clone().unwrap())
+                .stderr(file.try_clone().unwrap());
         })
         .await
     }
 
     /// Like [`Proxy::start`], letting `configure` adjust the command.
-    pub async fn start_with(args: ProxyArgs, configure: impl FnOnce(&mut Command)) -> Proxy {
+    pub async fn start_with(args: ProxyArgs, mut configure: impl FnMut(&mut Command)) -> Proxy {
         let config_path = args.dir.join("idempotency.toml");
         std::fs::write(&config_path, &args.config).unwrap();
-        let addr = free_port();
-        let admin = free_port();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_idempotency-proxy"));
-        if let Some(redis) = &args.redis {
-            command.args(["--redis", redis]);
+        // A free port may be taken by someone else before the proxy binds
+        // it; the proxy then exits at once, and is started on new ports.
+        for _ in 0..5 {
+            let addr = free_port();
+            let admin = free_port();
+            let mut command = Command::new(env!("CARGO_BIN_EXE_idempotency-proxy"));
+            if let Some(redis) = &args.redis {
+                command.args(["--redis", redis]);
+            }
+            command
+                .current_dir(&args.dir)
+                .args(["--listen", &addr.to_string()])
+                .args(["--upstream", &args.upstream])
+                .args(["--store", &args.store])
+                .args(&args.extra)
+                .args(["--admin", &admin.to_string()])
+                .arg("--config")
+                .arg(&config_path)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("PROXY_LOG").unwrap_or_else(|_| "warn".into()),
+                )
+                .stdin(Stdio::null());
+            configure(&mut command);
+            let child = command.spawn().expect("spawn idempotency-proxy");
+            let mut proxy = Proxy {
+                addr,
+                admin,
+                child,
+                client: Client::builder(TokioExecutor::new()).build_http(),
+            };
+            if proxy.wait_ready().await {
+                return proxy;
+            }
         }
-        command
-            .current_dir(&args.dir)
-            .args(["--listen", &addr.to_string()])
-            .args(["--upstream", &args.upstream])
-            .args(["--store", &args.store])
-            .args(&args.extra)
-            .args(["--admin", &admin.to_string()])
-            .arg("--config")
-            .arg(&config_path)
-            .env(
-                "RUST_LOG",
-                std::env::var("PROXY_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null());
-        configure(&mut command);
-        let child = command.spawn().expect("spawn idempotency-proxy");
-        let mut proxy = Proxy {
-            addr,
-            admin,
-            child,
-            client: Client::builder(TokioExecutor::new()).build_http(),
-        };
-        proxy.wait_ready().await;
-        proxy
+        panic!("idempotency-proxy exited at start five times");
     }
 
-    async fn wait_ready(&mut self) {
+    /// Whether the proxy came up (false: it exited at start).
+    async fn wait_ready(&mut self) -> bool {
         for _ in 0..500 {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("idempotency-proxy exited at start: {status}");
+            if self.child.try_wait().unwrap().is_some() {
+                return false;
             }
             let proxy_up = tokio::net::TcpStream::connect(self.addr).await.is_ok();
             let admin_up = tokio::net::TcpStream::connect(self.admin).await.is_ok();
             if proxy_up && admin_up {
-                return;
+                return true;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
