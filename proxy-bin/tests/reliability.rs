@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use common::services::PrivateRedis;
+use common::services::{rss_kib, PrivatePostgres, PrivateRedis};
 use common::{client, temp_dir, try_request, Backend, Proxy, ProxyArgs, Reply};
 use http_body_util::Full;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -28,7 +28,6 @@ fn config(lease: &str) -> String {
     format!(
         r#"
 [proxy]
-store_timeout = "500ms"
 read_timeout = "10s"
 
 [defaults]
@@ -63,6 +62,41 @@ fn post(
 
 fn problem_type(reply: &Reply) -> String {
     reply.json()["type"].as_str().unwrap_or_default().to_owned()
+}
+
+/// Polls `done` until it holds (readiness, not a timing assertion: fails
+/// after a minute).
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..3000 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("never happened: {what}");
+}
+
+/// Held by the load-heavy tests, so they do not starve each other of the
+/// machine's cores (a store call starved past its timeout is, rightly, a
+/// 503).
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A prefix no other run of the tests uses (keys live in shared stores).
+fn run_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+/// The shared PostgreSQL database of the test environment.
+fn shared_postgres() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// Sends `request` on a fresh connection, in the background.
+fn spawn_request(
+    request: hyper::Request<Full<Bytes>>,
+) -> tokio::task::JoinHandle<Result<Reply, String>> {
+    tokio::spawn(async move { try_request(&client(), request).await })
 }
 
 /// A hand-written HTTP/1.1 upstream for faults a real server never makes.
@@ -345,4 +379,417 @@ async fn redis_killed_and_restarted_during_load_changes_nothing_but_latency() {
     for i in 0..keys {
         assert_eq!(backend.hits(&format!("/api/redis-{i}")), 1);
     }
+}
+
+/// `kill -9` with requests in flight, a restart on the same SQLite file and
+/// three concurrent retries per key: after its lease, each key executes
+/// exactly once more (never twice), and all its retries get that answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_in_flight_then_each_key_executes_exactly_once_more() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("kill9");
+    let start = || {
+        let mut args = ProxyArgs::new(backend.url(), &config("300ms"), &dir);
+        args.store = "sqlite://idempotency.db".into();
+        Proxy::start(args)
+    };
+    let mut first = start().await;
+    let keys: Vec<String> = (0..8).map(|i| format!("kill9-{i}")).collect();
+    let orphans: Vec<_> = keys
+        .iter()
+        .map(|key| spawn_request(post(first.addr, "/slow?ms=gate", key, "{}")))
+        .collect();
+    eventually("every request reached the backend", || {
+        backend.hits("/slow") == keys.len()
+    })
+    .await;
+    first.kill();
+    for orphan in orphans {
+        assert!(orphan.await.unwrap().is_err(), "the killed proxy answered");
+    }
+
+    let second = start().await;
+    let retries: Vec<_> = keys
+        .iter()
+        .flat_map(|key| std::iter::repeat_n(key, 3))
+        .map(|key| {
+            (
+                key.clone(),
+                spawn_request(post(second.addr, "/slow?ms=gate", key, "{}")),
+            )
+        })
+        .collect();
+    // Keep opening the gate until every retry is answered.
+    let opener = {
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            loop {
+                backend.open_gate();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let mut answers: HashMap<String, Vec<Bytes>> = HashMap::new();
+    for (key, retry) in retries {
+        let reply = retry.await.unwrap().expect("the retry is answered");
+        assert_eq!(reply.status, 201, "{}", reply.text());
+        answers.entry(key).or_default().push(reply.body);
+    }
+    opener.abort();
+    assert_eq!(
+        backend.hits("/slow"),
+        2 * keys.len(),
+        "exactly once more per key"
+    );
+    let mut distinct: Vec<&Bytes> = answers.values().map(|bodies| &bodies[0]).collect();
+    for bodies in answers.values() {
+        assert!(bodies.iter().all(|body| *body == bodies[0]), "{bodies:?}");
+    }
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), keys.len(), "one execution per key");
+}
+
+/// Counts answers by status.
+#[derive(Default)]
+struct Tally(std::sync::Mutex<HashMap<u16, usize>>);
+
+impl Tally {
+    fn add(&self, status: u16) {
+        *self.0.lock().unwrap().entry(status).or_default() += 1;
+    }
+
+    fn get(&self, status: u16) -> usize {
+        self.0.lock().unwrap().get(&status).copied().unwrap_or(0)
+    }
+
+    fn statuses(&self) -> Vec<u16> {
+        let mut statuses: Vec<u16> = self.0.lock().unwrap().keys().copied().collect();
+        statuses.sort();
+        statuses
+    }
+}
+
+/// PostgreSQL stops (immediate shutdown, connections cut) under a load of
+/// duplicates, then starts again: 503 with `Retry-After` while it is down,
+/// recovery without restarting the proxy, and no key executes twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_stopped_under_load_is_503_then_recovers_without_duplicates() {
+    let _heavy = HEAVY.lock().await;
+    let pg = tokio::task::spawn_blocking(PrivatePostgres::start)
+        .await
+        .unwrap();
+    let backend = Backend::start().await;
+    // The lease outlasts the outage: a response finished while PostgreSQL
+    // is down is stored once it is back, never executed again.
+    let proxy = start_proxy(backend.url(), &pg.url(), None, "20s").await;
+    let keys = 24;
+    let path = |i: usize| format!("/api/pg-{i}");
+    let up = Arc::new(Tally::default());
+    let down = Arc::new(Tally::default());
+    let back = Arc::new(Tally::default());
+    let phase = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let (up, down, back) = (up.clone(), down.clone(), back.clone());
+            let (phase, stop, addr) = (phase.clone(), stop.clone(), proxy.addr);
+            tokio::spawn(async move {
+                let client = client();
+                let mut i = w;
+                while stop.load(Ordering::SeqCst) == 0 {
+                    i = (i + 7) % keys;
+                    let key = format!("pg-{i}");
+                    let request = post(addr, &path(i), &key, "{}");
+                    let seen_in = phase.load(Ordering::SeqCst);
+                    let reply = try_request(&client, request).await.expect("an answer");
+                    let tally = match (seen_in, phase.load(Ordering::SeqCst)) {
+                        (0, 0) => &up,
+                        (2, 2) => &back,
+                        _ => &down,
+                    };
+                    if reply.status == 503 {
+                        assert!(reply.header("retry-after").is_some());
+                        assert_eq!(
+                            problem_type(&reply),
+                            "urn:tower-idempotency:store-unavailable"
+                        );
+                    }
+                    tally.add(reply.status);
+                }
+            })
+        })
+        .collect();
+    eventually("load while PostgreSQL is up", || up.get(201) >= 50).await;
+    phase.store(1, Ordering::SeqCst);
+    let pg = tokio::task::spawn_blocking(move || {
+        pg.stop();
+        pg
+    })
+    .await
+    .unwrap();
+    eventually("503s while PostgreSQL is down", || down.get(503) >= 20).await;
+    let pg = tokio::task::spawn_blocking(move || {
+        pg.start_again();
+        pg
+    })
+    .await
+    .unwrap();
+    phase.store(2, Ordering::SeqCst);
+    eventually("recovery without a restart", || back.get(201) >= 50).await;
+    stop.store(1, Ordering::SeqCst);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    eprintln!(
+        "postgres outage: up {:?}, down {:?}, back {:?}",
+        up.0.lock().unwrap(),
+        down.0.lock().unwrap(),
+        back.0.lock().unwrap()
+    );
+    assert_eq!(up.statuses(), vec![201], "before the outage");
+    assert!(
+        down.statuses().iter().all(|s| [201, 409, 503].contains(s)),
+        "{:?}",
+        down.statuses()
+    );
+    assert!(
+        back.statuses().iter().all(|s| [201, 409].contains(s)),
+        "{:?}",
+        back.statuses()
+    );
+    for i in 0..keys {
+        let reply = try_request(
+            &client(),
+            post(proxy.addr, &path(i), &format!("pg-{i}"), "{}"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(reply.status, 201, "{}", reply.text());
+        assert_eq!(backend.hits(&path(i)), 1, "key {i} ran twice");
+    }
+    drop(pg);
+}
+
+/// Three proxies share one PostgreSQL database; every key is sent three
+/// times to each of them at once: each key executes exactly once and all
+/// nine requests get the same answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn three_proxies_on_one_database_execute_each_key_once() {
+    let _heavy = HEAVY.lock().await;
+    let backend = Backend::start().await;
+    let database = shared_postgres();
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        proxies.push(start_proxy(backend.url(), &database, None, "30s").await);
+    }
+    let run = run_id();
+    let keys = 16;
+    let requests: Vec<_> = (0..keys * 9)
+        .map(|n| {
+            let (i, proxy) = (n % keys, &proxies[n / keys % 3]);
+            let key = format!("three-{run}-{i}");
+            (
+                i,
+                spawn_request(post(proxy.addr, &format!("/api/{key}"), &key, "{}")),
+            )
+        })
+        .collect();
+    let mut answers: HashMap<usize, Vec<Bytes>> = HashMap::new();
+    for (i, request) in requests {
+        let reply = request.await.unwrap().unwrap();
+        assert_eq!(reply.status, 201, "{}", reply.text());
+        answers.entry(i).or_default().push(reply.body);
+    }
+    for i in 0..keys {
+        assert_eq!(backend.hits(&format!("/api/three-{run}-{i}")), 1);
+        let bodies = &answers[&i];
+        assert_eq!(bodies.len(), 9);
+        assert!(bodies.iter().all(|body| *body == bodies[0]));
+    }
+}
+
+/// What one worker of the sustained run saw.
+#[derive(Default)]
+struct LoadReport {
+    unique: usize,
+    duplicates: usize,
+    changed: usize,
+    unexpected: Vec<String>,
+}
+
+/// 64 connections for `SOAK_SECS` seconds (default 15), 10% duplicate keys
+/// and 1% changed payloads, against the shared PostgreSQL: executions ==
+/// unique keys, every duplicate a replay or 409, every changed payload a
+/// 422, no other status, and the proxy's memory flat at the end.
+#[tokio::test(flavor = "multi_thread")]
+async fn sustained_load_executes_each_key_once_with_flat_memory() {
+    let _heavy = HEAVY.lock().await;
+    let seconds: u64 = std::env::var("SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(15);
+    let backend = Backend::start().await;
+    let proxy = start_proxy(backend.url(), &shared_postgres(), None, "30s").await;
+    let run = run_id();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(seconds);
+    let warmed = tokio::time::Instant::now() + Duration::from_secs(seconds / 4);
+    let workers: Vec<_> = (0..64u64)
+        .map(|w| {
+            let (addr, run) = (proxy.addr, run.clone());
+            tokio::spawn(async move {
+                let client = client();
+                let mut report = LoadReport::default();
+                let mut done: Vec<String> = Vec::new();
+                let mut seed = w.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                while tokio::time::Instant::now() < deadline {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let dice = seed % 100;
+                    let (key, body, expect) = match done
+                        .get((seed >> 8) as usize % done.len().max(1))
+                    {
+                        Some(key) if dice == 0 => (key.clone(), "{\"changed\":true}", "changed"),
+                        Some(key) if dice <= 10 => (key.clone(), "{}", "duplicate"),
+                        _ => (format!("load-{run}-{w}-{}", report.unique), "{}", "unique"),
+                    };
+                    let reply = try_request(&client, post(addr, "/api/load", &key, body)).await;
+                    let status = reply.as_ref().map_or(0, |r| r.status);
+                    let replayed = reply.as_ref().is_ok_and(Reply::replayed);
+                    let ok = match expect {
+                        "unique" if status == 201 && !replayed => {
+                            report.unique += 1;
+                            done.push(key);
+                            true
+                        }
+                        "unique" => false,
+                        "duplicate" => {
+                            report.duplicates += 1;
+                            (status == 201 && replayed) || status == 409
+                        }
+                        _ => {
+                            report.changed += 1;
+                            status == 422
+                        }
+                    };
+                    if !ok {
+                        report
+                            .unexpected
+                            .push(format!("{expect}: {status} {:?}", reply.map(|r| r.text())));
+                    }
+                }
+                report
+            })
+        })
+        .collect();
+    tokio::time::sleep_until(warmed).await;
+    let rss_warm = rss_kib(proxy.pid());
+    let mut total = LoadReport::default();
+    for worker in workers {
+        let report = worker.await.unwrap();
+        total.unique += report.unique;
+        total.duplicates += report.duplicates;
+        total.changed += report.changed;
+        total.unexpected.extend(report.unexpected);
+    }
+    let rss_end = rss_kib(proxy.pid());
+    eprintln!(
+        "sustained load: {seconds} s, {} unique, {} duplicates, {} changed, RSS {rss_warm} KiB after warm-up, {rss_end} KiB at the end",
+        total.unique, total.duplicates, total.changed
+    );
+    assert!(
+        total.unexpected.is_empty(),
+        "{:?}",
+        &total.unexpected[..total.unexpected.len().min(10)]
+    );
+    assert_eq!(
+        backend.hits("/api/load"),
+        total.unique,
+        "executions == unique keys"
+    );
+    assert!(
+        total.duplicates > 0 && total.changed > 0,
+        "the mix was exercised"
+    );
+    assert!(
+        rss_end <= rss_warm + rss_warm / 2 + 32 * 1024,
+        "proxy memory grew from {rss_warm} KiB to {rss_end} KiB"
+    );
+}
+
+/// The secrets of one request, in the forms a store or log could hold them.
+const SECRET_KEY: &str = "SECRET-KEY-4f1d9b";
+const SECRET_PRINCIPAL: &str = "Bearer PRINCIPAL-TOKEN-77e2";
+const SECRET_BODY: &str = "BODY-SECRET-CARD-4242";
+
+fn assert_no_secret(place: &str, haystack: &[u8]) {
+    for secret in [
+        SECRET_KEY,
+        SECRET_PRINCIPAL,
+        "PRINCIPAL-TOKEN-77e2",
+        SECRET_BODY,
+    ] {
+        let hex = common::hex(secret.as_bytes());
+        for needle in [secret.as_bytes(), hex.as_bytes()] {
+            assert!(
+                !haystack.windows(needle.len()).any(|w| w == needle),
+                "{secret} found in {place}"
+            );
+        }
+    }
+}
+
+/// No raw key, principal or body reaches PostgreSQL, Redis or the proxy's
+/// log (at debug level), whatever the outcome.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_key_principal_or_body_in_postgres_redis_or_logs() {
+    let pg = tokio::task::spawn_blocking(PrivatePostgres::start)
+        .await
+        .unwrap();
+    let redis = PrivateRedis::start();
+    let backend = Backend::start().await;
+    let dir = temp_dir("leaks");
+    let mut args = ProxyArgs::new(backend.url(), &config("30s"), &dir);
+    args.store = pg.url();
+    args.redis = Some(redis.url());
+    let log = dir.join("proxy.log");
+    let proxy = Proxy::start_logged(args, &log, "debug").await;
+    let secret = |key: &str, body: &str| {
+        let mut request = post(proxy.addr, "/api/secret", key, Bytes::from(body.to_owned()));
+        request
+            .headers_mut()
+            .insert("authorization", SECRET_PRINCIPAL.parse().unwrap());
+        request
+    };
+    let body = format!(r#"{{"card":"{SECRET_BODY}"}}"#);
+    let changed = format!(r#"{{"card":"{SECRET_BODY}-2"}}"#);
+    let invalid = format!("{SECRET_KEY} {SECRET_BODY}");
+    let client = client();
+    let first = try_request(&client, secret(SECRET_KEY, &body))
+        .await
+        .unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false));
+    for _ in 0..3 {
+        let replay = try_request(&client, secret(SECRET_KEY, &body))
+            .await
+            .unwrap();
+        assert!(replay.replayed());
+    }
+    let mismatch = try_request(&client, secret(SECRET_KEY, &changed))
+        .await
+        .unwrap();
+    assert_eq!(mismatch.status, 422);
+    let refused = try_request(&client, secret(&invalid, &body)).await.unwrap();
+    assert_eq!(refused.status, 400);
+    eventually("the completed record is cached", || redis.key_count() > 0).await;
+    assert_eq!(backend.hits("/api/secret"), 1);
+
+    let dump = pg.dump();
+    assert!(dump.contains("idempotency"), "the records table is dumped");
+    assert_no_secret("PostgreSQL", dump.as_bytes());
+    assert_no_secret("Redis", &redis.dump());
+    let logs = std::fs::read(&log).unwrap();
+    assert!(!logs.is_empty(), "the proxy logged");
+    assert_no_secret("the proxy log", &logs);
 }
