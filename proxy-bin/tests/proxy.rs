@@ -43,6 +43,10 @@ path = "/slow"
 path = "/echo"
 
 [[route]]
+path = "/chunked"
+max_response_bytes = 1024
+
+[[route]]
 path = "/plain"
 enabled = false
 "#;
@@ -568,4 +572,29 @@ async fn the_quick_start_demo_backend_runs_a_double_click_once() {
     }
     let stats = proxy.send("GET", "/stats", &[], "").await.json();
     assert_eq!(stats["contact_requests"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chunked_answers_stream_through_and_replay_and_oversized_ones_run_once() {
+    let (backend, proxy) = start("chunked", FORMS).await;
+    // 5 lines of 100 bytes: under the 1 KiB storage cap.
+    let key = uuid();
+    let headers = [("idempotency-key", key.as_str())];
+    let first = proxy.send("POST", "/chunked?n=5", &headers, "").await;
+    assert_eq!((first.status, first.body.len()), (201, 500));
+    assert!(first.text().starts_with("       1 line"));
+    let replay = proxy.send("POST", "/chunked?n=5", &headers, "").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+
+    // 50 lines: delivered whole, but only a marker is stored, so a retry
+    // is told so (409) and the request does not run again.
+    let key = uuid();
+    let headers = [("idempotency-key", key.as_str())];
+    let big = proxy.send("POST", "/chunked?n=50", &headers, "").await;
+    assert_eq!((big.status, big.body.len()), (201, 5000));
+    let retry = proxy.send("POST", "/chunked?n=50", &headers, "").await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert!(retry.text().contains("response-not-stored"));
+    assert_eq!(backend.hits("/chunked"), 2);
 }

@@ -32,6 +32,8 @@ use tokio::sync::Notify;
 ///   `N` is `gate`), then 201;
 /// * `POST /hold-first`: the first request waits for [`Backend::open_gate`],
 ///   later ones answer 201 at once;
+/// * `POST /chunked?n=N`: 201 with N lines of 100 bytes, streamed in
+///   chunks (`Transfer-Encoding: chunked`);
 /// * anything else: 200 echoing method, path, headers and body as JSON.
 ///
 /// Every request is counted per path ([`Backend::hits`]).
@@ -152,6 +154,19 @@ async fn handle(State(state): State<Arc<BackendState>>, request: Request) -> Res
     if parts.method == Method::POST && path == "/upload" {
         let sum = hex(&Sha256::digest(&body));
         return (StatusCode::OK, format!("{sum} {}", body.len())).into_response();
+    }
+    if parts.method == Method::POST && path == "/chunked" {
+        let lines: usize = parts
+            .uri
+            .query()
+            .and_then(|q| q.strip_prefix("n="))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(3);
+        let chunks = (0..lines).map(move |i| {
+            Ok::<_, std::convert::Infallible>(Bytes::from(format!("{n:>8} line {i:>85}\n")))
+        });
+        let body = axum::body::Body::from_stream(futures::stream::iter(chunks));
+        return (StatusCode::CREATED, body).into_response();
     }
     if path == "/slow" || path == "/hold-first" {
         let query = parts.uri.query().unwrap_or("");
