@@ -213,6 +213,13 @@ impl ProxyHttp for IdempotencyProxy {
         }
     }
 
+    /// What Pingora's own error lines say about a request: method and path,
+    /// never the query (a key may travel there) or headers.
+    fn request_summary(&self, session: &Session, _ctx: &RequestCtx) -> String {
+        let request = session.req_header();
+        format!("{} {}", request.method, request.uri.path())
+    }
+
     async fn logging(&self, session: &mut Session, error: Option<&Error>, ctx: &mut RequestCtx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let request = session.req_header();
