@@ -189,6 +189,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             "admin".to_owned(),
             admin::Admin { engine },
         );
+        admin.threads = Some(1);
         admin.add_tcp(address);
         server.add_service(admin);
     }
@@ -197,6 +198,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             "demo backend".to_owned(),
             demo::DemoBackend::default(),
         );
+        demo.threads = Some(1);
         demo.add_tcp(address);
         server.add_service(demo);
         tracing::info!(%address, "demo backend started: open http://{}/contact", settings.listen);
