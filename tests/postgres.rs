@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use tower_idempotency::store::{Claim, Outcome, StoredResponse};
-use tower_idempotency::{Engine, Policy, PostgresStore, Routes, Store};
+use tower_idempotency::{Engine, Policy, PostgresStore, Routes, Store, StoreError};
 
 use fixtures::{
     fingerprint, fresh_schema, pool, postgres_store, random_key, reserve_at_once, Switch,
@@ -234,4 +234,26 @@ async fn the_sweeper_removes_only_expired_records() {
             "a live record was swept"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_record_is_an_error_not_a_panic_or_a_replay() {
+    let store = postgres_store().await;
+    let key = random_key();
+    // Completed, with headers that are not what `encode_headers` writes.
+    sqlx::query(
+        "INSERT INTO idempotency_records (key, fingerprint, state, expires_at, status, headers, body)
+         VALUES ($1, $2, 'completed', now() + interval '1 hour', 200, '\\x00000009'::bytea, '')",
+    )
+    .bind(key.as_bytes().as_slice())
+    .bind(fingerprint(1).as_bytes().as_slice())
+    .execute(store.pool())
+    .await
+    .unwrap();
+
+    assert!(matches!(store.get(&key).await, Err(StoreError::Corrupt(_))));
+    assert!(matches!(
+        store.reserve(&key, &fingerprint(1), LONG, LONG).await,
+        Err(StoreError::Corrupt(_))
+    ));
 }

@@ -3,12 +3,11 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
-use super::sql::{self, micros, store_error, OutcomeColumns, RecordRow};
-use super::{Claim, Fingerprint, Outcome, OwnerToken, Record, ScopeKey, Store, StoreError};
+use super::sql::{self, store_error};
+use super::StoreError;
 
 /// Insert, or overwrite a record whose retention ran out or whose lease ran
 /// out (same fingerprint only), in one statement. Returns no row when a live
@@ -164,110 +163,4 @@ impl PostgresStore {
     }
 }
 
-#[async_trait]
-impl Store for PostgresStore {
-    async fn reserve(
-        &self,
-        key: &ScopeKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Claim, StoreError> {
-        sql::reserve(
-            |owner| async move {
-                sqlx::query_scalar::<_, bool>(RESERVE)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(fingerprint.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind(micros(lease))
-                    .bind(micros(ttl))
-                    .fetch_optional(&self.pool)
-                    .await
-            },
-            || self.select_live(key),
-        )
-        .await
-    }
-
-    async fn complete(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        outcome: &Outcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let columns = OutcomeColumns::from(outcome);
-        let done = sqlx::query(COMPLETE)
-            .bind(key.as_bytes().as_slice())
-            .bind(owner.as_bytes().as_slice())
-            .bind(columns.state)
-            .bind(columns.status)
-            .bind(columns.headers)
-            .bind(columns.body)
-            .bind(micros(ttl))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(RELEASE)
-            .bind(key.as_bytes().as_slice())
-            .bind(owner.as_bytes().as_slice())
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn renew(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let done = sqlx::query(RENEW)
-            .bind(key.as_bytes().as_slice())
-            .bind(owner.as_bytes().as_slice())
-            .bind(micros(lease))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
-        self.select_live(key)
-            .await
-            .map_err(store_error)?
-            .map(RecordRow::into_record)
-            .transpose()
-    }
-
-    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
-        let done = sqlx::query(SWEEP)
-            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected())
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(())
-    }
-}
-
-impl PostgresStore {
-    async fn select_live(&self, key: &ScopeKey) -> Result<Option<RecordRow>, sqlx::Error> {
-        sqlx::query_as(SELECT_LIVE)
-            .bind(key.as_bytes().as_slice())
-            .fetch_optional(&self.pool)
-            .await
-    }
-}
+super::sql::sql_store!(PostgresStore);

@@ -158,3 +158,141 @@ pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
         other => StoreError::Unavailable(Box::new(other)),
     }
 }
+
+/// Implements [`Store`](super::Store) for a SQL store: a type with a `pool`
+/// field, in a module that defines the statements `RESERVE`, `SELECT_LIVE`,
+/// `COMPLETE`, `RELEASE`, `RENEW` and `SWEEP`.
+///
+/// Both dialects take the same parameters in the same order and keep time
+/// by the database's own clock, so the Rust side is written once:
+///
+/// | statement | parameters |
+/// |---|---|
+/// | `RESERVE` | key, fingerprint, owner, lease µs, ttl µs → `takeover` |
+/// | `SELECT_LIVE` | key → [`RecordRow`] |
+/// | `COMPLETE` | key, owner, state, status, headers, body, ttl µs |
+/// | `RELEASE` | key, owner |
+/// | `RENEW` | key, owner, lease µs |
+/// | `SWEEP` | batch |
+macro_rules! sql_store {
+    ($store:ty) => {
+        impl $store {
+            async fn select_live(
+                &self,
+                key: &$crate::store::ScopeKey,
+            ) -> Result<Option<$crate::store::sql::RecordRow>, sqlx::Error> {
+                sqlx::query_as(SELECT_LIVE)
+                    .bind(key.as_bytes().as_slice())
+                    .fetch_optional(&self.pool)
+                    .await
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::store::Store for $store {
+            async fn reserve(
+                &self,
+                key: &$crate::store::ScopeKey,
+                fingerprint: &$crate::store::Fingerprint,
+                lease: std::time::Duration,
+                ttl: std::time::Duration,
+            ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
+                $crate::store::sql::reserve(
+                    |owner| async move {
+                        sqlx::query_scalar::<_, bool>(RESERVE)
+                            .bind(key.as_bytes().as_slice())
+                            .bind(fingerprint.as_bytes().as_slice())
+                            .bind(owner.as_bytes().as_slice())
+                            .bind($crate::store::sql::micros(lease))
+                            .bind($crate::store::sql::micros(ttl))
+                            .fetch_optional(&self.pool)
+                            .await
+                    },
+                    || self.select_live(key),
+                )
+                .await
+            }
+
+            async fn complete(
+                &self,
+                key: &$crate::store::ScopeKey,
+                owner: &$crate::store::OwnerToken,
+                outcome: &$crate::store::Outcome,
+                ttl: std::time::Duration,
+            ) -> Result<bool, $crate::store::StoreError> {
+                let columns = $crate::store::sql::OutcomeColumns::from(outcome);
+                let done = sqlx::query(COMPLETE)
+                    .bind(key.as_bytes().as_slice())
+                    .bind(owner.as_bytes().as_slice())
+                    .bind(columns.state)
+                    .bind(columns.status)
+                    .bind(columns.headers)
+                    .bind(columns.body)
+                    .bind($crate::store::sql::micros(ttl))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn release(
+                &self,
+                key: &$crate::store::ScopeKey,
+                owner: &$crate::store::OwnerToken,
+            ) -> Result<bool, $crate::store::StoreError> {
+                let done = sqlx::query(RELEASE)
+                    .bind(key.as_bytes().as_slice())
+                    .bind(owner.as_bytes().as_slice())
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn renew(
+                &self,
+                key: &$crate::store::ScopeKey,
+                owner: &$crate::store::OwnerToken,
+                lease: std::time::Duration,
+            ) -> Result<bool, $crate::store::StoreError> {
+                let done = sqlx::query(RENEW)
+                    .bind(key.as_bytes().as_slice())
+                    .bind(owner.as_bytes().as_slice())
+                    .bind($crate::store::sql::micros(lease))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn get(
+                &self,
+                key: &$crate::store::ScopeKey,
+            ) -> Result<Option<$crate::store::Record>, $crate::store::StoreError> {
+                self.select_live(key)
+                    .await
+                    .map_err($crate::store::sql::store_error)?
+                    .map($crate::store::sql::RecordRow::into_record)
+                    .transpose()
+            }
+
+            async fn sweep(&self, batch: usize) -> Result<u64, $crate::store::StoreError> {
+                let done = sqlx::query(SWEEP)
+                    .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn ping(&self) -> Result<(), $crate::store::StoreError> {
+                sqlx::query("SELECT 1")
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                Ok(())
+            }
+        }
+    };
+}
+pub(super) use sql_store;

@@ -1,22 +1,26 @@
 //! The SQLite store: durable records on one node, nothing to install.
 
 use std::str::FromStr;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use async_trait::async_trait;
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 
-use super::sql::{self, micros, store_error, OutcomeColumns, RecordRow};
-use super::{Claim, Fingerprint, Outcome, OwnerToken, Record, ScopeKey, Store, StoreError};
+use super::sql::{self, store_error};
+use super::StoreError;
 
-// `?4` is always "now" in microseconds since the Unix epoch.
+// Time is SQLite's own clock, `unixepoch('subsec')`: seconds since the Unix
+// epoch with millisecond precision, the same value throughout a statement.
+// Durations are bound in microseconds, as for PostgreSQL.
 
 /// The same single-statement upsert as the PostgreSQL store (see there).
 const RESERVE: &str = "
 INSERT INTO idempotency_records AS r
     (key, fingerprint, owner, state, lease_expires_at, expires_at, created_at)
-VALUES (?1, ?2, ?3, 'in_flight', ?4 + ?5, ?4 + ?6, ?4)
+VALUES (?1, ?2, ?3, 'in_flight',
+        unixepoch('subsec') + ?4 / 1e6,
+        unixepoch('subsec') + ?5 / 1e6,
+        unixepoch('subsec'))
 ON CONFLICT (key) DO UPDATE SET
     fingerprint = excluded.fingerprint,
     owner = excluded.owner,
@@ -26,22 +30,25 @@ ON CONFLICT (key) DO UPDATE SET
     status = NULL,
     headers = NULL,
     body = NULL,
-    created_at = CASE WHEN r.expires_at <= ?4 THEN ?4 ELSE r.created_at END
-WHERE r.expires_at <= ?4
-   OR (r.state = 'in_flight' AND r.lease_expires_at <= ?4
+    created_at = CASE WHEN r.expires_at <= unixepoch('subsec')
+                      THEN unixepoch('subsec') ELSE r.created_at END
+WHERE r.expires_at <= unixepoch('subsec')
+   OR (r.state = 'in_flight' AND r.lease_expires_at <= unixepoch('subsec')
        AND r.fingerprint = excluded.fingerprint)
-RETURNING created_at < ?4 AS takeover";
+RETURNING created_at < unixepoch('subsec') AS takeover";
 
 const SELECT_LIVE: &str = "
 SELECT fingerprint, state, status, headers, body,
-       max(lease_expires_at - ?2, 0) AS lease_remaining_us
+       CAST(max(lease_expires_at - unixepoch('subsec'), 0) * 1e6 AS INTEGER)
+           AS lease_remaining_us
 FROM idempotency_records
-WHERE key = ?1 AND expires_at > ?2";
+WHERE key = ?1 AND expires_at > unixepoch('subsec')";
 
 const COMPLETE: &str = "
 UPDATE idempotency_records
 SET state = ?3, owner = NULL, lease_expires_at = NULL,
-    status = ?4, headers = ?5, body = ?6, expires_at = ?7 + ?8
+    status = ?4, headers = ?5, body = ?6,
+    expires_at = unixepoch('subsec') + ?7 / 1e6
 WHERE key = ?1 AND owner = ?2 AND state = 'in_flight'";
 
 const RELEASE: &str = "
@@ -51,13 +58,14 @@ WHERE key = ?1 AND owner = ?2 AND state = 'in_flight'";
 /// A renewed reservation never expires (nor is swept) under its owner.
 const RENEW: &str = "
 UPDATE idempotency_records
-SET lease_expires_at = ?3 + ?4, expires_at = max(expires_at, ?3 + ?4)
+SET lease_expires_at = unixepoch('subsec') + ?3 / 1e6,
+    expires_at = max(expires_at, unixepoch('subsec') + ?3 / 1e6)
 WHERE key = ?1 AND owner = ?2 AND state = 'in_flight'";
 
 const SWEEP: &str = "
 DELETE FROM idempotency_records
 WHERE key IN (SELECT key FROM idempotency_records
-              WHERE expires_at <= ?2
+              WHERE expires_at <= unixepoch('subsec')
               ORDER BY expires_at
               LIMIT ?1)";
 
@@ -69,8 +77,8 @@ WHERE key IN (SELECT key FROM idempotency_records
 ///   connections (and other processes opening the same file) never see a
 ///   half-made decision. A writer waits up to
 ///   [`BUSY_TIMEOUT`](SqliteStore::BUSY_TIMEOUT) for the file lock.
-/// * Time is the node's system clock, read once per statement (SQLite has
-///   no other clock; every process on the node shares it).
+/// * Time is SQLite's own clock (`unixepoch('subsec')`, millisecond
+///   precision), the same value throughout a statement.
 /// * Every commit is synced to disk (`synchronous = FULL`): a record the
 ///   engine was told is stored survives a crash or power loss.
 /// * Waiters poll with the default bounded backoff.
@@ -144,124 +152,6 @@ impl SqliteStore {
     pub async fn close(&self) {
         self.pool.close().await;
     }
-
-    async fn select_live(&self, key: &ScopeKey) -> Result<Option<RecordRow>, sqlx::Error> {
-        sqlx::query_as(SELECT_LIVE)
-            .bind(key.as_bytes().as_slice())
-            .bind(now())
-            .fetch_optional(&self.pool)
-            .await
-    }
 }
 
-/// Microseconds since the Unix epoch by the system clock.
-fn now() -> i64 {
-    micros(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default(),
-    )
-}
-
-#[async_trait]
-impl Store for SqliteStore {
-    async fn reserve(
-        &self,
-        key: &ScopeKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Claim, StoreError> {
-        sql::reserve(
-            |owner| async move {
-                sqlx::query_scalar::<_, bool>(RESERVE)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(fingerprint.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind(now())
-                    .bind(micros(lease))
-                    .bind(micros(ttl))
-                    .fetch_optional(&self.pool)
-                    .await
-            },
-            || self.select_live(key),
-        )
-        .await
-    }
-
-    async fn complete(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        outcome: &Outcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let columns = OutcomeColumns::from(outcome);
-        let done = sqlx::query(COMPLETE)
-            .bind(key.as_bytes().as_slice())
-            .bind(owner.as_bytes().as_slice())
-            .bind(columns.state)
-            .bind(columns.status)
-            .bind(columns.headers)
-            .bind(columns.body)
-            .bind(now())
-            .bind(micros(ttl))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(RELEASE)
-            .bind(key.as_bytes().as_slice())
-            .bind(owner.as_bytes().as_slice())
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn renew(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let done = sqlx::query(RENEW)
-            .bind(key.as_bytes().as_slice())
-            .bind(owner.as_bytes().as_slice())
-            .bind(now())
-            .bind(micros(lease))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
-        self.select_live(key)
-            .await
-            .map_err(store_error)?
-            .map(RecordRow::into_record)
-            .transpose()
-    }
-
-    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
-        let done = sqlx::query(SWEEP)
-            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-            .bind(now())
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected())
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(())
-    }
-}
+super::sql::sql_store!(SqliteStore);
