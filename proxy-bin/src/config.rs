@@ -58,6 +58,11 @@ pub struct ProxySettings {
     /// The longest any single store call may take (then 503).
     #[serde(default, with = "humantime_serde::option")]
     pub store_timeout: Option<Duration>,
+    /// The longest a client may take to send a covered request's body, in
+    /// total (then 408, nothing reserved): a slow trickle cannot hold a
+    /// connection for ever.
+    #[serde(default, with = "humantime_serde::option")]
+    pub body_timeout: Option<Duration>,
     /// On SIGTERM, how long in-flight requests may take to finish.
     #[serde(default, with = "humantime_serde::option")]
     pub shutdown_timeout: Option<Duration>,
@@ -91,6 +96,8 @@ pub struct Resolved {
     pub idle_timeout: Duration,
     /// Store call timeout (default 5 s).
     pub store_timeout: Duration,
+    /// Deadline for reading a covered request's body (default 30 s).
+    pub body_timeout: Duration,
     /// Drain time on SIGTERM (default 30 s).
     pub shutdown_timeout: Duration,
     /// Sweep period (default 60 s).
@@ -116,6 +123,7 @@ impl ProxySettings {
             write_timeout: over.write_timeout.or(self.write_timeout),
             idle_timeout: over.idle_timeout.or(self.idle_timeout),
             store_timeout: over.store_timeout.or(self.store_timeout),
+            body_timeout: over.body_timeout.or(self.body_timeout),
             shutdown_timeout: over.shutdown_timeout.or(self.shutdown_timeout),
             sweep_interval: over.sweep_interval.or(self.sweep_interval),
             threads: over.threads.or(self.threads),
@@ -136,6 +144,7 @@ impl ProxySettings {
             write_timeout: self.write_timeout.unwrap_or(secs(60)),
             idle_timeout: self.idle_timeout.unwrap_or(secs(60)),
             store_timeout: self.store_timeout.unwrap_or(secs(5)),
+            body_timeout: self.body_timeout.unwrap_or(secs(30)),
             shutdown_timeout: self.shutdown_timeout.unwrap_or(secs(30)),
             sweep_interval: self.sweep_interval.unwrap_or(secs(60)),
             threads: self.threads.filter(|&n| n > 0).unwrap_or_else(|| {

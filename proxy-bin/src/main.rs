@@ -180,7 +180,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let drain = Drain::default();
     let mut proxy = pingora_proxy::http_proxy_service(
         &server.configuration,
-        proxy::IdempotencyProxy::new(engine.clone(), config.routes, upstream, drain.clone()),
+        proxy::IdempotencyProxy::new(
+            engine.clone(),
+            config.routes,
+            upstream,
+            drain.clone(),
+            settings.body_timeout,
+        ),
     );
     proxy.add_tcp(&settings.listen);
     server.add_service(proxy);

@@ -16,7 +16,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -39,6 +39,7 @@ pub struct IdempotencyProxy {
     routes: Routes,
     upstream: Arc<Upstream>,
     drain: Drain,
+    body_timeout: Duration,
 }
 
 /// Per-request state.
@@ -51,19 +52,29 @@ pub struct RequestCtx {
 
 impl IdempotencyProxy {
     /// A proxy in front of `upstream`; `routes` must be the table `engine`
-    /// was built with.
-    pub fn new(engine: Engine, routes: Routes, upstream: Arc<Upstream>, drain: Drain) -> Self {
+    /// was built with. A covered request's body must arrive within
+    /// `body_timeout`.
+    pub fn new(
+        engine: Engine,
+        routes: Routes,
+        upstream: Arc<Upstream>,
+        drain: Drain,
+        body_timeout: Duration,
+    ) -> Self {
         IdempotencyProxy {
             engine,
             routes,
             upstream,
             drain,
+            body_timeout,
         }
     }
 
     /// Handles a covered request whole; always answers the client itself.
     async fn covered(&self, session: &mut Session, policy: Arc<RoutePolicy>) -> Result<bool> {
-        let body = match read_body(session, policy.max_body_bytes()).await {
+        let read = read_body(session, policy.max_body_bytes());
+        let read = tokio::time::timeout(self.body_timeout, read).await;
+        let body = match read.unwrap_or(Err(BodyFailure::Unreadable { timed_out: true })) {
             Ok(body) => body,
             Err(failure) => {
                 // The rest of the body is not read: the connection cannot

@@ -29,6 +29,7 @@ fn config(lease: &str) -> String {
         r#"
 [proxy]
 read_timeout = "10s"
+body_timeout = "2s"
 
 [defaults]
 lease = "{lease}"
@@ -282,6 +283,48 @@ async fn a_client_gone_mid_request_leaves_nothing_behind() {
         .unwrap();
     assert_eq!((reply.status, reply.replayed()), (201, false));
     assert_eq!(backend.hits("/api/cut"), 1);
+}
+
+/// A client trickles its body a byte at a time: after `body_timeout` it
+/// gets 408, nothing was reserved, and the key is free at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_trickle_gets_408_and_reserves_nothing() {
+    let backend = Backend::start().await;
+    let proxy = start_proxy(backend.url(), "memory", None, "30s").await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /api/trickle HTTP/1.1\r\nhost: x\r\nidempotency-key: trickle-1\r\n\
+              content-type: application/json\r\ncontent-length: 100000\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    let trickle = tokio::spawn(async move {
+        while writer.write_all(b" ").await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), reader.read_to_end(&mut answer))
+        .await
+        .expect("the proxy cut the trickle off")
+        .ok();
+    trickle.abort();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.contains("urn:tower-idempotency:body-unreadable"),
+        "{answer}"
+    );
+    assert_eq!(backend.hits("/api/trickle"), 0);
+    let reply = try_request(
+        &client(),
+        post(proxy.addr, "/api/trickle", "trickle-1", "{}"),
+    )
+    .await
+    .unwrap();
+    assert_eq!((reply.status, reply.replayed()), (201, false));
 }
 
 /// The client goes away in the middle of the response body: the exchange
