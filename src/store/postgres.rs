@@ -9,29 +9,35 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use super::sql::{self, store_error};
 use super::StoreError;
 
-/// Insert, or overwrite a record whose retention ran out or whose lease ran
-/// out (same fingerprint only), in one statement. Returns no row when a live
-/// record stands. A takeover keeps the first reservation's `created_at`,
-/// which is how `takeover` is told apart from a fresh or reused key.
-const RESERVE: &str = "
-INSERT INTO idempotency_records AS r
+/// A new record. Conflicts are skipped without locking the existing row.
+const INSERT: &str = "
+INSERT INTO idempotency_records
     (key, fingerprint, owner, state, lease_expires_at, expires_at)
 VALUES ($1, $2, $3, 'in_flight',
         now() + $4::bigint * interval '1 microsecond',
         now() + $5::bigint * interval '1 microsecond')
-ON CONFLICT (key) DO UPDATE SET
-    fingerprint = EXCLUDED.fingerprint,
-    owner = EXCLUDED.owner,
+ON CONFLICT (key) DO NOTHING
+RETURNING false AS takeover";
+
+/// Overwrites a record whose retention ran out, or whose lease ran out (same
+/// fingerprint only). Concurrent callers queue on the row lock and check the
+/// condition again on the row the winner wrote, so exactly one succeeds. A
+/// takeover keeps the first reservation's `created_at`, which is how it is
+/// told apart from a reused key.
+const TAKE_OVER: &str = "
+UPDATE idempotency_records AS r
+SET fingerprint = $2,
+    owner = $3,
     state = 'in_flight',
-    lease_expires_at = EXCLUDED.lease_expires_at,
-    expires_at = EXCLUDED.expires_at,
+    lease_expires_at = now() + $4::bigint * interval '1 microsecond',
+    expires_at = now() + $5::bigint * interval '1 microsecond',
     status = NULL,
     headers = NULL,
     body = NULL,
     created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END
-WHERE r.expires_at <= now()
-   OR (r.state = 'in_flight' AND r.lease_expires_at <= now()
-       AND r.fingerprint = EXCLUDED.fingerprint)
+WHERE key = $1
+  AND (r.expires_at <= now()
+       OR (r.state = 'in_flight' AND r.lease_expires_at <= now() AND r.fingerprint = $2))
 RETURNING created_at < now() AS takeover";
 
 const SELECT_LIVE: &str = "
@@ -75,10 +81,11 @@ WHERE key IN (SELECT key FROM idempotency_records
 /// Keeps records in a PostgreSQL table, `idempotency_records` (see
 /// `migrations/`), shared by every instance that connects to it.
 ///
-/// * A reservation is one atomic `INSERT … ON CONFLICT DO UPDATE … WHERE`
-///   statement: of any number of concurrent callers on any number of
-///   instances, exactly one gets the key, and an expired lease is taken over
-///   by exactly one caller with the same fingerprint.
+/// * A reservation is an atomic `INSERT … ON CONFLICT DO NOTHING`, a lease
+///   takeover one atomic `UPDATE … WHERE lease_expires_at <= now()`: of any
+///   number of concurrent callers on any number of instances, exactly one
+///   gets the key, and an expired lease is taken over by exactly one caller
+///   with the same fingerprint. A duplicate of a live record writes nothing.
 /// * Completion, release and renewal are `… WHERE owner = $2`: a worker
 ///   that lost its lease can never overwrite its successor.
 /// * All time is the database's clock (`now()`); instance clocks never

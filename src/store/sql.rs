@@ -1,5 +1,5 @@
 //! What the SQL stores share: the row they read, the columns an outcome is
-//! written to, the reserve protocol around the atomic upsert, and the
+//! written to, the reserve protocol around the atomic writes, and the
 //! mapping of sqlx errors onto [`StoreError`].
 //!
 //! Both schemas (`migrations/`, `migrations/sqlite/`) have the same
@@ -106,12 +106,12 @@ pub(super) fn micros(duration: Duration) -> i64 {
 
 /// The reserve protocol shared by the SQL stores.
 ///
-/// `acquire(owner)` runs the one atomic upsert (insert, or overwrite an
-/// expired record or an expired lease of the same fingerprint) and returns
-/// `Some(takeover)` when it wrote the row, `None` when a live record stands.
-/// `existing()` then selects that record. If it vanished in between
-/// (released or expired), the upsert runs again: the loop ends as soon as
-/// either statement sees a row, which under any real contention is the
+/// `acquire(owner)` runs the atomic writes (insert a new record; else take
+/// over an expired record or an expired lease of the same fingerprint) and
+/// returns `Some(takeover)` when one of them wrote the row, `None` when a
+/// live record stands. `existing()` then selects that record. If it vanished
+/// in between (released or expired), the writes run again: the loop ends as
+/// soon as a statement sees a row, which under any real contention is the
 /// second round.
 pub(super) async fn reserve<A, E>(
     mut acquire: impl FnMut(OwnerToken) -> A,
@@ -160,15 +160,20 @@ pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
 }
 
 /// Implements [`Store`](super::Store) for a SQL store: a type with a `pool`
-/// field, in a module that defines the statements `RESERVE`, `SELECT_LIVE`,
-/// `COMPLETE`, `RELEASE`, `RENEW` and `SWEEP`.
+/// field, in a module that defines the statements `INSERT`, `TAKE_OVER`,
+/// `SELECT_LIVE`, `COMPLETE`, `RELEASE`, `RENEW` and `SWEEP`.
+///
+/// A reservation is `INSERT … ON CONFLICT DO NOTHING`, then (on a conflict)
+/// `UPDATE … WHERE <expired>`, then (if neither wrote) `SELECT`. Each write
+/// is atomic on its own, and a duplicate of a live record writes nothing:
+/// replays and polling waiters take no row lock and cost no commit flush.
 ///
 /// Both dialects take the same parameters in the same order and keep time
 /// by the database's own clock, so the Rust side is written once:
 ///
 /// | statement | parameters |
 /// |---|---|
-/// | `RESERVE` | key, fingerprint, owner, lease µs, ttl µs → `takeover` |
+/// | `INSERT`, `TAKE_OVER` | key, fingerprint, owner, lease µs, ttl µs → `takeover` |
 /// | `SELECT_LIVE` | key → [`RecordRow`] |
 /// | `COMPLETE` | key, owner, state, status, headers, body, ttl µs |
 /// | `RELEASE` | key, owner |
@@ -199,14 +204,20 @@ macro_rules! sql_store {
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
                 $crate::store::sql::reserve(
                     |owner| async move {
-                        sqlx::query_scalar::<_, bool>(RESERVE)
-                            .bind(key.as_bytes().as_slice())
-                            .bind(fingerprint.as_bytes().as_slice())
-                            .bind(owner.as_bytes().as_slice())
-                            .bind($crate::store::sql::micros(lease))
-                            .bind($crate::store::sql::micros(ttl))
-                            .fetch_optional(&self.pool)
-                            .await
+                        for statement in [INSERT, TAKE_OVER] {
+                            let takeover = sqlx::query_scalar::<_, bool>(statement)
+                                .bind(key.as_bytes().as_slice())
+                                .bind(fingerprint.as_bytes().as_slice())
+                                .bind(owner.as_bytes().as_slice())
+                                .bind($crate::store::sql::micros(lease))
+                                .bind($crate::store::sql::micros(ttl))
+                                .fetch_optional(&self.pool)
+                                .await?;
+                            if takeover.is_some() {
+                                return Ok(takeover);
+                            }
+                        }
+                        Ok(None)
                     },
                     || self.select_live(key),
                 )

@@ -13,28 +13,34 @@ use super::StoreError;
 // epoch with millisecond precision, the same value throughout a statement.
 // Durations are bound in microseconds, as for PostgreSQL.
 
-/// The same single-statement upsert as the PostgreSQL store (see there).
-const RESERVE: &str = "
-INSERT INTO idempotency_records AS r
+/// As for PostgreSQL (see there).
+const INSERT: &str = "
+INSERT INTO idempotency_records
     (key, fingerprint, owner, state, lease_expires_at, expires_at, created_at)
 VALUES (?1, ?2, ?3, 'in_flight',
         unixepoch('subsec') + ?4 / 1e6,
         unixepoch('subsec') + ?5 / 1e6,
         unixepoch('subsec'))
-ON CONFLICT (key) DO UPDATE SET
-    fingerprint = excluded.fingerprint,
-    owner = excluded.owner,
+ON CONFLICT (key) DO NOTHING
+RETURNING false AS takeover";
+
+/// As for PostgreSQL (see there).
+const TAKE_OVER: &str = "
+UPDATE idempotency_records AS r
+SET fingerprint = ?2,
+    owner = ?3,
     state = 'in_flight',
-    lease_expires_at = excluded.lease_expires_at,
-    expires_at = excluded.expires_at,
+    lease_expires_at = unixepoch('subsec') + ?4 / 1e6,
+    expires_at = unixepoch('subsec') + ?5 / 1e6,
     status = NULL,
     headers = NULL,
     body = NULL,
     created_at = CASE WHEN r.expires_at <= unixepoch('subsec')
                       THEN unixepoch('subsec') ELSE r.created_at END
-WHERE r.expires_at <= unixepoch('subsec')
-   OR (r.state = 'in_flight' AND r.lease_expires_at <= unixepoch('subsec')
-       AND r.fingerprint = excluded.fingerprint)
+WHERE key = ?1
+  AND (r.expires_at <= unixepoch('subsec')
+       OR (r.state = 'in_flight' AND r.lease_expires_at <= unixepoch('subsec')
+           AND r.fingerprint = ?2))
 RETURNING created_at < unixepoch('subsec') AS takeover";
 
 const SELECT_LIVE: &str = "
@@ -72,10 +78,10 @@ WHERE key IN (SELECT key FROM idempotency_records
 /// Keeps records in one SQLite file (WAL mode), so a single node keeps its
 /// guarantee across restarts. The proxy's default store.
 ///
-/// * Every reservation, completion, release and renewal is one statement,
-///   and SQLite runs write statements one at a time, so the pool's
-///   connections (and other processes opening the same file) never see a
-///   half-made decision. A writer waits up to
+/// * Every write (insert, takeover, completion, release, renewal) is one
+///   statement, and SQLite runs write statements one at a time, so the
+///   pool's connections (and other processes opening the same file) never
+///   see a half-made decision. A writer waits up to
 ///   [`BUSY_TIMEOUT`](SqliteStore::BUSY_TIMEOUT) for the file lock.
 /// * Time is SQLite's own clock (`unixepoch('subsec')`, millisecond
 ///   precision), the same value throughout a statement.
