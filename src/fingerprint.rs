@@ -26,6 +26,8 @@
 //! Every part is length-prefixed, so no two different inputs can be made to
 //! hash alike by moving bytes between parts.
 
+use std::ops::Range;
+
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
@@ -139,32 +141,56 @@ pub fn parse_pointer(pointer: &str) -> Vec<String> {
 /// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
     std::str::from_utf8(input).ok()?;
-    let mut parser = Parser { input, pos: 0 };
-    let value = parser.value(0)?;
-    parser.skip_ws();
-    if parser.pos != input.len() {
-        return None;
-    }
-    let mut out = Vec::with_capacity(input.len());
-    let mut path = Vec::new();
-    emit(&value, exclude, &mut path, &mut out);
-    Some(out)
+    let mut canonical = Canonicalizer {
+        input,
+        pos: 0,
+        out: Vec::with_capacity(input.len()),
+        members: Vec::new(),
+        scratch: Vec::new(),
+        exclude,
+        path: Vec::new(),
+    };
+    canonical.value(0)?;
+    canonical.skip_ws();
+    (canonical.pos == input.len()).then_some(canonical.out)
 }
 
-enum Node<'a> {
-    /// A string (with its quotes), number or literal, exactly as written.
-    Atom(&'a [u8]),
-    Array(Vec<Node<'a>>),
-    /// Members with their raw key (without quotes, escapes as written).
-    Object(Vec<(&'a [u8], Node<'a>)>),
-}
-
-struct Parser<'a> {
+/// One pass over the input that validates it and writes its canonical form
+/// at the same time, without building a tree.
+///
+/// Object members are written in input order; an object whose keys were
+/// not already sorted is then rearranged in place (its members' bytes are
+/// moved, not parsed again). A value is so copied once per unsorted object
+/// around it: at most [`MAX_JSON_DEPTH`] times.
+struct Canonicalizer<'a, 'x> {
     input: &'a [u8],
     pos: usize,
+    out: Vec<u8>,
+    /// The members of the objects being written, innermost object last.
+    members: Vec<Member>,
+    /// Room for rearranging an object.
+    scratch: Vec<u8>,
+    exclude: &'x [Vec<String>],
+    /// Where the value being read sits (tracked only when `exclude` is not
+    /// empty).
+    path: Vec<Segment<'a>>,
 }
 
-impl<'a> Parser<'a> {
+/// A member written to the output.
+struct Member {
+    /// Its raw key in the input (without quotes, escapes as written).
+    key: Range<usize>,
+    /// Its bytes in the output: `"key":value`, without a comma.
+    out: Range<usize>,
+}
+
+/// One step of the path to the value being read.
+enum Segment<'a> {
+    Key(&'a [u8]),
+    Index(usize),
+}
+
+impl<'a> Canonicalizer<'a, '_> {
     fn skip_ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.input.get(self.pos) {
             self.pos += 1;
@@ -181,73 +207,148 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Option<Node<'a>> {
+    /// Reads one value and writes its canonical form.
+    fn value(&mut self, depth: usize) -> Option<()> {
         if depth >= MAX_JSON_DEPTH {
             return None;
         }
         self.skip_ws();
+        let start = self.pos;
         match *self.input.get(self.pos)? {
-            b'{' => {
-                self.pos += 1;
-                let mut members = Vec::new();
-                if self.eat(b'}') {
-                    return Some(Node::Object(members));
+            b'{' => return self.object(depth),
+            b'[' => return self.array(depth),
+            b'"' => self.string()?,
+            b't' => self.literal(b"true")?,
+            b'f' => self.literal(b"false")?,
+            b'n' => self.literal(b"null")?,
+            b'-' | b'0'..=b'9' => self.number()?,
+            _ => return None,
+        }
+        // Strings, numbers and literals are kept exactly as written.
+        self.out.extend_from_slice(&self.input[start..self.pos]);
+        Some(())
+    }
+
+    fn array(&mut self, depth: usize) -> Option<()> {
+        self.pos += 1;
+        self.out.push(b'[');
+        if !self.eat(b']') {
+            let mut index = 0;
+            loop {
+                if index > 0 {
+                    self.out.push(b',');
                 }
-                loop {
-                    self.skip_ws();
-                    let key = self.string()?;
-                    if !self.eat(b':') {
-                        return None;
-                    }
-                    let value = self.value(depth + 1)?;
-                    members.push((&key[1..key.len() - 1], value));
-                    if self.eat(b',') {
-                        continue;
-                    }
-                    return self.eat(b'}').then_some(Node::Object(members));
+                if self.exclude.is_empty() {
+                    self.value(depth + 1)?;
+                } else {
+                    self.path.push(Segment::Index(index));
+                    self.value(depth + 1)?;
+                    self.path.pop();
                 }
-            }
-            b'[' => {
-                self.pos += 1;
-                let mut items = Vec::new();
+                index += 1;
+                if self.eat(b',') {
+                    continue;
+                }
                 if self.eat(b']') {
-                    return Some(Node::Array(items));
+                    break;
                 }
-                loop {
-                    items.push(self.value(depth + 1)?);
-                    if self.eat(b',') {
-                        continue;
-                    }
-                    return self.eat(b']').then_some(Node::Array(items));
-                }
+                return None;
             }
-            b'"' => self.string().map(Node::Atom),
-            b't' => self.literal(b"true"),
-            b'f' => self.literal(b"false"),
-            b'n' => self.literal(b"null"),
-            b'-' | b'0'..=b'9' => self.number(),
-            _ => None,
+        }
+        self.out.push(b']');
+        Some(())
+    }
+
+    fn object(&mut self, depth: usize) -> Option<()> {
+        let input = self.input;
+        self.pos += 1;
+        self.out.push(b'{');
+        let start = self.out.len();
+        let first = self.members.len();
+        let mut sorted = true;
+        if !self.eat(b'}') {
+            loop {
+                self.skip_ws();
+                let quoted = self.pos;
+                self.string()?;
+                let key = quoted + 1..self.pos - 1;
+                if !self.eat(b':') {
+                    return None;
+                }
+                let before_comma = self.out.len();
+                if self.members.len() > first {
+                    self.out.push(b',');
+                }
+                let member = self.out.len();
+                self.out.extend_from_slice(&input[quoted..key.end]);
+                self.out.extend_from_slice(b"\":");
+                let excluded = if self.exclude.is_empty() {
+                    self.value(depth + 1)?;
+                    false
+                } else {
+                    self.path.push(Segment::Key(&input[key.clone()]));
+                    let excluded = is_excluded(self.exclude, &self.path);
+                    self.value(depth + 1)?;
+                    self.path.pop();
+                    excluded
+                };
+                if excluded {
+                    self.out.truncate(before_comma);
+                } else {
+                    if let Some(previous) = self.members[first..].last() {
+                        sorted &= input[previous.key.clone()] <= input[key.clone()];
+                    }
+                    let out = member..self.out.len();
+                    self.members.push(Member { key, out });
+                }
+                if self.eat(b',') {
+                    continue;
+                }
+                if self.eat(b'}') {
+                    break;
+                }
+                return None;
+            }
+        }
+        if !sorted {
+            self.sort_members(first, start);
+        }
+        self.members.truncate(first);
+        self.out.push(b'}');
+        Some(())
+    }
+
+    /// Rewrites the members from `first` on, which were written from
+    /// `start`, in key order (stable: duplicate keys keep their order).
+    fn sort_members(&mut self, first: usize, start: usize) {
+        let input = self.input;
+        let members = &mut self.members[first..];
+        members.sort_by(|a, b| input[a.key.clone()].cmp(&input[b.key.clone()]));
+        self.scratch.clear();
+        self.scratch.extend_from_slice(&self.out[start..]);
+        self.out.truncate(start);
+        for (i, member) in members.iter().enumerate() {
+            if i > 0 {
+                self.out.push(b',');
+            }
+            self.out
+                .extend_from_slice(&self.scratch[member.out.start - start..member.out.end - start]);
         }
     }
 
-    /// A string token including its quotes.
-    fn string(&mut self) -> Option<&'a [u8]> {
-        let start = self.pos;
+    /// Reads a string token, quotes included.
+    fn string(&mut self) -> Option<()> {
         if self.input.get(self.pos) != Some(&b'"') {
             return None;
         }
         self.pos += 1;
         loop {
             // Jump to the next quote or backslash; control bytes are invalid.
-            let rest = &self.input[self.pos..];
-            let i = rest
-                .iter()
-                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
-            self.pos += i;
+            self.pos += find_special(&self.input[self.pos..])?;
             match self.input[self.pos] {
                 b'"' => {
                     self.pos += 1;
-                    return Some(&self.input[start..self.pos]);
+                    return Some(());
                 }
                 b'\\' => {
                     let escape = *self.input.get(self.pos + 1)?;
@@ -268,18 +369,12 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn literal(&mut self, word: &'static [u8]) -> Option<Node<'a>> {
+    fn literal(&mut self, word: &'static [u8]) -> Option<()> {
         let end = self.pos + word.len();
-        if self.input.get(self.pos..end)? == word {
-            self.pos = end;
-            Some(Node::Atom(word))
-        } else {
-            None
-        }
+        (self.input.get(self.pos..end)? == word).then(|| self.pos = end)
     }
 
-    fn number(&mut self) -> Option<Node<'a>> {
-        let start = self.pos;
+    fn number(&mut self) -> Option<()> {
         let digits = |p: &mut Self| {
             let from = p.pos;
             while p.input.get(p.pos).is_some_and(u8::is_ascii_digit) {
@@ -310,68 +405,36 @@ impl<'a> Parser<'a> {
                 return None;
             }
         }
-        Some(Node::Atom(&self.input[start..self.pos]))
+        Some(())
     }
 }
 
-/// One step of the path to the value being emitted.
-enum Segment<'a> {
-    Key(&'a [u8]),
-    Index(usize),
-}
-
-fn emit<'a>(
-    node: &Node<'a>,
-    exclude: &[Vec<String>],
-    path: &mut Vec<Segment<'a>>,
-    out: &mut Vec<u8>,
-) {
-    match node {
-        Node::Atom(bytes) => out.extend_from_slice(bytes),
-        Node::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                if exclude.is_empty() {
-                    emit(item, exclude, path, out);
-                } else {
-                    path.push(Segment::Index(i));
-                    emit(item, exclude, path, out);
-                    path.pop();
-                }
-            }
-            out.push(b']');
+/// The offset of the first `"`, `\` or control byte (below 0x20) in
+/// `bytes`, looking at eight bytes at a time.
+fn find_special(bytes: &[u8]) -> Option<usize> {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    // The high bit of each byte of `word` that is below `n` (n <= 0x80). A
+    // borrow can also flag a byte after a flagged one, never before it, so
+    // the lowest flagged byte is always a true match.
+    let below = |word: u64, n: u8| word.wrapping_sub(ONES * u64::from(n)) & !word & HIGHS;
+    let mut chunks = bytes.chunks_exact(8);
+    let mut offset = 0;
+    for chunk in &mut chunks {
+        let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+        let found = below(word ^ (ONES * u64::from(b'"')), 1)
+            | below(word ^ (ONES * u64::from(b'\\')), 1)
+            | below(word, 0x20);
+        if found != 0 {
+            return Some(offset + found.trailing_zeros() as usize / 8);
         }
-        Node::Object(members) => {
-            let mut sorted: Vec<&(&'a [u8], Node<'a>)> = members.iter().collect();
-            sorted.sort_by(|a, b| a.0.cmp(b.0));
-            out.push(b'{');
-            let mut first = true;
-            for (key, value) in sorted {
-                if !exclude.is_empty() {
-                    path.push(Segment::Key(key));
-                    if is_excluded(exclude, path) {
-                        path.pop();
-                        continue;
-                    }
-                }
-                if !first {
-                    out.push(b',');
-                }
-                first = false;
-                out.push(b'"');
-                out.extend_from_slice(key);
-                out.extend_from_slice(b"\":");
-                emit(value, exclude, path, out);
-                if !exclude.is_empty() {
-                    path.pop();
-                }
-            }
-            out.push(b'}');
-        }
+        offset += 8;
     }
+    chunks
+        .remainder()
+        .iter()
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+        .map(|i| offset + i)
 }
 
 fn is_excluded(exclude: &[Vec<String>], path: &[Segment<'_>]) -> bool {
