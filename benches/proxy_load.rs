@@ -577,7 +577,7 @@ fn postgres_floors(
         "CREATE TABLE floor (key bigint PRIMARY KEY, owner bigint, state text, response text); \
          INSERT INTO floor SELECT g, g, 'in_flight', NULL FROM generate_series(1, 2000) g",
     )?;
-    let mut time = |name: &str, sql: &str| -> Result<Duration, String> {
+    let time = |name: &str, sql: &str| -> Result<Duration, String> {
         let script = run.dir.join(format!("{name}.sql"));
         std::fs::write(&script, sql).map_err(|e| e.to_string())?;
         let prefix = run.dir.join(format!("pgbench_{name}"));
