@@ -179,40 +179,33 @@ async fn measure(
     let memory = Proxy::start(proxy_exe, &run.dir, "memory", backend, "memory", None).await?;
     for concurrency in CONCURRENCY {
         let keys = fresh(&format!("direct-{concurrency}"));
-        let stats = load(
-            &client,
-            &backend_url,
-            "/orders",
-            &body,
-            &keys,
-            concurrency,
-            duration,
-            None,
-        )
-        .await;
-        cells.push(Cell {
-            config: "backend directly".into(),
-            workload: "any",
-            concurrency,
-            outcome: Ok(stats),
-        });
-        let stats = load(
-            &client,
-            &memory.url(),
-            "/plain/orders",
-            &body,
-            &keys,
-            concurrency,
-            duration,
-            None,
-        )
-        .await;
-        cells.push(Cell {
-            config: "proxy, idempotency off (passthrough)".into(),
-            workload: "any",
-            concurrency,
-            outcome: Ok(stats),
-        });
+        let targets = [
+            ("backend directly", backend_url.clone(), "/orders"),
+            (
+                "proxy, idempotency off (passthrough)",
+                memory.url(),
+                "/plain/orders",
+            ),
+        ];
+        for (config, url, path) in targets {
+            let stats = load(
+                &client,
+                &url,
+                path,
+                &body,
+                &keys,
+                concurrency,
+                duration,
+                None,
+            )
+            .await;
+            cells.push(Cell {
+                config: config.into(),
+                workload: "any",
+                concurrency,
+                outcome: Ok(stats),
+            });
+        }
     }
     drop(memory);
 
@@ -265,47 +258,33 @@ async fn measure(
             prefix: prefix.clone(),
             next: next.clone(),
         };
-        for concurrency in CONCURRENCY {
-            let stats = load(
-                &client,
-                &proxy.url(),
-                "/orders",
-                &body,
-                &fresh,
-                concurrency,
-                duration,
-                Some(false),
-            )
-            .await;
-            cells.push(Cell {
-                config: format!("proxy, {name}"),
-                workload: "first execution",
-                concurrency,
-                outcome: Ok(stats),
-            });
-        }
-        let replay = Keys::Replay {
-            prefix,
+        // Replays use the keys the first executions completed.
+        let completed = || Keys::Replay {
+            prefix: prefix.clone(),
             count: next.load(Relaxed).clamp(1, REPLAY_KEYS),
         };
-        for concurrency in CONCURRENCY {
-            let stats = load(
-                &client,
-                &proxy.url(),
-                "/orders",
-                &body,
-                &replay,
-                concurrency,
-                duration,
-                Some(true),
-            )
-            .await;
-            cells.push(Cell {
-                config: format!("proxy, {name}"),
-                workload: "replay",
-                concurrency,
-                outcome: Ok(stats),
-            });
+        for (workload, replayed) in [("first execution", false), ("replay", true)] {
+            let keys = if replayed { completed() } else { fresh.clone() };
+            for concurrency in CONCURRENCY {
+                let url = proxy.url();
+                let stats = load(
+                    &client,
+                    &url,
+                    "/orders",
+                    &body,
+                    &keys,
+                    concurrency,
+                    duration,
+                    Some(replayed),
+                )
+                .await;
+                cells.push(Cell {
+                    config: format!("proxy, {name}"),
+                    workload,
+                    concurrency,
+                    outcome: Ok(stats),
+                });
+            }
         }
     }
     report(&cells, &floors, duration);
