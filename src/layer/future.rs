@@ -9,15 +9,45 @@ use pin_project_lite::pin_project;
 use super::ResponseBody;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
-type EngineFuture<B, E> = BoxFuture<Result<Response<ResponseBody<B, <B as Body>::Error>>, E>>;
+
+/// What the caller finally gets.
+pub(crate) type Answer<B, E> = Result<Response<ResponseBody<B, <B as Body>::Error>>, E>;
+
+/// How the engine's first phase (read the body, decide) ends.
+pub(crate) enum Step<B: Body, E> {
+    /// The answer: a replay, a problem, or an unprotected call's response.
+    Done(Answer<B, E>),
+    /// The request holds its key: the inner call and the storing of its
+    /// answer, which must run to the end even if the caller goes away.
+    Execute(BoxFuture<Answer<B, E>>),
+}
+
+/// Moves an execution whose caller went away onto a task of its own.
+type Detach<B, E> = fn(BoxFuture<Answer<B, E>>);
 
 pin_project! {
     /// The future of [`Idempotency`](super::Idempotency): the inner future
     /// itself for uncovered requests, the engine's work for covered ones.
+    ///
+    /// Dropping it while the request holds its key does not cancel the
+    /// inner call: the rest of the execution (the call, storing its
+    /// answer) continues on a task of its own, so the retry replays it.
+    /// Dropping it before that (while the body is read or the engine
+    /// decides) cancels the request; nothing was executed.
     #[project = ResponseFutureProj]
     pub struct ResponseFuture<F, B: Body, E> {
         #[pin]
         kind: Kind<F, B, E>,
+    }
+
+    impl<F, B: Body, E> PinnedDrop for ResponseFuture<F, B, E> {
+        fn drop(this: Pin<&mut Self>) {
+            if let KindProj::Execute { future, detach } = this.project().kind.project() {
+                if let Some(future) = future.take() {
+                    detach(future);
+                }
+            }
+        }
     }
 }
 
@@ -25,7 +55,8 @@ pin_project! {
     #[project = KindProj]
     enum Kind<F, B: Body, E> {
         Passthrough { #[pin] future: F },
-        Engine { future: EngineFuture<B, E> },
+        Begin { future: BoxFuture<Step<B, E>>, detach: Detach<B, E> },
+        Execute { future: Option<BoxFuture<Answer<B, E>>>, detach: Detach<B, E> },
     }
 }
 
@@ -36,10 +67,25 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn engine(future: EngineFuture<B, E>) -> Self {
+    pub(crate) fn engine(future: BoxFuture<Step<B, E>>) -> Self
+    where
+        Answer<B, E>: Send + 'static,
+    {
         ResponseFuture {
-            kind: Kind::Engine { future },
+            kind: Kind::Begin {
+                future,
+                detach: detach::<Answer<B, E>>,
+            },
         }
+    }
+}
+
+/// Runs `future` to the end on the current runtime, its output unused.
+/// Without a runtime (it is shutting down) the future is dropped, and a
+/// dropped reservation frees its key in the background or at lease expiry.
+fn detach<T: Send + 'static>(future: BoxFuture<T>) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(future);
     }
 }
 
@@ -48,15 +94,35 @@ where
     F: Future<Output = Result<Response<B>, E>>,
     B: Body,
 {
-    type Output = Result<Response<ResponseBody<B, B::Error>>, E>;
+    type Output = Answer<B, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Passthrough { future } => {
-                let response = ready!(future.poll(cx))?;
-                Poll::Ready(Ok(response.map(|body| ResponseBody::streaming(body))))
+        let mut kind = self.project().kind;
+        loop {
+            match kind.as_mut().project() {
+                KindProj::Passthrough { future } => {
+                    let response = ready!(future.poll(cx))?;
+                    return Poll::Ready(Ok(response.map(|body| ResponseBody::streaming(body))));
+                }
+                KindProj::Begin { future, detach } => match ready!(future.as_mut().poll(cx)) {
+                    Step::Done(answer) => return Poll::Ready(answer),
+                    Step::Execute(future) => {
+                        let detach = *detach;
+                        kind.set(Kind::Execute {
+                            future: Some(future),
+                            detach,
+                        });
+                    }
+                },
+                KindProj::Execute { future, .. } => {
+                    let running = future
+                        .as_mut()
+                        .expect("ResponseFuture polled after completion");
+                    let answer = ready!(running.as_mut().poll(cx));
+                    *future = None;
+                    return Poll::Ready(answer);
+                }
             }
-            KindProj::Engine { future } => future.as_mut().poll(cx),
         }
     }
 }

@@ -25,9 +25,10 @@
 //!   inner service untouched and unbuffered.
 //! * A covered request's body is buffered (up to the route's limit; over
 //!   it, 413 and the inner service is not called) and the engine decides.
-//! * When the request proceeds, the inner call runs in its own task: a
-//!   caller that goes away does **not** cancel it. It runs to completion,
-//!   its response is stored, and the retry replays it.
+//! * Once the request holds its key, a caller that goes away does **not**
+//!   cancel the inner call: it is moved to a task of its own, runs to
+//!   completion, its response is stored, and the retry replays it. (It runs
+//!   in the caller's task until then, so the common case spawns nothing.)
 //! * The response is stored *before* it is returned, so a client that got
 //!   an answer and retries always gets a replay. A response larger than the
 //!   storage cap is still returned whole; only a marker is stored.

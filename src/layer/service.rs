@@ -6,6 +6,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use tower_service::Service;
 
+use super::future::Step;
 use super::{RequestBody, ResponseBody, ResponseFuture};
 use crate::engine::{Decision, RequestHead, Reservation};
 use crate::Engine;
@@ -90,10 +91,10 @@ where
             let body = match read_body(body, policy.max_body_bytes()).await {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
-                    return Ok(engine.body_too_large(&policy).map(ResponseBody::full))
+                    return Step::Done(Ok(engine.body_too_large(&policy).map(ResponseBody::full)))
                 }
                 Err(ReadError::Failed) => {
-                    return Ok(engine.body_unreadable(false).map(ResponseBody::full))
+                    return Step::Done(Ok(engine.body_unreadable(false).map(ResponseBody::full)))
                 }
             };
             let principal = parts.extensions.get::<Principal>().map(|p| p.0.clone());
@@ -107,19 +108,17 @@ where
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
             match decision {
-                Decision::Respond(response) => Ok(response.map(ResponseBody::full)),
-                Decision::Forward => {
-                    let response = inner.call(request).await?;
-                    Ok(response.map(|body| ResponseBody::streaming(body)))
-                }
+                Decision::Respond(response) => Step::Done(Ok(response.map(ResponseBody::full))),
+                Decision::Forward => Step::Done(
+                    inner
+                        .call(request)
+                        .await
+                        .map(|response| response.map(|body| ResponseBody::streaming(body))),
+                ),
+                // Runs in the caller's task; if the caller goes away, the
+                // `ResponseFuture` moves it to a task of its own.
                 Decision::Proceed(reservation) => {
-                    // Detached: a caller that goes away does not cancel the
-                    // inner call, and its response is still stored.
-                    let task = tokio::spawn(execute(inner, request, reservation));
-                    match task.await {
-                        Ok(result) => result,
-                        Err(error) => std::panic::resume_unwind(error.into_panic()),
-                    }
+                    Step::Execute(Box::pin(execute(inner, request, reservation)))
                 }
             }
         }))

@@ -112,9 +112,10 @@ impl fmt::Debug for Fingerprint {
 pub struct OwnerToken(pub [u8; 16]);
 
 impl OwnerToken {
-    /// A fresh random token (UUID v4 bits).
+    /// A fresh random token: 128 bits from the thread-local CSPRNG
+    /// (`rand::rng()`), so two reservations never share one.
     pub fn random() -> Self {
-        OwnerToken(*uuid::Uuid::new_v4().as_bytes())
+        OwnerToken(rand::random())
     }
 
     /// The 16 raw bytes.

@@ -22,10 +22,12 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode, Uri};
 use sha2::{Digest, Sha256};
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+mod lease;
+
+use self::lease::{LeaseId, Leases};
 use crate::fingerprint::{fingerprint, Exclusions};
 use crate::key::{self, KeyError};
 use crate::metrics::{Event, Metrics};
@@ -72,6 +74,13 @@ struct Inner {
     routes: Routes,
     config: EngineConfig,
     metrics: Metrics,
+    leases: Arc<Leases>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.leases.stop();
+    }
 }
 
 /// What a front end needs to know of a request, borrowed from its own
@@ -119,6 +128,7 @@ impl Engine {
                 routes,
                 config,
                 metrics: Metrics::default(),
+                leases: Arc::default(),
             }),
         }
     }
@@ -472,8 +482,8 @@ fn replay(stored: StoredResponse) -> Response<Bytes> {
 
 /// Ownership of one key while its request runs upstream.
 ///
-/// While it lives, a heartbeat renews the lease (every third of it), so a
-/// long upstream call is not taken over. It must end in
+/// While it lives, the engine's renewer renews the lease (every third of
+/// it), so a long upstream call is not taken over. It must end in
 /// [`finish`](Reservation::finish) or [`release`](Reservation::release);
 /// if it is dropped instead (a panic, a cancelled task), the key is released
 /// in the background, so no key is ever stuck for longer than its lease.
@@ -483,7 +493,7 @@ pub struct Reservation {
     policy: Arc<RoutePolicy>,
     key: ScopeKey,
     owner: OwnerToken,
-    heartbeat: AbortHandle,
+    lease: LeaseId,
     started: Instant,
     settled: bool,
 }
@@ -491,39 +501,23 @@ pub struct Reservation {
 impl Reservation {
     fn new(engine: Engine, policy: Arc<RoutePolicy>, key: ScopeKey, owner: OwnerToken) -> Self {
         engine.inner.metrics.in_flight_add(1);
-        let heartbeat = {
-            let engine = engine.clone();
-            let lease = policy.policy().lease;
-            tokio::spawn(async move {
-                let period = lease / 3;
-                loop {
-                    tokio::time::sleep(period).await;
-                    match engine
-                        .store_call(engine.inner.store.renew(&key, &owner, lease))
-                        .await
-                    {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            tracing::warn!(key = %key.short(), "idempotency lease lost");
-                            return;
-                        }
-                        Err(error) => {
-                            tracing::warn!(key = %key.short(), %error, "idempotency lease renewal failed");
-                        }
-                    }
-                }
-            })
-            .abort_handle()
-        };
+        let lease = engine
+            .inner
+            .leases
+            .hold(&engine.inner, key, owner, policy.policy().lease);
         Reservation {
             engine,
             policy,
             key,
             owner,
-            heartbeat,
+            lease,
             started: Instant::now(),
             settled: false,
         }
+    }
+
+    fn stop_renewing(&self) {
+        self.engine.inner.leases.forget(self.lease);
     }
 
     /// The short hash of the key, for correlating logs.
@@ -575,7 +569,7 @@ impl Reservation {
     pub async fn finish(mut self, capture: Capture) {
         let status = capture.status;
         if !capture.store {
-            self.heartbeat.abort();
+            self.stop_renewing();
             self.release_now(status).await;
             return;
         }
@@ -633,7 +627,7 @@ impl Reservation {
     }
 
     fn completed(&mut self, status: StatusCode, result: Result<bool, StoreError>) {
-        self.heartbeat.abort();
+        self.stop_renewing();
         self.settled = true;
         let engine = &self.engine;
         let duration_us = self.started.elapsed().as_micros() as u64;
@@ -655,7 +649,7 @@ impl Reservation {
     /// Releases the key without storing anything (upstream transport
     /// failure, abandoned request): the next request with it executes.
     pub async fn release(mut self) {
-        self.heartbeat.abort();
+        self.stop_renewing();
         self.release_now(StatusCode::BAD_GATEWAY).await;
     }
 
@@ -679,7 +673,7 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.heartbeat.abort();
+        self.stop_renewing();
         self.engine.inner.metrics.in_flight_add(-1);
         if self.settled {
             return;
@@ -946,6 +940,57 @@ mod tests {
             "urn:tower-idempotency:in-flight"
         );
         first.release().await;
+    }
+
+    /// One renewer serves every lease: a short lease taken after a long
+    /// one (the renewer asleep until the long one is due) is still renewed
+    /// in time, and settled or abandoned reservations leave it.
+    #[tokio::test(start_paused = true)]
+    async fn one_renewer_keeps_short_and_long_leases_alive() {
+        let policy = |lease| Policy {
+            lease,
+            in_flight: InFlightPolicy::Reject,
+            ..Policy::default()
+        };
+        let routes = Routes::new()
+            .route("/long", policy(Duration::from_secs(60)))
+            .unwrap()
+            .route("/short", policy(Duration::from_millis(300)))
+            .unwrap();
+        let engine = Engine::new(MemoryStore::new(), routes);
+        let long = engine.route(&Method::POST, "/long").unwrap();
+        let short = engine.route(&Method::POST, "/short").unwrap();
+        let first = proceed(begin(&engine, &long, "long").await);
+        // Let the renewer start and go to sleep until the long lease is due.
+        tokio::task::yield_now().await;
+        let second = proceed(begin(&engine, &short, "short").await);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(
+            problem_type(begin(&engine, &short, "short").await).1,
+            "urn:tower-idempotency:in-flight"
+        );
+        let third = proceed(begin(&engine, &short, "dropped").await);
+        assert_eq!(engine.inner.leases.len(), 3);
+
+        let capture = first.capture(StatusCode::OK, &HeaderMap::new());
+        first.finish(capture).await;
+        second.release().await;
+        drop(third);
+        assert_eq!(engine.inner.leases.len(), 0);
+    }
+
+    /// The renewer holds the engine only weakly and ends with it.
+    #[tokio::test(start_paused = true)]
+    async fn the_renewer_ends_with_the_engine() {
+        let (engine, _, policy) = engine(Policy::default());
+        proceed(begin(&engine, &policy, "k").await).release().await;
+        let leases = engine.inner.leases.clone();
+        assert!(Arc::strong_count(&leases) > 2, "the renewer is running");
+        drop(engine);
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(Arc::strong_count(&leases), 1, "the renewer has ended");
     }
 
     #[test]
