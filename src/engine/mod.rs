@@ -326,9 +326,24 @@ impl Engine {
         let mut waited = false;
         let mut attempt = 0;
         loop {
-            let claim = self
-                .store_call(store.reserve(&key, &fingerprint, settings.lease, settings.ttl))
-                .await;
+            // After a wait, only read: a waiter re-tries the reservation when
+            // the record is gone or its lease ran out, so waiters never
+            // compete with the owner's renewals for the store with writes.
+            let live = if waited {
+                match self.store_call(store.get(&key)).await {
+                    Err(error) => return self.store_failed(policy, &error),
+                    Ok(found) => found.filter(|record| !record.lease_expired()),
+                }
+            } else {
+                None
+            };
+            let claim = match live {
+                Some(record) => Ok(Claim::Existing(record)),
+                None => {
+                    self.store_call(store.reserve(&key, &fingerprint, settings.lease, settings.ttl))
+                        .await
+                }
+            };
             let record = match claim {
                 Err(error) => return self.store_failed(policy, &error),
                 Ok(Claim::Acquired { owner, takeover }) => {
@@ -1037,6 +1052,7 @@ mod tests {
     struct Flaky {
         store: MemoryStore,
         outage: AtomicUsize,
+        reserves: AtomicUsize,
     }
 
     #[async_trait]
@@ -1048,6 +1064,7 @@ mod tests {
             lease: Duration,
             ttl: Duration,
         ) -> Result<Claim, StoreError> {
+            self.reserves.fetch_add(1, Ordering::SeqCst);
             self.store.reserve(key, fingerprint, lease, ttl).await
         }
 
@@ -1092,6 +1109,34 @@ mod tests {
         async fn ping(&self) -> Result<(), StoreError> {
             Ok(())
         }
+    }
+
+    /// A waiter polls (this store has no wake-ups) with reads only: it
+    /// tried to reserve once, on arrival, and replays the first answer.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_polls_with_reads_not_reservations() {
+        let store = Arc::new(Flaky::default());
+        let engine = Engine::with_config(
+            store.clone(),
+            Routes::all(Policy::default()).unwrap(),
+            EngineConfig::default(),
+        );
+        let policy = engine.route(&Method::POST, "/orders").unwrap();
+        let first = proceed(begin(&engine, &policy, "k").await);
+        let waiter = tokio::spawn({
+            let (engine, policy) = (engine.clone(), policy.clone());
+            async move { begin(&engine, &policy, "k").await }
+        });
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(!waiter.is_finished(), "the waiter is still waiting");
+        let capture = first.capture(StatusCode::CREATED, &HeaderMap::new());
+        first.finish(capture).await;
+        let Decision::Respond(replay) = waiter.await.unwrap() else {
+            panic!("the waiter replays");
+        };
+        assert_eq!(replay.status(), StatusCode::CREATED);
+        assert!(replay.headers().contains_key(REPLAYED_HEADER));
+        assert_eq!(store.reserves.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test(start_paused = true)]

@@ -215,8 +215,8 @@ impl Outcome {
         out
     }
 
-    /// Decodes what [`Outcome::encode`] wrote; anything else is
-    /// [`StoreError::Corrupt`].
+    /// Decodes what [`Outcome::encode`] wrote; anything else (including
+    /// trailing bytes) is [`StoreError::Corrupt`], never a panic.
     pub fn decode(bytes: &[u8]) -> Result<Self, StoreError> {
         let corrupt = || StoreError::Corrupt("stored outcome".into());
         let (&tag, rest) = bytes.split_first().ok_or_else(corrupt)?;
@@ -226,19 +226,24 @@ impl Outcome {
         let status =
             StatusCode::from_u16(u16::from_be_bytes([rest[0], rest[1]])).map_err(|_| corrupt())?;
         let mut rest = &rest[2..];
-        match tag {
+        let outcome = match tag {
             1 => {
                 let headers = StoredResponse::decode_headers(take_chunk(&mut rest)?)?;
                 let body = Bytes::copy_from_slice(take_chunk(&mut rest)?);
-                Ok(Outcome::Stored(StoredResponse {
+                Outcome::Stored(StoredResponse {
                     status,
                     headers,
                     body,
-                }))
+                })
             }
-            2 => Ok(Outcome::TooLarge { status }),
-            _ => Err(corrupt()),
+            2 => Outcome::TooLarge { status },
+            _ => return Err(corrupt()),
+        };
+        // Anything after the outcome means the bytes are not what we wrote.
+        if !rest.is_empty() {
+            return Err(corrupt());
         }
+        Ok(outcome)
     }
 
     /// The status code of the first execution.
@@ -289,6 +294,14 @@ pub struct Record {
     pub fingerprint: Fingerprint,
     /// In flight or completed.
     pub state: RecordState,
+}
+
+impl Record {
+    /// Whether it is in flight with a lease that ran out: the next
+    /// [`Store::reserve`] with the same fingerprint takes it over.
+    pub fn lease_expired(&self) -> bool {
+        matches!(self.state, RecordState::InFlight { lease_remaining } if lease_remaining.is_zero())
+    }
 }
 
 /// The answer of [`Store::reserve`].
@@ -450,6 +463,18 @@ mod tests {
         assert!(Outcome::decode(&[9, 0, 200]).is_err());
         assert!(Outcome::decode(&[1, 0, 200, 0, 0, 0, 9]).is_err());
         assert!(StoredResponse::decode_headers(&[0, 0, 0, 1, b' ', 0, 0, 0, 0]).is_err());
+        // Trailing bytes after either kind of outcome.
+        let mut trailing = bytes.clone();
+        trailing.push(0);
+        assert!(Outcome::decode(&trailing).is_err());
+        let mut trailing = Outcome::Stored(StoredResponse {
+            status: StatusCode::OK,
+            headers: Vec::new(),
+            body: Bytes::from_static(b"x"),
+        })
+        .encode();
+        trailing.extend_from_slice(b"junk");
+        assert!(Outcome::decode(&trailing).is_err());
     }
 
     #[test]
