@@ -17,6 +17,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -247,9 +248,14 @@ impl Engine {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let started = std::time::Instant::now();
-        let result = match tokio::time::timeout(self.inner.config.store_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout),
+        let mut call = std::pin::pin!(call);
+        // A store that answers at once (the memory store) needs no timer.
+        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+        let result = match first {
+            Poll::Ready(result) => result,
+            Poll::Pending => tokio::time::timeout(self.inner.config.store_timeout, call)
+                .await
+                .unwrap_or(Err(StoreError::Timeout)),
         };
         self.inner.metrics.observe_store(started.elapsed());
         result
@@ -567,6 +573,7 @@ impl Reservation {
         Capture {
             status,
             headers,
+            first: None,
             body: BytesMut::new(),
             limit: settings.max_response_bytes,
             store: settings.store_statuses.contains(status),
@@ -581,7 +588,7 @@ impl Reservation {
     /// still renewing the lease) for up to the route's lease, so a store
     /// outage shorter than the lease never leads to a second execution; after
     /// that it is logged and the key can be taken over.
-    pub async fn finish(mut self, capture: Capture) {
+    pub async fn finish(mut self, mut capture: Capture) {
         let status = capture.status;
         if !capture.store {
             self.stop_renewing();
@@ -591,10 +598,11 @@ impl Reservation {
         let outcome = if capture.overflow {
             Outcome::TooLarge { status }
         } else {
+            let headers = std::mem::take(&mut capture.headers);
             Outcome::Stored(StoredResponse {
                 status,
-                headers: capture.headers,
-                body: capture.body.freeze(),
+                headers,
+                body: capture.into_body(),
             })
         };
         match self.complete(&outcome).await {
@@ -737,6 +745,9 @@ fn never_stored(name: &HeaderName, replay_set_cookie: bool) -> bool {
 pub struct Capture {
     status: StatusCode,
     headers: Vec<(HeaderName, HeaderValue)>,
+    /// The body as it came when it came in one chunk, or after
+    /// [`Capture::body`]; `body` is empty whenever this is set.
+    first: Option<Bytes>,
     body: BytesMut,
     limit: usize,
     store: bool,
@@ -744,18 +755,45 @@ pub struct Capture {
 }
 
 impl Capture {
-    /// Appends a body chunk; past the storage cap the body is dropped and
-    /// only a marker will be stored.
+    /// Appends a body chunk (copied); past the storage cap the body is
+    /// dropped and only a marker will be stored.
     pub fn push(&mut self, chunk: &[u8]) {
-        if !self.wants_body() {
-            return;
-        }
-        if self.body.len() + chunk.len() > self.limit {
-            self.overflow = true;
-            self.body = BytesMut::new();
-        } else {
+        if self.make_room(chunk.len()) {
+            self.spill();
             self.body.extend_from_slice(chunk);
         }
+    }
+
+    /// Appends a body chunk like [`push`](Capture::push), without copying
+    /// it when it is the first: a body that arrives in one chunk is stored
+    /// as it came.
+    pub fn push_bytes(&mut self, chunk: &Bytes) {
+        if !self.make_room(chunk.len()) {
+            return;
+        }
+        if self.first.is_none() && self.body.is_empty() {
+            self.first = Some(chunk.clone());
+        } else {
+            self.spill();
+            self.body.extend_from_slice(chunk);
+        }
+    }
+
+    /// Whether a chunk of `len` bytes would still be collected (not past
+    /// the storage cap, and the status is one the route stores).
+    pub fn has_room_for(&self, len: usize) -> bool {
+        self.wants_body() && self.len() + len <= self.limit
+    }
+
+    /// The body collected so far, in one piece (copied only if it came in
+    /// several chunks). Empty once the cap was passed.
+    pub fn body(&mut self) -> Bytes {
+        if let Some(first) = &self.first {
+            return first.clone();
+        }
+        let body = std::mem::take(&mut self.body).freeze();
+        self.first = Some(body.clone());
+        body
     }
 
     /// Whether body chunks are still being collected.
@@ -766,6 +804,37 @@ impl Capture {
     /// The status being captured.
     pub fn status(&self) -> StatusCode {
         self.status
+    }
+
+    fn len(&self) -> usize {
+        self.first.as_ref().map_or(0, Bytes::len) + self.body.len()
+    }
+
+    /// Whether `len` more bytes are collected; marks the overflow (and drops
+    /// what was collected) when they would pass the cap.
+    fn make_room(&mut self, len: usize) -> bool {
+        if !self.wants_body() {
+            return false;
+        }
+        if self.len() + len > self.limit {
+            self.overflow = true;
+            self.first = None;
+            self.body = BytesMut::new();
+            return false;
+        }
+        true
+    }
+
+    /// Moves an uncopied first chunk into the buffer, ahead of more chunks.
+    fn spill(&mut self) {
+        if let Some(first) = self.first.take() {
+            self.body.extend_from_slice(&first);
+        }
+    }
+
+    fn into_body(self) -> Bytes {
+        // `first` is only ever set while the buffer is empty.
+        self.first.unwrap_or_else(|| self.body.freeze())
     }
 }
 
@@ -885,6 +954,27 @@ mod tests {
                 "urn:tower-idempotency:response-not-stored".to_owned()
             )
         );
+    }
+
+    #[tokio::test]
+    async fn capture_keeps_one_chunk_uncopied_and_joins_several_in_order() {
+        let (engine, _, policy) = engine(Policy {
+            max_response_bytes: 10,
+            ..Policy::default()
+        });
+        let reservation = proceed(begin(&engine, &policy, "k").await);
+        let mut capture = reservation.capture(StatusCode::OK, &HeaderMap::new());
+        let chunk = Bytes::from_static(b"hello");
+        capture.push_bytes(&chunk);
+        assert_eq!(capture.body().as_ptr(), chunk.as_ptr(), "stored as it came");
+        assert!(capture.has_room_for(5) && !capture.has_room_for(6));
+        capture.push(b" ");
+        capture.push_bytes(&Bytes::from_static(b"you"));
+        assert_eq!(capture.body(), "hello you");
+        capture.push_bytes(&Bytes::from_static(b"!!"));
+        assert!(!capture.wants_body(), "past the cap");
+        assert!(capture.body().is_empty());
+        reservation.release().await;
     }
 
     #[tokio::test]

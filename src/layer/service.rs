@@ -190,37 +190,39 @@ where
         reservation.finish(capture).await;
         return Ok(Response::from_parts(parts, ResponseBody::streaming(body)));
     }
-    let mut collected = BytesMut::new();
     loop {
         match body.frame().await {
             None => break,
             Some(Err(error)) => {
+                let received = capture.body();
                 reservation.release().await;
                 return Ok(Response::from_parts(
                     parts,
-                    ResponseBody::failed(collected.freeze(), error),
+                    ResponseBody::failed(received, error),
                 ));
             }
             Some(Ok(frame)) => {
                 let Ok(data) = frame.into_data() else {
                     continue;
                 };
-                capture.push(&data);
-                collected.extend_from_slice(&data);
-                if !capture.wants_body() {
-                    // Over the storage cap: store the marker, stream the rest.
-                    reservation.finish(capture).await;
-                    return Ok(Response::from_parts(
-                        parts,
-                        ResponseBody::prefixed(collected.freeze(), body),
-                    ));
+                if capture.has_room_for(data.len()) {
+                    capture.push_bytes(&data);
+                    continue;
                 }
+                // Over the storage cap: store the marker, stream the rest.
+                let mut received = BytesMut::from(&capture.body()[..]);
+                received.extend_from_slice(&data);
+                capture.push(&data);
+                reservation.finish(capture).await;
+                return Ok(Response::from_parts(
+                    parts,
+                    ResponseBody::prefixed(received.freeze(), body),
+                ));
             }
         }
     }
+    // The caller gets the stored bytes themselves (no second copy).
+    let received = capture.body();
     reservation.finish(capture).await;
-    Ok(Response::from_parts(
-        parts,
-        ResponseBody::full(collected.freeze()),
-    ))
+    Ok(Response::from_parts(parts, ResponseBody::full(received)))
 }
