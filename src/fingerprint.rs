@@ -36,6 +36,9 @@ use crate::key::{
 };
 use crate::store::Fingerprint;
 
+#[cfg(test)]
+mod reference;
+
 /// JSON nested deeper than this is hashed as raw bytes.
 pub const MAX_JSON_DEPTH: usize = 128;
 
@@ -140,19 +143,21 @@ pub fn parse_pointer(pointer: &str) -> Vec<String> {
 /// removed. `None` when `input` is not JSON (which includes text that is
 /// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
-    std::str::from_utf8(input).ok()?;
     let mut canonical = Canonicalizer {
         input,
         pos: 0,
-        out: Vec::with_capacity(input.len()),
-        members: Vec::new(),
+        // The canonical form is never longer than the input read so far
+        // (it only drops whitespace and excluded members), so this is all
+        // the room it needs, with `BLOCK` bytes for `append`.
+        out: Vec::with_capacity(input.len() + BLOCK),
+        members: Vec::with_capacity(32),
         scratch: Vec::new(),
         exclude,
         path: Vec::new(),
     };
     canonical.value(0)?;
-    canonical.skip_ws();
-    (canonical.pos == input.len()).then_some(canonical.out)
+    // Only whitespace may follow the value.
+    canonical.peek().is_none().then_some(canonical.out)
 }
 
 /// One pass over the input that validates it and writes its canonical form
@@ -162,6 +167,10 @@ pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> 
 /// not already sorted is then rearranged in place (its members' bytes are
 /// moved, not parsed again). A value is so copied once per unsorted object
 /// around it: at most [`MAX_JSON_DEPTH`] times.
+///
+/// Outside strings, JSON is ASCII, so the input is UTF-8 exactly when the
+/// contents of its strings are: only strings holding non-ASCII bytes are
+/// checked, as they are read.
 struct Canonicalizer<'a, 'x> {
     input: &'a [u8],
     pos: usize,
@@ -178,6 +187,9 @@ struct Canonicalizer<'a, 'x> {
 
 /// A member written to the output.
 struct Member {
+    /// The first eight bytes of its key, big-endian, zero-padded: keys
+    /// compare as their prefixes do, unless the prefixes are equal.
+    prefix: u64,
     /// Its raw key in the input (without quotes, escapes as written).
     key: Range<usize>,
     /// Its bytes in the output: `"key":value`, without a comma.
@@ -191,30 +203,29 @@ enum Segment<'a> {
 }
 
 impl<'a> Canonicalizer<'a, '_> {
-    fn skip_ws(&mut self) {
-        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.input.get(self.pos) {
-            self.pos += 1;
+    /// Skips whitespace and returns the next byte, without consuming it
+    /// (`None` at the end of the input).
+    fn peek(&mut self) -> Option<u8> {
+        loop {
+            match *self.input.get(self.pos)? {
+                b' ' | b'\t' | b'\n' | b'\r' => self.pos += 1,
+                byte => return Some(byte),
+            }
         }
     }
 
-    fn eat(&mut self, byte: u8) -> bool {
-        self.skip_ws();
-        if self.input.get(self.pos) == Some(&byte) {
-            self.pos += 1;
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Reads one value and writes its canonical form.
+    /// value = object / array / string / number / true / false / null
+    ///
+    /// Inlined into the loops of [`Self::array`] and [`Self::object`], so
+    /// only nested arrays and objects cost a call.
+    #[inline(always)]
     fn value(&mut self, depth: usize) -> Option<()> {
         if depth >= MAX_JSON_DEPTH {
             return None;
         }
-        self.skip_ws();
+        let first = self.peek()?;
         let start = self.pos;
-        match *self.input.get(self.pos)? {
+        match first {
             b'{' => return self.object(depth),
             b'[' => return self.array(depth),
             b'"' => self.string()?,
@@ -225,19 +236,20 @@ impl<'a> Canonicalizer<'a, '_> {
             _ => return None,
         }
         // Strings, numbers and literals are kept exactly as written.
-        self.out.extend_from_slice(&self.input[start..self.pos]);
+        append(&mut self.out, self.input, start..self.pos);
         Some(())
     }
 
+    /// array = `[` [ value *( `,` value ) ] `]`
+    #[inline(never)]
     fn array(&mut self, depth: usize) -> Option<()> {
         self.pos += 1;
         self.out.push(b'[');
-        if !self.eat(b']') {
+        if self.peek()? == b']' {
+            self.pos += 1;
+        } else {
             let mut index = 0;
             loop {
-                if index > 0 {
-                    self.out.push(b',');
-                }
                 if self.exclude.is_empty() {
                     self.value(depth + 1)?;
                 } else {
@@ -246,19 +258,22 @@ impl<'a> Canonicalizer<'a, '_> {
                     self.path.pop();
                 }
                 index += 1;
-                if self.eat(b',') {
-                    continue;
+                match self.peek()? {
+                    b',' => self.out.push(b','),
+                    b']' => break,
+                    _ => return None,
                 }
-                if self.eat(b']') {
-                    break;
-                }
-                return None;
+                self.pos += 1;
             }
+            self.pos += 1;
         }
         self.out.push(b']');
         Some(())
     }
 
+    /// object = `{` [ member *( `,` member ) ] `}`;
+    /// member = string `:` value
+    #[inline(never)]
     fn object(&mut self, depth: usize) -> Option<()> {
         let input = self.input;
         self.pos += 1;
@@ -266,22 +281,27 @@ impl<'a> Canonicalizer<'a, '_> {
         let start = self.out.len();
         let first = self.members.len();
         let mut sorted = true;
-        if !self.eat(b'}') {
+        if self.peek()? == b'}' {
+            self.pos += 1;
+        } else {
             loop {
-                self.skip_ws();
+                if self.peek()? != b'"' {
+                    return None;
+                }
                 let quoted = self.pos;
                 self.string()?;
                 let key = quoted + 1..self.pos - 1;
-                if !self.eat(b':') {
+                if self.peek()? != b':' {
                     return None;
                 }
+                self.pos += 1;
                 let before_comma = self.out.len();
                 if self.members.len() > first {
                     self.out.push(b',');
                 }
                 let member = self.out.len();
-                self.out.extend_from_slice(&input[quoted..key.end]);
-                self.out.extend_from_slice(b"\":");
+                append(&mut self.out, input, quoted..key.end + 1);
+                self.out.push(b':');
                 let excluded = if self.exclude.is_empty() {
                     self.value(depth + 1)?;
                     false
@@ -295,20 +315,22 @@ impl<'a> Canonicalizer<'a, '_> {
                 if excluded {
                     self.out.truncate(before_comma);
                 } else {
-                    if let Some(previous) = self.members[first..].last() {
-                        sorted &= input[previous.key.clone()] <= input[key.clone()];
+                    let prefix = key_prefix(input, key.clone());
+                    if self.members.len() > first {
+                        let previous = &self.members[self.members.len() - 1];
+                        sorted &= (previous.prefix, &input[previous.key.clone()])
+                            <= (prefix, &input[key.clone()]);
                     }
                     let out = member..self.out.len();
-                    self.members.push(Member { key, out });
+                    self.members.push(Member { prefix, key, out });
                 }
-                if self.eat(b',') {
-                    continue;
+                match self.peek()? {
+                    b',' => self.pos += 1,
+                    b'}' => break,
+                    _ => return None,
                 }
-                if self.eat(b'}') {
-                    break;
-                }
-                return None;
             }
+            self.pos += 1;
         }
         if !sorted {
             self.sort_members(first, start);
@@ -323,50 +345,66 @@ impl<'a> Canonicalizer<'a, '_> {
     fn sort_members(&mut self, first: usize, start: usize) {
         let input = self.input;
         let members = &mut self.members[first..];
-        members.sort_by(|a, b| input[a.key.clone()].cmp(&input[b.key.clone()]));
+        // Whole keys are compared only when their prefixes tie.
+        members.sort_by(|a, b| {
+            a.prefix
+                .cmp(&b.prefix)
+                .then_with(|| input[a.key.clone()].cmp(&input[b.key.clone()]))
+        });
         self.scratch.clear();
-        self.scratch.extend_from_slice(&self.out[start..]);
-        self.out.truncate(start);
+        self.scratch.reserve(self.out.len() - start);
         for (i, member) in members.iter().enumerate() {
             if i > 0 {
-                self.out.push(b',');
+                self.scratch.push(b',');
             }
-            self.out
-                .extend_from_slice(&self.scratch[member.out.start - start..member.out.end - start]);
+            self.scratch
+                .extend_from_slice(&self.out[member.out.clone()]);
         }
+        self.out.truncate(start);
+        self.out.extend_from_slice(&self.scratch);
     }
 
-    /// Reads a string token, quotes included.
+    /// string = `"` *( unescaped / `\` escape ) `"`, its contents UTF-8.
+    /// Reads it, quotes included.
+    #[inline(always)]
     fn string(&mut self) -> Option<()> {
-        if self.input.get(self.pos) != Some(&b'"') {
-            return None;
-        }
-        self.pos += 1;
+        let input = self.input;
+        let contents = self.pos + 1;
+        let mut pos = contents;
+        // Every byte passed over, OR-ed together: a high bit set means
+        // non-ASCII text to check.
+        let mut seen = 0u64;
         loop {
-            // Jump to the next quote or backslash; control bytes are invalid.
-            self.pos += find_special(&self.input[self.pos..])?;
-            match self.input[self.pos] {
-                b'"' => {
-                    self.pos += 1;
-                    return Some(());
+            // Eight bytes at a time to the next quote, backslash or control
+            // byte.
+            while let Some(chunk) = input.get(pos..pos + 8) {
+                let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+                let special = special_bytes(word);
+                if special != 0 {
+                    let before = special.trailing_zeros() / 8;
+                    seen |= word & ((1 << (8 * before)) - 1);
+                    pos += before as usize;
+                    break;
                 }
-                b'\\' => {
-                    let escape = *self.input.get(self.pos + 1)?;
-                    match escape {
-                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => self.pos += 2,
-                        b'u' => {
-                            let hex = self.input.get(self.pos + 2..self.pos + 6)?;
-                            if !hex.iter().all(u8::is_ascii_hexdigit) {
-                                return None;
-                            }
-                            self.pos += 6;
-                        }
-                        _ => return None,
-                    }
+                seen |= word;
+                pos += 8;
+            }
+            // At a special byte, or among the last seven bytes.
+            match *input.get(pos)? {
+                b'"' => break,
+                b'\\' => pos += escape_len(&input[pos..])?,
+                0..=0x1f => return None,
+                byte => {
+                    seen |= u64::from(byte);
+                    pos += 1;
                 }
-                _ => return None,
             }
         }
+        if seen & HIGHS != 0 {
+            std::str::from_utf8(&input[contents..pos]).ok()?;
+        }
+        self.pos = pos + 1;
+        Some(())
     }
 
     fn literal(&mut self, word: &'static [u8]) -> Option<()> {
@@ -374,67 +412,120 @@ impl<'a> Canonicalizer<'a, '_> {
         (self.input.get(self.pos..end)? == word).then(|| self.pos = end)
     }
 
+    /// number = [ `-` ] ( `0` / [1-9] *digit ) [ `.` 1*digit ]
+    /// [ ( `e` / `E` ) [ `+` / `-` ] 1*digit ]
     fn number(&mut self) -> Option<()> {
-        let digits = |p: &mut Self| {
-            let from = p.pos;
-            while p.input.get(p.pos).is_some_and(u8::is_ascii_digit) {
-                p.pos += 1;
-            }
-            p.pos > from
-        };
-        if self.input.get(self.pos) == Some(&b'-') {
-            self.pos += 1;
+        let input = self.input;
+        let mut pos = self.pos;
+        if input[pos] == b'-' {
+            pos += 1;
         }
-        if self.input.get(self.pos) == Some(&b'0') {
-            self.pos += 1;
-        } else if !digits(self) {
-            return None;
+        match input.get(pos) {
+            Some(b'0') => pos += 1,
+            Some(b'1'..=b'9') => pos = digits(input, pos + 1),
+            _ => return None,
         }
-        if self.input.get(self.pos) == Some(&b'.') {
-            self.pos += 1;
-            if !digits(self) {
-                return None;
-            }
+        if input.get(pos) == Some(&b'.') {
+            pos = some_digits(input, pos + 1)?;
         }
-        if let Some(b'e' | b'E') = self.input.get(self.pos) {
-            self.pos += 1;
-            if let Some(b'+' | b'-') = self.input.get(self.pos) {
-                self.pos += 1;
+        if let Some(b'e' | b'E') = input.get(pos) {
+            pos += 1;
+            if let Some(b'+' | b'-') = input.get(pos) {
+                pos += 1;
             }
-            if !digits(self) {
-                return None;
-            }
+            pos = some_digits(input, pos)?;
         }
+        self.pos = pos;
         Some(())
     }
 }
 
-/// The offset of the first `"`, `\` or control byte (below 0x20) in
-/// `bytes`, looking at eight bytes at a time.
-fn find_special(bytes: &[u8]) -> Option<usize> {
-    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
-    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
-    // The high bit of each byte of `word` that is below `n` (n <= 0x80). A
-    // borrow can also flag a byte after a flagged one, never before it, so
-    // the lowest flagged byte is always a true match.
-    let below = |word: u64, n: u8| word.wrapping_sub(ONES * u64::from(n)) & !word & HIGHS;
-    let mut chunks = bytes.chunks_exact(8);
-    let mut offset = 0;
-    for chunk in &mut chunks {
-        let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
-        let found = below(word ^ (ONES * u64::from(b'"')), 1)
-            | below(word ^ (ONES * u64::from(b'\\')), 1)
-            | below(word, 0x20);
-        if found != 0 {
-            return Some(offset + found.trailing_zeros() as usize / 8);
+/// The most bytes [`append`] copies as one fixed-size block.
+const BLOCK: usize = 16;
+
+/// Appends `src[range]` to `dst`. A short range is copied as one
+/// fixed-size block, then the bytes past its end are cut off again: no
+/// `memcpy` call of a varying length. Never reallocates when `dst` has
+/// room for `BLOCK` more bytes.
+fn append(dst: &mut Vec<u8>, src: &[u8], range: Range<usize>) {
+    let n = range.len();
+    match src.get(range.start..range.start + BLOCK) {
+        Some(block) if n <= BLOCK => {
+            let block: &[u8; BLOCK] = block.try_into().expect("BLOCK bytes");
+            dst.extend_from_slice(block);
+            dst.truncate(dst.len() - (BLOCK - n));
         }
-        offset += 8;
+        _ => dst.extend_from_slice(&src[range]),
     }
-    chunks
-        .remainder()
-        .iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-        .map(|i| offset + i)
+}
+
+/// The end of the run of digits starting at `from`.
+fn digits(input: &[u8], from: usize) -> usize {
+    let mut pos = from;
+    while input.get(pos).is_some_and(u8::is_ascii_digit) {
+        pos += 1;
+    }
+    pos
+}
+
+/// The end of the run of digits starting at `from`, which must not be
+/// empty.
+fn some_digits(input: &[u8], from: usize) -> Option<usize> {
+    let end = digits(input, from);
+    (end > from).then_some(end)
+}
+
+/// The length of the escape sequence at the start of `bytes` (which starts
+/// with `\`): `\"`, `\\`, `\/`, `\b`, `\f`, `\n`, `\r`, `\t` or `\u` and
+/// four hex digits.
+fn escape_len(bytes: &[u8]) -> Option<usize> {
+    match *bytes.get(1)? {
+        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(2),
+        b'u' => bytes
+            .get(2..6)?
+            .iter()
+            .all(u8::is_ascii_hexdigit)
+            .then_some(6),
+        _ => None,
+    }
+}
+
+const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+
+/// The high bit of each byte of `word` (little-endian) that is a `"`, a
+/// `\` or a control byte (below 0x20). A borrow can also flag a byte after
+/// a flagged one, never before it, so the lowest flagged byte is always a
+/// true match.
+fn special_bytes(word: u64) -> u64 {
+    // The high bit of each byte of `word` that is below `n` (n <= 0x80).
+    let below = |word: u64, n: u8| word.wrapping_sub(ONES * u64::from(n)) & !word & HIGHS;
+    below(word ^ (ONES * u64::from(b'"')), 1)
+        | below(word ^ (ONES * u64::from(b'\\')), 1)
+        | below(word, 0x20)
+}
+
+/// The first eight bytes of the key at `input[key]` as a big-endian
+/// number, zero-padded. Raw keys hold no zero bytes (control bytes are not
+/// allowed in strings), so when two prefixes differ they order their keys.
+fn key_prefix(input: &[u8], key: Range<usize>) -> u64 {
+    let n = key.len();
+    match input.get(key.start..key.start + 8) {
+        // Eight bytes from the key on, the ones past its end masked off.
+        Some(bytes) => {
+            let word = u64::from_be_bytes(bytes.try_into().expect("eight bytes"));
+            if n >= 8 {
+                word
+            } else {
+                word & !(u64::MAX >> (8 * n))
+            }
+        }
+        None => {
+            let mut bytes = [0; 8];
+            bytes[..n].copy_from_slice(&input[key]);
+            u64::from_be_bytes(bytes)
+        }
+    }
 }
 
 fn is_excluded(exclude: &[Vec<String>], path: &[Segment<'_>]) -> bool {
