@@ -147,11 +147,11 @@ pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> 
         input,
         pos: 0,
         // The canonical form is never longer than the input read so far
-        // (it only drops whitespace and excluded members), so this is all
-        // the room it needs, with `BLOCK` bytes for `append`.
-        out: Vec::with_capacity(input.len() + BLOCK),
-        members: Vec::with_capacity(32),
-        scratch: Vec::new(),
+        // (it only drops whitespace and excluded members), and an object
+        // being rearranged is written again after it: one allocation is
+        // all the room the output needs, with `BLOCK` bytes for `append`.
+        out: Vec::with_capacity(2 * input.len() + BLOCK),
+        members: Vec::with_capacity(16),
         exclude,
         path: Vec::new(),
     };
@@ -164,9 +164,10 @@ pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> 
 /// at the same time, without building a tree.
 ///
 /// Object members are written in input order; an object whose keys were
-/// not already sorted is then rearranged in place (its members' bytes are
-/// moved, not parsed again). A value is so copied once per unsorted object
-/// around it: at most [`MAX_JSON_DEPTH`] times.
+/// not already sorted is then rearranged (its members' bytes are copied in
+/// key order after the output, then back, not parsed again). A value is so
+/// copied twice per unsorted object around it: at most 2 ×
+/// [`MAX_JSON_DEPTH`] times.
 ///
 /// Outside strings, JSON is ASCII, so the input is UTF-8 exactly when the
 /// contents of its strings are: only strings holding non-ASCII bytes are
@@ -177,8 +178,6 @@ struct Canonicalizer<'a, 'x> {
     out: Vec<u8>,
     /// The members of the objects being written, innermost object last.
     members: Vec<Member>,
-    /// Room for rearranging an object.
-    scratch: Vec<u8>,
     exclude: &'x [Vec<String>],
     /// Where the value being read sits (tracked only when `exclude` is not
     /// empty).
@@ -351,17 +350,17 @@ impl<'a> Canonicalizer<'a, '_> {
                 .cmp(&b.prefix)
                 .then_with(|| input[a.key.clone()].cmp(&input[b.key.clone()]))
         });
-        self.scratch.clear();
-        self.scratch.reserve(self.out.len() - start);
+        // Written again after the output, in key order (the same length),
+        // then moved back over the original.
+        let end = self.out.len();
         for (i, member) in members.iter().enumerate() {
             if i > 0 {
-                self.scratch.push(b',');
+                self.out.push(b',');
             }
-            self.scratch
-                .extend_from_slice(&self.out[member.out.clone()]);
+            self.out.extend_from_within(member.out.clone());
         }
-        self.out.truncate(start);
-        self.out.extend_from_slice(&self.scratch);
+        self.out.copy_within(end.., start);
+        self.out.truncate(end);
     }
 
     /// string = `"` *( unescaped / `\` escape ) `"`, its contents UTF-8.

@@ -584,6 +584,26 @@ mod differential {
             same(&scalar, &[]);
         }
 
+        /// Objects wider than the small-sort cutoffs of the standard
+        /// library, with many duplicate keys whose values tell them apart:
+        /// the order of duplicates must be kept whatever the sort does.
+        #[test]
+        fn wide_objects_with_duplicates_match_reference(
+            keys in prop::collection::vec(prop::sample::select(vec!["a", "b", "ab", "c", "a\\u0062"]), 16..120),
+            seed: u64,
+            exclude in pointers(),
+        ) {
+            let members = keys
+                .iter()
+                .enumerate()
+                .map(|(i, key)| ((*key).to_owned(), Json::Token(i.to_string())))
+                .collect();
+            let mut text = Vec::new();
+            write(&Json::Array(vec![Json::Object(members)]), &mut Tape(seed | 1), &mut text);
+            same(&text, &[]);
+            same(&text, &exclude);
+        }
+
         #[test]
         fn noise_matches_reference(bytes in prop::collection::vec(prop::sample::select(NOISE), 0..40)) {
             same(&bytes, &[]);
