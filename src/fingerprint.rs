@@ -364,7 +364,7 @@ impl<'a> Canonicalizer<'a, '_> {
     }
 
     /// string = `"` *( unescaped / `\` escape ) `"`, its contents UTF-8.
-    /// Reads it, quotes included.
+    /// Reads it, quotes included; its opening quote is at `pos`.
     #[inline(always)]
     fn string(&mut self) -> Option<()> {
         let input = self.input;

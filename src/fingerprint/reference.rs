@@ -322,8 +322,8 @@ fn is_excluded(exclude: &[Vec<String>], path: &[Segment<'_>]) -> bool {
     })
 }
 
-/// Differential tests: the current [`super::canonical_json`] against the
-/// reference above, on valid JSON with varied whitespace, member order,
+/// Differential tests: the current [`super::super::canonical_json`]
+/// against the reference above, on valid JSON with varied whitespace, member order,
 /// duplicate keys, escapes and numbers, on nesting around
 /// [`MAX_JSON_DEPTH`], and on mutated, truncated and non-UTF-8 variants.
 #[cfg(test)]
