@@ -135,11 +135,22 @@ impl PostgresStore {
         Ok(store)
     }
 
-    /// The pool settings [`connect`](PostgresStore::connect) uses: an acquire
-    /// timeout of [`ACQUIRE_TIMEOUT`](PostgresStore::ACQUIRE_TIMEOUT), so an
-    /// unreachable database becomes a quick 503 rather than a hung request.
+    /// The pool settings [`connect`](PostgresStore::connect) uses:
+    ///
+    /// * an acquire timeout of [`ACQUIRE_TIMEOUT`](PostgresStore::ACQUIRE_TIMEOUT),
+    ///   so an unreachable database becomes a quick 503 rather than a hung
+    ///   request;
+    /// * no test query before a pooled connection is handed out (sqlx's
+    ///   default sends one, doubling every statement's round trips). A
+    ///   connection that broke while idle (the database restarted) fails
+    ///   the one call that draws it — nothing was executed, the request gets
+    ///   503 — and is replaced; idle connections are closed after a minute,
+    ///   so few survive to break.
     pub fn pool_options() -> PgPoolOptions {
-        PgPoolOptions::new().acquire_timeout(Self::ACQUIRE_TIMEOUT)
+        PgPoolOptions::new()
+            .acquire_timeout(Self::ACQUIRE_TIMEOUT)
+            .test_before_acquire(false)
+            .idle_timeout(Duration::from_secs(60))
     }
 
     /// A store over an existing pool. Nothing is migrated: call

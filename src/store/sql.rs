@@ -106,29 +106,46 @@ pub(super) fn micros(duration: Duration) -> i64 {
 
 /// The reserve protocol shared by the SQL stores.
 ///
-/// `acquire(owner)` runs the atomic writes (insert a new record; else take
-/// over an expired record or an expired lease of the same fingerprint) and
-/// returns `Some(takeover)` when one of them wrote the row, `None` when a
-/// live record stands. `existing()` then selects that record. If it vanished
-/// in between (released or expired), the writes run again: the loop ends as
-/// soon as a statement sees a row, which under any real contention is the
-/// second round.
-pub(super) async fn reserve<A, E>(
-    mut acquire: impl FnMut(OwnerToken) -> A,
+/// `insert(owner)` writes a new record unless one stands (`Some` when it
+/// wrote). Otherwise `existing()` reads the record that stands, which is
+/// the answer — unless it is gone, past its retention, or an in-flight
+/// record of the same fingerprint whose lease ran out. Only then does
+/// `take_over(owner)` run: one atomic `UPDATE` whose own condition decides
+/// which of several concurrent callers wins. If nothing could be written or
+/// read (the record changed in between), the round repeats; under any real
+/// contention the second round ends it.
+///
+/// A first execution costs one statement, a replay two, a takeover three.
+pub(super) async fn reserve<I, T, E>(
+    fingerprint: &Fingerprint,
+    mut insert: impl FnMut(OwnerToken) -> I,
+    mut take_over: impl FnMut(OwnerToken) -> T,
     mut existing: impl FnMut() -> E,
 ) -> Result<Claim, StoreError>
 where
-    A: Future<Output = Result<Option<bool>, sqlx::Error>>,
+    I: Future<Output = Result<Option<bool>, sqlx::Error>>,
+    T: Future<Output = Result<Option<bool>, sqlx::Error>>,
     E: Future<Output = Result<Option<RecordRow>, sqlx::Error>>,
 {
     const ROUNDS: usize = 8;
     for _ in 0..ROUNDS {
         let owner = OwnerToken::random();
-        if let Some(takeover) = acquire(owner).await.map_err(store_error)? {
+        if let Some(takeover) = insert(owner).await.map_err(store_error)? {
             return Ok(Claim::Acquired { owner, takeover });
         }
-        if let Some(row) = existing().await.map_err(store_error)? {
-            return Ok(Claim::Existing(row.into_record()?));
+        let record = existing()
+            .await
+            .map_err(store_error)?
+            .map(RecordRow::into_record)
+            .transpose()?;
+        match record {
+            Some(record) if !(record.lease_expired() && record.fingerprint == *fingerprint) => {
+                return Ok(Claim::Existing(record));
+            }
+            _ => {}
+        }
+        if let Some(takeover) = take_over(owner).await.map_err(store_error)? {
+            return Ok(Claim::Acquired { owner, takeover });
         }
     }
     Err(StoreError::Unavailable(
@@ -164,9 +181,10 @@ pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
 /// `SELECT_LIVE`, `COMPLETE`, `RELEASE`, `RENEW` and `SWEEP`.
 ///
 /// A reservation is `INSERT … ON CONFLICT DO NOTHING`, then (on a conflict)
-/// `UPDATE … WHERE <expired>`, then (if neither wrote) `SELECT`. Each write
-/// is atomic on its own, and a duplicate of a live record writes nothing:
-/// replays and polling waiters take no row lock and cost no commit flush.
+/// `SELECT`, then (only when that record may be taken over) `UPDATE …
+/// WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
+/// live record writes nothing: replays and polling waiters take no row lock
+/// and cost no commit flush.
 ///
 /// Both dialects take the same parameters in the same order and keep time
 /// by the database's own clock, so the Rust side is written once:
@@ -202,23 +220,20 @@ macro_rules! sql_store {
                 lease: std::time::Duration,
                 ttl: std::time::Duration,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
+                let write = |statement: &'static str, owner: $crate::store::OwnerToken| async move {
+                    sqlx::query_scalar::<_, bool>(statement)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(fingerprint.as_bytes().as_slice())
+                        .bind(owner.as_bytes().as_slice())
+                        .bind($crate::store::sql::micros(lease))
+                        .bind($crate::store::sql::micros(ttl))
+                        .fetch_optional(&self.pool)
+                        .await
+                };
                 $crate::store::sql::reserve(
-                    |owner| async move {
-                        for statement in [INSERT, TAKE_OVER] {
-                            let takeover = sqlx::query_scalar::<_, bool>(statement)
-                                .bind(key.as_bytes().as_slice())
-                                .bind(fingerprint.as_bytes().as_slice())
-                                .bind(owner.as_bytes().as_slice())
-                                .bind($crate::store::sql::micros(lease))
-                                .bind($crate::store::sql::micros(ttl))
-                                .fetch_optional(&self.pool)
-                                .await?;
-                            if takeover.is_some() {
-                                return Ok(takeover);
-                            }
-                        }
-                        Ok(None)
-                    },
+                    fingerprint,
+                    |owner| write(INSERT, owner),
+                    |owner| write(TAKE_OVER, owner),
                     || self.select_live(key),
                 )
                 .await
