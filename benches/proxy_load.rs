@@ -491,9 +491,7 @@ impl Drop for Proxy {
 /// `redis-benchmark`), one connection, sequential: p50 of each.
 #[derive(Default)]
 struct Floors {
-    pg_insert: Option<Duration>,
-    pg_update: Option<Duration>,
-    pg_select: Option<Duration>,
+    pg: Option<PgFloors>,
     redis_get: Option<Duration>,
     notes: Vec<String>,
 }
@@ -503,11 +501,7 @@ const FLOOR_ROUNDS: usize = 2_000;
 async fn floors(run: &mut Run, admin_url: &str, redis_url: &str) -> Floors {
     let mut floors = Floors::default();
     match postgres_floors(run, admin_url) {
-        Ok((insert, update, select)) => {
-            floors.pg_insert = Some(insert);
-            floors.pg_update = Some(update);
-            floors.pg_select = Some(select);
-        }
+        Ok(pg) => floors.pg = Some(pg),
         Err(error) => floors
             .notes
             .push(format!("PostgreSQL floors not measured: {error}")),
@@ -537,12 +531,13 @@ fn psql(url: &str, sql: &str) -> Result<String, String> {
     output(Command::new("psql").args([url, "-v", "ON_ERROR_STOP=1", "-qAtc", sql]))
 }
 
-/// Creates the private database, then times reserve-, complete- and
-/// replay-shaped statements on it.
-fn postgres_floors(
-    run: &mut Run,
-    admin_url: &str,
-) -> Result<(Duration, Duration, Duration), String> {
+/// Creates the private database with the store's own schema (the
+/// migrations in `migrations/`), then times the store's own statements
+/// with `pgbench`: the reserve `INSERT`, the complete `UPDATE` and the
+/// replay `SELECT` (mirroring `src/store/postgres.rs`, with 32-byte keys).
+/// The same `INSERT` and `UPDATE` on a minimal table (bigint key, no
+/// second index) are timed too, to show what the schema itself costs.
+fn postgres_floors(run: &mut Run, admin_url: &str) -> Result<PgFloors, String> {
     let name = format!("bench_{}", std::process::id());
     psql(admin_url, &format!("CREATE DATABASE {name}"))?;
     let database = Database {
@@ -551,9 +546,31 @@ fn postgres_floors(
     };
     let url = database.url();
     run.database = Some(database);
+    let migrations = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&migrations)
+        .map_err(|e| format!("{}: {e}", migrations.display()))?
+        .filter_map(|entry| Some(entry.ok()?.path()))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "sql"))
+        .collect();
+    files.sort();
+    for file in &files {
+        output(
+            Command::new("psql")
+                .args([&url, "-v", "ON_ERROR_STOP=1", "-q", "-f"])
+                .arg(file),
+        )?;
+    }
+    // Keys, fingerprints and owners as the store writes them: 32, 32 and 16
+    // bytes, derived from a number so a script can name them.
+    const KEY: &str = "sha256(int8send(:k))";
+    const OWNER: &str = "substr(sha256(int8send(:k)), 1, 16)";
     psql(
         &url,
-        "CREATE TABLE floor (key bigint PRIMARY KEY, owner bigint, state text, response text); \
+        "INSERT INTO idempotency_records (key, fingerprint, owner, state, lease_expires_at, expires_at) \
+         SELECT sha256(int8send(g)), sha256(int8send(g)), substr(sha256(int8send(g)), 1, 16), \
+                'in_flight', now() + interval '1 hour', now() + interval '1 day' \
+         FROM generate_series(1, 100000) g; \
+         CREATE TABLE floor (key bigint PRIMARY KEY, owner bigint, state text, response text); \
          INSERT INTO floor SELECT g, g, 'in_flight', NULL FROM generate_series(1, 2000) g",
     )?;
     let time = |name: &str, sql: &str| -> Result<Duration, String> {
@@ -601,21 +618,64 @@ fn postgres_floors(
         }
         Ok(median(samples))
     };
-    let insert = time(
-        "insert",
-        "\\set k random(3000, 2000000000)\n\
-         INSERT INTO floor (key, owner, state) VALUES (:k, :k, 'in_flight') ON CONFLICT DO NOTHING;\n",
+    let reserve = time(
+        "reserve",
+        &format!(
+            "\\set k random(1000000, 2000000000)\n\
+             INSERT INTO idempotency_records (key, fingerprint, owner, state, lease_expires_at, expires_at) \
+             VALUES ({KEY}, {KEY}, {OWNER}, 'in_flight', \
+                     now() + 30000000::bigint * interval '1 microsecond', \
+                     now() + 86400000000::bigint * interval '1 microsecond') \
+             ON CONFLICT (key) DO NOTHING RETURNING false AS takeover;\n"
+        ),
     )?;
-    let update = time(
-        "update",
-        "\\set k random(1, 2000)\n\
-         UPDATE floor SET state = 'completed', response = repeat('x', 1024) WHERE key = :k AND owner = :k;\n",
+    let complete = time(
+        "complete",
+        &format!(
+            "\\set k random(1, 100000)\n\
+             UPDATE idempotency_records \
+             SET state = 'completed', owner = NULL, lease_expires_at = NULL, \
+                 status = 201, headers = '\\x0000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e', \
+                 body = convert_to(repeat('x', 27), 'UTF8'), \
+                 expires_at = now() + 86400000000::bigint * interval '1 microsecond' \
+             WHERE key = {KEY} AND owner = {OWNER} AND state = 'in_flight';\n"
+        ),
     )?;
     let select = time(
         "select",
-        "\\set k random(1, 2000)\nSELECT state, response FROM floor WHERE key = :k;\n",
+        &format!(
+            "\\set k random(1, 100000)\n\
+             SELECT fingerprint, state, status, headers, body, \
+                    (extract(epoch FROM greatest(lease_expires_at - now(), interval '0')) * 1000000)::bigint \
+             FROM idempotency_records WHERE key = {KEY} AND expires_at > now();\n"
+        ),
     )?;
-    Ok((insert, update, select))
+    let minimal_insert = time(
+        "minimal_insert",
+        "\\set k random(3000, 2000000000)\n\
+         INSERT INTO floor (key, owner, state) VALUES (:k, :k, 'in_flight') ON CONFLICT DO NOTHING;\n",
+    )?;
+    let minimal_update = time(
+        "minimal_update",
+        "\\set k random(1, 2000)\n\
+         UPDATE floor SET state = 'completed', response = repeat('x', 1024) WHERE key = :k AND owner = :k;\n",
+    )?;
+    Ok(PgFloors {
+        reserve,
+        complete,
+        select,
+        minimal_insert,
+        minimal_update,
+    })
+}
+
+/// The PostgreSQL round trips, p50 each.
+struct PgFloors {
+    reserve: Duration,
+    complete: Duration,
+    select: Duration,
+    minimal_insert: Duration,
+    minimal_update: Duration,
 }
 
 fn median(mut samples: Vec<Duration>) -> Duration {
@@ -719,16 +779,28 @@ fn report(cells: &[Cell], floors: &Floors, duration: Duration) {
     }
     println!("\n### Floors (p50 of {FLOOR_ROUNDS} sequential round trips, one connection)\n");
     println!("| operation | p50 |\n|---|---:|");
+    let pg = floors.pg.as_ref();
     for (name, value) in [
         (
-            "PostgreSQL `INSERT … ON CONFLICT DO NOTHING` (reserve)",
-            floors.pg_insert,
+            "PostgreSQL reserve: the store's `INSERT … ON CONFLICT DO NOTHING`",
+            pg.map(|pg| pg.reserve),
         ),
         (
-            "PostgreSQL `UPDATE … WHERE key AND owner` (complete)",
-            floors.pg_update,
+            "PostgreSQL complete: the store's `UPDATE … WHERE key AND owner`",
+            pg.map(|pg| pg.complete),
         ),
-        ("PostgreSQL `SELECT` by key", floors.pg_select),
+        (
+            "PostgreSQL replay: the store's `SELECT` by key",
+            pg.map(|pg| pg.select),
+        ),
+        (
+            "for reference: that `INSERT` on a minimal table (bigint key, one index)",
+            pg.map(|pg| pg.minimal_insert),
+        ),
+        (
+            "for reference: that `UPDATE` on a minimal table",
+            pg.map(|pg| pg.minimal_update),
+        ),
         ("Redis `GET` (1 KiB value)", floors.redis_get),
     ] {
         println!("| {name} | {} |", value.map_or("not measured".into(), us));
@@ -752,14 +824,13 @@ fn report(cells: &[Cell], floors: &Floors, duration: Duration) {
             met(ratio >= 0.9)
         );
     }
-    if let (Some(first), Some(base), Some(insert), Some(update)) = (
+    if let (Some(first), Some(base), Some(pg)) = (
         stats("proxy, PostgreSQL", "first execution", 1),
         passthrough(1),
-        floors.pg_insert,
-        floors.pg_update,
+        pg,
     ) {
         let above = first.p50.as_secs_f64() - base.p50.as_secs_f64();
-        let bound = 1.2 * (insert + update).as_secs_f64();
+        let bound = 1.2 * (pg.reserve + pg.complete).as_secs_f64();
         println!(
             "| PostgreSQL first execution, concurrency 1: p50 above passthrough ≤ 1.2 × (reserve + complete) | {:.0} µs vs {:.0} µs | {} |",
             above * 1e6, bound * 1e6, met(above <= bound)
