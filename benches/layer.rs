@@ -1,6 +1,7 @@
 //! What the tower layer adds per request, with the memory store: the same
 //! inner service with and without `IdempotencyLayer`, 1 KiB JSON body, for a
-//! first execution (a new key every request) and for a replay (one key).
+//! first execution (a new key every request) and for a replay (one key),
+//! and the replay of the same body sent as opaque bytes (raw fingerprint).
 //!
 //! `cargo bench --bench layer`
 //!
@@ -9,9 +10,9 @@
 //! Tokio runtime, so everything (spawned tasks included) runs on the bench
 //! thread and its CPU time is the cost. The added time per request is
 //! `layer - baseline`; the summary printed at the end gives it and the
-//! ratio, from the mean of this run's samples, and splits the added time into the
-//! request fingerprint (measured alone in the same run: the part that
-//! grows with the body) and the rest of the engine.
+//! ratio, from the mean of this run's samples, and splits the added time
+//! into the request fingerprint (measured alone in the same run: the part
+//! that grows with the body) and the rest of the engine.
 
 mod common;
 
@@ -48,9 +49,36 @@ where
     Ok(response)
 }
 
+/// How the bench body is sent: as JSON (canonical fingerprint) or as opaque
+/// bytes (raw fingerprint), with the names of the benches for each.
+struct Kind {
+    content_type: &'static str,
+    replay: &'static str,
+    fingerprint: &'static str,
+    label: &'static str,
+}
+
+const JSON: Kind = Kind {
+    content_type: "application/json",
+    replay: "replay",
+    fingerprint: "fingerprint_alone",
+    label: "1 KiB JSON",
+};
+
+const RAW: Kind = Kind {
+    content_type: "application/octet-stream",
+    replay: "replay_raw",
+    fingerprint: "fingerprint_alone_raw",
+    label: "the same 1 KiB as opaque bytes",
+};
+
 fn request(body: &Bytes, key: HeaderValue) -> Request<Full<Bytes>> {
+    request_as(&JSON, body, key)
+}
+
+fn request_as(kind: &Kind, body: &Bytes, key: HeaderValue) -> Request<Full<Bytes>> {
     Request::post("/orders")
-        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_TYPE, kind.content_type)
         .header("idempotency-key", key)
         .body(Full::new(body.clone()))
         .unwrap()
@@ -157,42 +185,45 @@ fn bench(c: &mut Criterion<CpuTime>) {
             }
         })
     });
-    group.bench_function("replay", |b| {
-        b.to_async(&runtime).iter_custom(|iters| {
-            let body = body.clone();
-            async move {
-                let mut service = IdempotencyLayer::new(engine()).layer(baseline);
-                let key = key(u64::MAX);
-                call(&mut service, request(&body, key.clone())).await;
+    for kind in [&JSON, &RAW] {
+        group.bench_function(kind.replay, |b| {
+            b.to_async(&runtime).iter_custom(|iters| {
+                let body = body.clone();
+                async move {
+                    let mut service = IdempotencyLayer::new(engine()).layer(baseline);
+                    let key = key(u64::MAX);
+                    call(&mut service, request_as(kind, &body, key.clone())).await;
+                    let started = thread_cpu_time();
+                    for _ in 0..iters {
+                        let request = request_as(kind, &body, key.clone());
+                        std::hint::black_box(call(&mut service, request).await);
+                    }
+                    record(kind.replay, iters, thread_cpu_time() - started)
+                }
+            })
+        });
+        // The part of the layer's work that is a function of the body
+        // alone: the request fingerprint (canonical JSON or raw bytes,
+        // SHA-256), as the engine computes it for this request.
+        group.bench_function(kind.fingerprint, |b| {
+            let request = request_as(kind, &body, key(0));
+            let fingerprinted = [header::CONTENT_TYPE];
+            b.iter_custom(|iters| {
                 let started = thread_cpu_time();
                 for _ in 0..iters {
-                    std::hint::black_box(call(&mut service, request(&body, key.clone())).await);
+                    std::hint::black_box(fingerprint(
+                        request.method(),
+                        request.uri(),
+                        request.headers(),
+                        &fingerprinted,
+                        std::hint::black_box(&body),
+                        Exclusions::default(),
+                    ));
                 }
-                record("replay", iters, thread_cpu_time() - started)
-            }
-        })
-    });
-    // The part of the layer's work that is a function of the body alone:
-    // the request fingerprint (canonical JSON, SHA-256), as the engine
-    // computes it for this request.
-    group.bench_function("fingerprint_alone", |b| {
-        let request = request(&body, key(0));
-        let fingerprinted = [header::CONTENT_TYPE];
-        b.iter_custom(|iters| {
-            let started = thread_cpu_time();
-            for _ in 0..iters {
-                std::hint::black_box(fingerprint(
-                    request.method(),
-                    request.uri(),
-                    request.headers(),
-                    &fingerprinted,
-                    std::hint::black_box(&body),
-                    Exclusions::default(),
-                ));
-            }
-            record("fingerprint_alone", iters, thread_cpu_time() - started)
-        })
-    });
+                record(kind.fingerprint, iters, thread_cpu_time() - started)
+            })
+        });
+    }
     group.finish();
 }
 
@@ -215,32 +246,38 @@ fn summary(sample_size: usize) {
     let Some(baseline) = per_request("baseline", sample_size) else {
         return;
     };
-    let fingerprint = per_request("fingerprint_alone", sample_size);
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
-        "\n| layer, memory store, 1 KiB JSON | CPU time per request | added by the layer | of which the fingerprint | the rest | ratio |"
+        "\n| layer, memory store, 1 KiB body | CPU time per request | added by the layer | of which the fingerprint | the rest | ratio |"
     );
     println!("|---|---:|---:|---:|---:|---:|");
     println!(
         "| without the layer | {:.2} µs | | | | 1.00 |",
         us(baseline)
     );
-    for name in ["first_execution", "replay"] {
-        if let Some(t) = per_request(name, sample_size) {
-            let added = us(t) - us(baseline);
-            let (of_which, rest) = match fingerprint {
-                Some(f) => (
-                    format!("{:.2} µs", us(f)),
-                    format!("{:+.2} µs", added - us(f)),
-                ),
-                None => (String::new(), String::new()),
-            };
-            println!(
-                "| {name} | {:.2} µs | {added:+.2} µs | {of_which} | {rest} | {:.2} |",
-                us(t),
-                t.as_secs_f64() / baseline.as_secs_f64()
-            );
-        }
+    let rows = [
+        ("first_execution", &JSON),
+        (JSON.replay, &JSON),
+        (RAW.replay, &RAW),
+    ];
+    for (name, kind) in rows {
+        let Some(t) = per_request(name, sample_size) else {
+            continue;
+        };
+        let added = us(t) - us(baseline);
+        let (of_which, rest) = match per_request(kind.fingerprint, sample_size) {
+            Some(f) => (
+                format!("{:.2} µs", us(f)),
+                format!("{:+.2} µs", added - us(f)),
+            ),
+            None => (String::new(), String::new()),
+        };
+        println!(
+            "| {name}, {} | {:.2} µs | {added:+.2} µs | {of_which} | {rest} | {:.2} |",
+            kind.label,
+            us(t),
+            t.as_secs_f64() / baseline.as_secs_f64()
+        );
     }
 }
 
