@@ -120,7 +120,7 @@ async fn two_proxies_sharing_postgresql_run_a_request_once() {
             store: database.clone(),
             ..ProxyArgs::new(backend.url(), "", &dir)
         };
-        proxies.push(Proxy::start(args).await);
+        proxies.push(Proxy::start(args).await.owning(dir));
     }
     let key = uuid();
     let requests: Vec<_> = (0..40)

@@ -68,7 +68,8 @@ async fn start_with(
         redis,
         ..ProxyArgs::new(backend.url(), config, &dir)
     })
-    .await;
+    .await
+    .owning(dir);
     (backend, proxy)
 }
 

@@ -44,7 +44,7 @@ async fn start_proxy(upstream: String, store: &str, redis: Option<String>, lease
     let mut args = ProxyArgs::new(upstream, &config(lease), &dir);
     args.store = store.into();
     args.redis = redis;
-    Proxy::start(args).await
+    Proxy::start(args).await.owning(dir)
 }
 
 /// `POST path` with `Idempotency-Key: key`.

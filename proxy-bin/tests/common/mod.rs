@@ -204,8 +204,9 @@ pub fn free_port() -> SocketAddr {
     listener.local_addr().unwrap()
 }
 
-/// A fresh directory for one test's files.
-pub fn temp_dir(name: &str) -> PathBuf {
+/// A fresh directory for one test's files, removed when dropped (declare
+/// it before the processes that use it, so they stop first).
+pub fn temp_dir(name: &str) -> TempDir {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "idempotency-proxy-{name}-{}-{}",
@@ -214,7 +215,33 @@ pub fn temp_dir(name: &str) -> PathBuf {
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(Some(dir))
+}
+
+/// See [`temp_dir`].
+pub struct TempDir(Option<PathBuf>);
+
+impl TempDir {
+    /// The path, no longer removed on drop (its owner removes it).
+    pub fn keep(mut self) -> PathBuf {
+        self.0.take().expect("a live directory")
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        self.0.as_deref().expect("a live directory")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 /// A running `idempotency-proxy` process, killed when dropped.
@@ -223,6 +250,8 @@ pub struct Proxy {
     pub admin: SocketAddr,
     child: Child,
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Removed after the process is killed (fields drop after `drop`).
+    dir: Option<TempDir>,
 }
 
 /// How to start a proxy.
@@ -253,6 +282,12 @@ impl ProxyArgs {
 }
 
 impl Proxy {
+    /// Keeps `dir` (the proxy's working directory) until the proxy is gone.
+    pub fn owning(mut self, dir: TempDir) -> Self {
+        self.dir = Some(dir);
+        self
+    }
+
     /// Starts the binary with `config` (TOML text) and waits until it
     /// accepts connections.
     pub async fn start(args: ProxyArgs) -> Proxy {
@@ -306,6 +341,7 @@ impl Proxy {
                 admin,
                 child,
                 client: Client::builder(TokioExecutor::new()).build_http(),
+                dir: None,
             };
             if proxy.wait_ready().await {
                 return proxy;

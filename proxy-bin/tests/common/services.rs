@@ -46,7 +46,7 @@ impl PrivatePostgres {
     /// Creates and starts a fresh cluster on a free port.
     pub fn start() -> Self {
         let bin = postgres_bin();
-        let dir = temp_dir("pg");
+        let dir = temp_dir("pg").keep();
         let as_root = is_root();
         if as_root {
             check(
@@ -184,7 +184,7 @@ impl PrivateRedis {
     /// Starts `redis-server` on a free port.
     pub fn start() -> Self {
         let mut redis = PrivateRedis {
-            dir: temp_dir("redis"),
+            dir: temp_dir("redis").keep(),
             port: free_port().port(),
             child: None,
         };
