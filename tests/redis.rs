@@ -201,6 +201,7 @@ async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone)
         .complete(&k, &owner, &outcome("done"), TTL)
         .await
         .unwrap());
+    cache.settled().await;
     let before = inner.lookups();
 
     for _ in 0..5 {
@@ -233,6 +234,7 @@ async fn a_completion_retried_after_an_inner_failure_is_cached() {
         .complete(&k, &owner, &outcome("r"), TTL)
         .await
         .unwrap());
+    cache.settled().await;
     let before = inner.lookups();
     let record = existing(&cache, &k, &fp).await;
     assert_eq!(record.state, RecordState::Completed(outcome("r")));
@@ -267,6 +269,7 @@ async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
         before + 1,
         "the miss asked the inner store"
     );
+    cache.settled().await;
     existing(&cache, &k, &fp).await;
     assert_eq!(inner.lookups(), before + 1, "the fill answered the second");
 
@@ -313,6 +316,7 @@ async fn a_corrupt_entry_is_a_counted_miss_and_loses_nothing() {
         .complete(&k, &owner, &outcome("ok"), TTL)
         .await
         .unwrap());
+    cache.settled().await;
     // The completion replaced the garbage.
     let record = existing(&cache, &k, &fp).await;
     assert_eq!(record.state, RecordState::Completed(outcome("ok")));
@@ -329,6 +333,7 @@ async fn the_cached_entry_expires_with_the_record() {
         .complete(&k, &owner, &outcome("a"), ttl)
         .await
         .unwrap());
+    cache.settled().await;
     assert!(cache.get(&k).await.unwrap().is_some());
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
     assert_eq!(cache.get(&k).await.unwrap(), None);
@@ -381,6 +386,7 @@ async fn redis_never_decides_ownership() {
         .complete(&k, &successor, &outcome("successor"), TTL)
         .await
         .unwrap());
+    cache.settled().await;
     let record = existing(&cache, &k, &fp).await;
     assert_eq!(record.state, RecordState::Completed(outcome("successor")));
     assert!(hits(&cache) >= 1);
@@ -726,6 +732,7 @@ async fn an_entry_is_never_served_to_another_scope() {
 
     let alice = app.post("alice", "same-key", "from alice").await;
     assert_eq!(alice.1, "alice/same-key|from alice|1");
+    cache.settled().await;
     // Alice's replay comes from Redis.
     let before = hits(&cache);
     assert_eq!(app.post("alice", "same-key", "from alice").await, alice);
@@ -737,6 +744,7 @@ async fn an_entry_is_never_served_to_another_scope() {
         bob,
         (StatusCode::CREATED, "bob/same-key|from alice|1".into())
     );
+    cache.settled().await;
     assert_eq!(app.post("bob", "same-key", "from alice").await, bob);
     assert_eq!(app.post("alice", "same-key", "from alice").await, alice);
     let executions = app.executions.lock().unwrap();
@@ -763,6 +771,7 @@ async fn replays_need_no_postgres_but_reservations_do() {
     let app = App::start(cache.clone()).await;
     let first = app.post("u", "paid", "42 EUR").await;
     assert_eq!(first, (StatusCode::CREATED, "u/paid|42 EUR|1".to_owned()));
+    cache.settled().await;
 
     switch.set(false);
     // PostgreSQL is unreachable: replays and mismatches still come from

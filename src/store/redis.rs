@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -110,7 +110,8 @@ fn redact(url: &str) -> String {
 ///   Redis never decides who executes.
 /// * Only completed records are cached, and only *after* the inner store
 ///   committed them: [`Store::complete`] writes to Redis once the inner
-///   store returned `true`.
+///   store returned `true` — in the background, so the answer does not
+///   wait for Redis ([`RedisCache::settled`] waits for such writes).
 /// * A lookup ([`Store::reserve`], [`Store::get`]) asks Redis first. A hit
 ///   is returned as the record that stands ([`Claim::Existing`]), whatever
 ///   the request's fingerprint: the engine replays it when the fingerprint
@@ -193,6 +194,8 @@ impl<S: Store> RedisCache<S> {
                 errors: AtomicU64::new(0),
                 skipped: AtomicU64::new(0),
                 pending: Mutex::default(),
+                writing: AtomicUsize::new(0),
+                written: Notify::new(),
             }),
         })
     }
@@ -200,6 +203,13 @@ impl<S: Store> RedisCache<S> {
     /// The store of record.
     pub fn inner(&self) -> &S {
         &self.inner
+    }
+
+    /// Waits until every Redis write issued so far has ended (written,
+    /// failed or timed out). Writes run behind the answers they copy, so
+    /// no request waits for them; this is for tests and orderly shutdowns.
+    pub async fn settled(&self) {
+        self.redis.settled().await;
     }
 }
 
@@ -229,7 +239,7 @@ impl<S: Store> Store for RedisCache<S> {
             Claim::Acquired { owner, .. } => self.redis.remember(*owner, *fingerprint),
             Claim::Existing(record) => {
                 let ttl = ttl.min(self.redis.config.fill_ttl);
-                self.redis.fill(key, record, ttl).await;
+                self.redis.fill(key, record, ttl);
             }
         }
         Ok(claim)
@@ -250,10 +260,9 @@ impl<S: Store> Store for RedisCache<S> {
         let done = self.inner.complete(key, owner, outcome, ttl).await?;
         self.redis.forget(owner);
         if let (true, Some(fingerprint)) = (done, fingerprint) {
-            if let Some(left) = ttl.checked_sub(started.elapsed()) {
-                let value = encode(&fingerprint, outcome);
-                self.redis.write(key, value, left, Write::Overwrite).await;
-            }
+            let value = encode(&fingerprint, outcome);
+            self.redis
+                .write_behind(key, value, started + ttl, Write::Overwrite);
         }
         Ok(done)
     }
@@ -279,9 +288,7 @@ impl<S: Store> Store for RedisCache<S> {
         }
         let record = self.inner.get(key).await?;
         if let Some(record) = &record {
-            self.redis
-                .fill(key, record, self.redis.config.fill_ttl)
-                .await;
+            self.redis.fill(key, record, self.redis.config.fill_ttl);
         }
         Ok(record)
     }
@@ -381,6 +388,9 @@ struct Link {
     errors: AtomicU64,
     skipped: AtomicU64,
     pending: Mutex<Pending>,
+    /// Background writes under way, and their end.
+    writing: AtomicUsize,
+    written: Notify,
 }
 
 /// The fingerprint of every reservation this cache granted and that is not
@@ -453,10 +463,47 @@ impl Link {
     }
 
     /// Copies a completed `record` found in the inner store into Redis.
-    async fn fill(self: &Arc<Self>, key: &ScopeKey, record: &Record, ttl: Duration) {
+    fn fill(self: &Arc<Self>, key: &ScopeKey, record: &Record, ttl: Duration) {
         if let RecordState::Completed(outcome) = &record.state {
             let value = encode(&record.fingerprint, outcome);
-            self.write(key, value, ttl, Write::IfAbsent).await;
+            self.write_behind(key, value, Instant::now() + ttl, Write::IfAbsent);
+        }
+    }
+
+    /// Writes an entry in the background, so the caller's answer never
+    /// waits for Redis. The entry expires at `expires` (its remaining time
+    /// is taken when the write is sent, so a write that ran late cannot
+    /// outlive the record it copies).
+    fn write_behind(
+        self: &Arc<Self>,
+        key: &ScopeKey,
+        value: Vec<u8>,
+        expires: Instant,
+        mode: Write,
+    ) {
+        self.writing.fetch_add(1, SeqCst);
+        let (link, key) = (self.clone(), *key);
+        tokio::spawn(async move {
+            let left = expires.saturating_duration_since(Instant::now());
+            link.write(&key, value, left, mode).await;
+            if link.writing.fetch_sub(1, SeqCst) == 1 {
+                link.written.notify_waiters();
+            }
+        });
+    }
+
+    /// Waits until no background write is under way.
+    async fn settled(&self) {
+        loop {
+            let written = self.written.notified();
+            tokio::pin!(written);
+            // Register before looking, so a last write ending in between
+            // still wakes us.
+            written.as_mut().enable();
+            if self.writing.load(SeqCst) == 0 {
+                return;
+            }
+            written.await;
         }
     }
 
