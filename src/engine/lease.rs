@@ -1,21 +1,26 @@
-//! Lease renewal for every live reservation of one engine, from one task.
+//! Lease renewal for every live reservation of one engine: one task per
+//! runtime instead of one per reservation.
 //!
 //! A reservation registers its key here when it is created and leaves when
-//! it settles. One renewer task per engine renews each registered lease a
-//! third of the lease after it was taken or last renewed, and otherwise
-//! sleeps: a request that finishes in microseconds costs a map insert and
-//! remove, not a task and a timer of its own.
+//! it settles. The renewer of the runtime that made the reservation renews
+//! each of its leases a third of the lease after it was taken or last
+//! renewed — and again soon after a renewal failed — and otherwise sleeps: a
+//! request that finishes in microseconds costs a map insert and remove, not
+//! a task and a timer of its own.
 //!
-//! The renewer is started on the first reservation (on the runtime that
-//! makes it), started again if that runtime went away, and stopped when the
-//! engine is dropped. It sleeps until the earliest renewal is due and is
-//! woken early only when a reservation with an earlier due time arrives;
-//! while nothing is held it is parked.
+//! Leases are kept per runtime because a renewer can only run while its
+//! runtime is driven: a reservation is renewed by the runtime its own
+//! request runs on, exactly as a heartbeat task spawned next to it would
+//! be. A renewer starts with its runtime's first reservation, starts again
+//! if its task ended, sleeps until the earliest renewal is due (woken early
+//! only by a reservation due earlier), is parked while it holds nothing,
+//! and is stopped when the engine is dropped (it holds the engine weakly).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
+use tokio::runtime::{Handle, Id as RuntimeId};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
@@ -23,9 +28,16 @@ use tokio::time::Instant;
 use super::{Engine, Inner};
 use crate::store::{OwnerToken, ScopeKey};
 
-/// The leases one engine keeps alive.
+/// The leases one engine keeps alive, one renewer per runtime.
 #[derive(Debug, Default)]
 pub(super) struct Leases {
+    runtimes: Mutex<Vec<Arc<Renewer>>>,
+}
+
+/// One runtime's leases and the task that renews them.
+#[derive(Debug)]
+struct Renewer {
+    runtime: RuntimeId,
     state: Mutex<State>,
     wake: Notify,
 }
@@ -36,7 +48,7 @@ struct State {
     held: HashMap<u64, Held>,
     /// When the renewer looks next; `None` while it is parked.
     wake_at: Option<Instant>,
-    renewer: Option<AbortHandle>,
+    task: Option<AbortHandle>,
 }
 
 #[derive(Debug)]
@@ -45,33 +57,112 @@ struct Held {
     owner: OwnerToken,
     lease: Duration,
     renew_at: Instant,
+    /// Its outcome is being stored: the store may already say "not in
+    /// flight", which is then no lost lease.
+    settling: bool,
 }
 
-/// One registered lease; pass it back to [`Leases::forget`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct LeaseId(u64);
+/// One registered lease; [`Lease::forget`] ends it.
+#[derive(Debug)]
+pub(super) struct Lease {
+    renewer: Arc<Renewer>,
+    id: u64,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every mutation is a single insert, remove or assignment, so a panic
+    // elsewhere cannot leave the state half-written.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 impl Leases {
-    fn state(&self) -> MutexGuard<'_, State> {
-        // Every mutation is a single insert, remove or assignment, so a
-        // panic elsewhere cannot leave the state half-written.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// Keeps `key`'s lease alive (renewed every third of `lease`) until
+    /// [`Lease::forget`] or until the store says the lease was lost. Must
+    /// be called from inside the Tokio runtime that drives the request.
+    pub(super) fn hold(
+        &self,
+        engine: &Arc<Inner>,
+        key: ScopeKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Lease {
+        let runtime = Handle::current().id();
+        let renewer = {
+            let mut runtimes = lock(&self.runtimes);
+            // Forget runtimes that are gone (their renewer ended) and hold
+            // nothing any more.
+            runtimes.retain(|r| r.runtime == runtime || !r.is_idle_and_stopped());
+            match runtimes.iter().find(|r| r.runtime == runtime) {
+                Some(renewer) => renewer.clone(),
+                None => {
+                    let renewer = Arc::new(Renewer {
+                        runtime,
+                        state: Mutex::default(),
+                        wake: Notify::new(),
+                    });
+                    runtimes.push(renewer.clone());
+                    renewer
+                }
+            }
+        };
+        let id = renewer.hold(engine, key, owner, lease);
+        Lease { renewer, id }
     }
 
-    /// Keeps `key`'s lease alive (renewed every third of `lease`) until
-    /// [`forget`](Leases::forget) or until the store says the lease was
-    /// lost. Must be called from inside a Tokio runtime.
-    pub(super) fn hold(
+    /// Stops every renewer (the engine is going away).
+    pub(super) fn stop(&self) {
+        for renewer in lock(&self.runtimes).iter() {
+            if let Some(task) = lock(&renewer.state).task.take() {
+                task.abort();
+            }
+        }
+    }
+
+    /// How many references each renewer has (for tests: its task holds one).
+    #[cfg(test)]
+    pub(super) fn renewer_refs(&self) -> Vec<usize> {
+        lock(&self.runtimes).iter().map(Arc::strong_count).collect()
+    }
+
+    /// How many leases are held (for tests).
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        lock(&self.runtimes)
+            .iter()
+            .map(|r| lock(&r.state).held.len())
+            .sum()
+    }
+}
+
+impl Lease {
+    /// Stops renewing the lease.
+    pub(super) fn forget(&self) {
+        self.renewer.forget(self.id);
+    }
+
+    /// Marks the lease as settling: its outcome is being stored. It is
+    /// still renewed (a store outage may keep it settling for a while), but
+    /// a "not in flight" answer is no longer reported as a lost lease.
+    pub(super) fn settling(&self) {
+        if let Some(held) = lock(&self.renewer.state).held.get_mut(&self.id) {
+            held.settling = true;
+        }
+    }
+}
+
+impl Renewer {
+    fn hold(
         self: &Arc<Self>,
         engine: &Arc<Inner>,
         key: ScopeKey,
         owner: OwnerToken,
         lease: Duration,
-    ) -> LeaseId {
-        let renew_at = Instant::now() + lease / 3;
-        let mut state = self.state();
+    ) -> u64 {
+        let now = Instant::now();
+        let renew_at = now + lease / 3;
+        let mut state = lock(&self.state);
         let id = state.next_id;
         state.next_id += 1;
         state.held.insert(
@@ -81,48 +172,57 @@ impl Leases {
                 owner,
                 lease,
                 renew_at,
+                settling: false,
             },
         );
-        if state.renewer.as_ref().is_none_or(AbortHandle::is_finished) {
+        if state.task.as_ref().is_none_or(AbortHandle::is_finished) {
             // The new renewer looks at once and then computes its own wake-up.
-            state.wake_at = Some(Instant::now());
+            state.wake_at = Some(now);
             let task = tokio::spawn(renew(self.clone(), Arc::downgrade(engine)));
-            state.renewer = Some(task.abort_handle());
-        } else if state.wake_at.is_none_or(|at| renew_at < at) {
-            state.wake_at = Some(renew_at);
+            state.task = Some(task.abort_handle());
+        } else {
+            self.wake_by(&mut state, renew_at);
+        }
+        id
+    }
+
+    /// Makes sure the renewer looks no later than `at`.
+    fn wake_by(&self, state: &mut State, at: Instant) {
+        if state.wake_at.is_none_or(|wake_at| at < wake_at) {
+            state.wake_at = Some(at);
             self.wake.notify_one();
         }
-        LeaseId(id)
     }
 
-    /// Stops renewing a lease. Returns whether it was still held.
-    pub(super) fn forget(&self, id: LeaseId) -> bool {
-        self.state().held.remove(&id.0).is_some()
+    /// Stops renewing a lease; returns it if it was still held.
+    fn forget(&self, id: u64) -> Option<Held> {
+        lock(&self.state).held.remove(&id)
     }
 
-    /// Stops the renewer (the engine is going away).
-    pub(super) fn stop(&self) {
-        if let Some(renewer) = self.state().renewer.take() {
-            renewer.abort();
+    /// Tries a lease again at `at` (after a failed renewal).
+    fn retry(&self, id: u64, at: Instant) {
+        let mut state = lock(&self.state);
+        if let Some(held) = state.held.get_mut(&id) {
+            held.renew_at = held.renew_at.min(at);
+            self.wake_by(&mut state, at);
         }
     }
 
-    /// How many leases are held (for tests).
-    #[cfg(test)]
-    pub(super) fn len(&self) -> usize {
-        self.state().held.len()
+    fn is_idle_and_stopped(&self) -> bool {
+        let state = lock(&self.state);
+        state.held.is_empty() && state.task.as_ref().is_none_or(AbortHandle::is_finished)
     }
 
     /// Takes the leases due at `now` (rescheduling each a third of its
     /// lease later) and records when the renewer must look next.
-    fn due(&self, now: Instant) -> Vec<(LeaseId, ScopeKey, OwnerToken, Duration)> {
-        let mut state = self.state();
+    fn due(&self, now: Instant) -> Vec<(u64, ScopeKey, OwnerToken, Duration)> {
+        let mut state = lock(&self.state);
         let mut due = Vec::new();
         let mut next: Option<Instant> = None;
         for (id, held) in state.held.iter_mut() {
             if held.renew_at <= now {
                 held.renew_at = now + held.lease / 3;
-                due.push((LeaseId(*id), held.key, held.owner, held.lease));
+                due.push((*id, held.key, held.owner, held.lease));
             }
             next = Some(next.map_or(held.renew_at, |at| at.min(held.renew_at)));
         }
@@ -131,10 +231,17 @@ impl Leases {
     }
 }
 
-/// The renewer: one per engine, holding only a weak reference to it.
-async fn renew(leases: Arc<Leases>, engine: Weak<Inner>) {
+/// How soon a failed renewal is tried again: often enough that a store
+/// outage shorter than a third of the lease loses nothing, and never more
+/// than once a second.
+fn retry_after(lease: Duration) -> Duration {
+    (lease / 10).min(Duration::from_secs(1))
+}
+
+/// A runtime's renewer, holding only a weak reference to the engine.
+async fn renew(renewer: Arc<Renewer>, engine: Weak<Inner>) {
     loop {
-        let due = leases.due(Instant::now());
+        let due = renewer.due(Instant::now());
         if !due.is_empty() {
             let Some(inner) = engine.upgrade() else {
                 return;
@@ -143,33 +250,34 @@ async fn renew(leases: Arc<Leases>, engine: Weak<Inner>) {
             for (id, key, owner, lease) in due {
                 // Each renewal on its own, so one slow store call never
                 // delays the others past their leases.
-                let (engine, leases) = (engine.clone(), leases.clone());
+                let (engine, renewer) = (engine.clone(), renewer.clone());
                 tokio::spawn(async move {
                     let store = &engine.inner.store;
                     match engine.store_call(store.renew(&key, &owner, lease)).await {
                         Ok(true) => {}
-                        // Not ours any more; quiet when it just settled.
+                        // Not ours any more: stop; quiet when it just settled.
                         Ok(false) => {
-                            if leases.forget(id) {
+                            if renewer.forget(id).is_some_and(|held| !held.settling) {
                                 tracing::warn!(key = %key.short(), "idempotency lease lost");
                             }
                         }
                         Err(error) => {
-                            tracing::warn!(key = %key.short(), %error, "idempotency lease renewal failed");
+                            tracing::warn!(key = %key.short(), %error, "idempotency lease renewal failed; retrying");
+                            renewer.retry(id, Instant::now() + retry_after(lease));
                         }
                     }
                 });
             }
         }
-        let wake_at = leases.state().wake_at;
+        let wake_at = lock(&renewer.state).wake_at;
         match wake_at {
             Some(at) => {
                 tokio::select! {
                     () = tokio::time::sleep_until(at) => {}
-                    () = leases.wake.notified() => {}
+                    () = renewer.wake.notified() => {}
                 }
             }
-            None => leases.wake.notified().await,
+            None => renewer.wake.notified().await,
         }
         if engine.strong_count() == 0 {
             return;

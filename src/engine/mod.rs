@@ -28,7 +28,7 @@ use tracing::Instrument;
 
 mod lease;
 
-use self::lease::{LeaseId, Leases};
+use self::lease::{Lease, Leases};
 use crate::fingerprint::{fingerprint, Exclusions};
 use crate::key::{self, KeyError};
 use crate::metrics::{Event, Metrics};
@@ -514,7 +514,7 @@ pub struct Reservation {
     policy: Arc<RoutePolicy>,
     key: ScopeKey,
     owner: OwnerToken,
-    lease: LeaseId,
+    lease: Lease,
     started: Instant,
     settled: bool,
 }
@@ -538,7 +538,7 @@ impl Reservation {
     }
 
     fn stop_renewing(&self) {
-        self.engine.inner.leases.forget(self.lease);
+        self.lease.forget();
     }
 
     /// The short hash of the key, for correlating logs.
@@ -637,6 +637,7 @@ impl Reservation {
     }
 
     async fn complete(&self, outcome: &Outcome) -> Result<bool, StoreError> {
+        self.lease.settling();
         let engine = &self.engine;
         let ttl = self.policy.policy().ttl;
         engine
@@ -1090,12 +1091,47 @@ mod tests {
         let (engine, _, policy) = engine(Policy::default());
         proceed(begin(&engine, &policy, "k").await).release().await;
         let leases = engine.inner.leases.clone();
-        assert!(Arc::strong_count(&leases) > 2, "the renewer is running");
+        assert_eq!(leases.renewer_refs(), [2], "one renewer, running");
         drop(engine);
         for _ in 0..3 {
             tokio::task::yield_now().await;
         }
-        assert_eq!(Arc::strong_count(&leases), 1, "the renewer has ended");
+        assert_eq!(leases.renewer_refs(), [1], "the renewer has ended");
+    }
+
+    /// Each runtime renews the leases of its own requests: a runtime that
+    /// stopped (or is no longer driven) takes no one else's leases with it.
+    #[test]
+    fn a_runtime_no_longer_driven_takes_no_other_runtimes_leases_with_it() {
+        let (engine, _, policy) = engine(Policy {
+            lease: Duration::from_millis(300),
+            in_flight: InFlightPolicy::Reject,
+            ..Policy::default()
+        });
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .start_paused(true)
+                .build()
+                .unwrap()
+        };
+        // The first reservation starts a renewer on a runtime that is then
+        // no longer driven (and later stops).
+        let first = runtime();
+        let idle = first.block_on(async { proceed(begin(&engine, &policy, "a").await) });
+        let second = runtime();
+        second.block_on(async {
+            let held = proceed(begin(&engine, &policy, "b").await);
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            assert_eq!(
+                problem_type(begin(&engine, &policy, "b").await).1,
+                "urn:tower-idempotency:in-flight",
+                "the lease was renewed, not taken over"
+            );
+            held.release().await;
+        });
+        drop(idle);
+        drop(first);
     }
 
     #[test]
@@ -1142,6 +1178,8 @@ mod tests {
     struct Flaky {
         store: MemoryStore,
         outage: AtomicUsize,
+        /// Like `outage`, for `renew`.
+        renew_outage: AtomicUsize,
         reserves: AtomicUsize,
     }
 
@@ -1185,6 +1223,13 @@ mod tests {
             owner: &OwnerToken,
             lease: Duration,
         ) -> Result<bool, StoreError> {
+            let down = self
+                .renew_outage
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if down {
+                return Err(StoreError::Unavailable("down".into()));
+            }
             self.store.renew(key, owner, lease).await
         }
 
@@ -1227,6 +1272,38 @@ mod tests {
         assert_eq!(replay.status(), StatusCode::CREATED);
         assert!(replay.headers().contains_key(REPLAYED_HEADER));
         assert_eq!(store.reserves.load(Ordering::SeqCst), 2);
+    }
+
+    /// Renewals that fail (a store restarting, broken pooled connections)
+    /// are tried again soon, not a third of the lease later: three failed
+    /// renewals in a row do not let a live request's lease run out.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
+        let store = Arc::new(Flaky::default());
+        store.renew_outage.store(3, Ordering::SeqCst);
+        let policy = Policy {
+            lease: Duration::from_millis(300),
+            in_flight: InFlightPolicy::Reject,
+            ..Policy::default()
+        };
+        let engine = Engine::with_config(
+            store.clone(),
+            Routes::all(policy).unwrap(),
+            EngineConfig::default(),
+        );
+        let policy = engine.route(&Method::POST, "/orders").unwrap();
+        let held = proceed(begin(&engine, &policy, "k").await);
+        // A duplicate every 10 ms for 2 s: none may take the key over.
+        for _ in 0..200 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert_eq!(
+                problem_type(begin(&engine, &policy, "k").await).1,
+                "urn:tower-idempotency:in-flight",
+                "the lease was renewed, not taken over"
+            );
+        }
+        assert_eq!(store.renew_outage.load(Ordering::SeqCst), 0, "all failed");
+        held.release().await;
     }
 
     #[tokio::test(start_paused = true)]

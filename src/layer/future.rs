@@ -115,12 +115,19 @@ where
                     }
                 },
                 KindProj::Execute { future, .. } => {
-                    let running = future
-                        .as_mut()
+                    // Out of its slot while polled: if it panics, it is
+                    // dropped here, and a drop of this future afterwards
+                    // has nothing left to detach.
+                    let mut running = future
+                        .take()
                         .expect("ResponseFuture polled after completion");
-                    let answer = ready!(running.as_mut().poll(cx));
-                    *future = None;
-                    return Poll::Ready(answer);
+                    return match running.as_mut().poll(cx) {
+                        Poll::Ready(answer) => Poll::Ready(answer),
+                        Poll::Pending => {
+                            *future = Some(running);
+                            Poll::Pending
+                        }
+                    };
                 }
             }
         }
@@ -130,5 +137,54 @@ where
 impl<F, B: Body, E> std::fmt::Debug for ResponseFuture<F, B, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use bytes::Bytes;
+    use http_body_util::Full;
+
+    use super::*;
+
+    type Body = Full<Bytes>;
+    type Test =
+        ResponseFuture<std::future::Pending<Result<Response<Body>, Infallible>>, Body, Infallible>;
+
+    static DETACHED: AtomicUsize = AtomicUsize::new(0);
+
+    fn count(_: BoxFuture<Answer<Body, Infallible>>) {
+        DETACHED.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn executing(future: BoxFuture<Answer<Body, Infallible>>) -> Test {
+        ResponseFuture {
+            kind: Kind::Execute {
+                future: Some(future),
+                detach: count,
+            },
+        }
+    }
+
+    /// Dropped while executing, the execution is detached; after a panic
+    /// in it, there is nothing left to detach (it would only panic again).
+    #[test]
+    fn only_a_live_execution_is_detached() {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+
+        let mut pending = Box::pin(executing(Box::pin(std::future::pending())));
+        assert!(pending.as_mut().poll(&mut cx).is_pending());
+        drop(pending);
+        assert_eq!(DETACHED.load(Ordering::SeqCst), 1);
+
+        let mut panicking = Box::pin(executing(Box::pin(async { panic!("inner service") })));
+        let unwound = catch_unwind(AssertUnwindSafe(|| panicking.as_mut().poll(&mut cx)));
+        assert!(unwound.is_err());
+        drop(panicking);
+        assert_eq!(DETACHED.load(Ordering::SeqCst), 1, "not detached again");
     }
 }
