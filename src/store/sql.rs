@@ -111,9 +111,10 @@ pub(super) fn micros(duration: Duration) -> i64 {
 /// the answer — unless it is gone, past its retention, or an in-flight
 /// record of the same fingerprint whose lease ran out. Only then does
 /// `take_over(owner)` run: one atomic `UPDATE` whose own condition decides
-/// which of several concurrent callers wins. If nothing could be written or
-/// read (the record changed in between), the round repeats; under any real
-/// contention the second round ends it.
+/// which of several concurrent callers wins; a caller that loses it gets
+/// the record it read. If the record vanished in between (released or
+/// expired), the round repeats; under any real contention the second round
+/// ends it.
 ///
 /// A first execution costs one statement, a replay two, a takeover three.
 pub(super) async fn reserve<I, T, E>(
@@ -138,14 +139,20 @@ where
             .map_err(store_error)?
             .map(RecordRow::into_record)
             .transpose()?;
-        match record {
+        let candidate = match record {
             Some(record) if !(record.lease_expired() && record.fingerprint == *fingerprint) => {
                 return Ok(Claim::Existing(record));
             }
-            _ => {}
-        }
+            candidate => candidate,
+        };
         if let Some(takeover) = take_over(owner).await.map_err(store_error)? {
             return Ok(Claim::Acquired { owner, takeover });
+        }
+        // Another caller took the expired lease over first (or the two
+        // statements' clocks disagree by a hair): the record read stands,
+        // and a waiter looks again. Only a record that vanished is retried.
+        if let Some(record) = candidate {
+            return Ok(Claim::Existing(record));
         }
     }
     Err(StoreError::Unavailable(
