@@ -1183,6 +1183,14 @@ mod tests {
         reserves: AtomicUsize,
     }
 
+    /// Fails (counting `outage` down) while it is above 0.
+    fn fail_while(outage: &AtomicUsize) -> Result<(), StoreError> {
+        match outage.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
+            Ok(_) => Err(StoreError::Unavailable("down".into())),
+            Err(_) => Ok(()),
+        }
+    }
+
     #[async_trait]
     impl Store for Flaky {
         async fn reserve(
@@ -1203,13 +1211,7 @@ mod tests {
             outcome: &Outcome,
             ttl: Duration,
         ) -> Result<bool, StoreError> {
-            let down = self
-                .outage
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok();
-            if down {
-                return Err(StoreError::Unavailable("down".into()));
-            }
+            fail_while(&self.outage)?;
             self.store.complete(key, owner, outcome, ttl).await
         }
 
@@ -1223,13 +1225,7 @@ mod tests {
             owner: &OwnerToken,
             lease: Duration,
         ) -> Result<bool, StoreError> {
-            let down = self
-                .renew_outage
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok();
-            if down {
-                return Err(StoreError::Unavailable("down".into()));
-            }
+            fail_while(&self.renew_outage)?;
             self.store.renew(key, owner, lease).await
         }
 
