@@ -150,7 +150,6 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
-        let owner = OwnerToken::random();
         let mut records = self.records();
         let takeover = match records.get(key) {
             None => false,
@@ -164,6 +163,7 @@ impl Store for MemoryStore {
                 _ => return Ok(Claim::Existing(entry.record(now))),
             },
         };
+        let owner = OwnerToken::random();
         records.insert(
             *key,
             Entry {
