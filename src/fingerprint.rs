@@ -370,38 +370,50 @@ impl<'a> Canonicalizer<'a, '_> {
         let input = self.input;
         let contents = self.pos + 1;
         let mut pos = contents;
-        // Every byte passed over, OR-ed together: a high bit set means
-        // non-ASCII text to check.
-        let mut seen = 0u64;
+        // ASCII text, the common case: eight bytes at a time to the next
+        // quote, backslash, control byte or non-ASCII byte.
         loop {
-            // Eight bytes at a time to the next quote, backslash or control
-            // byte.
             while let Some(chunk) = input.get(pos..pos + 8) {
                 let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
-                let special = special_bytes(word);
+                let special = special_or_high_bytes(word);
                 if special != 0 {
-                    let before = special.trailing_zeros() / 8;
-                    seen |= word & ((1 << (8 * before)) - 1);
-                    pos += before as usize;
+                    pos += (special.trailing_zeros() / 8) as usize;
                     break;
                 }
-                seen |= word;
                 pos += 8;
             }
             // At a special byte, or among the last seven bytes.
             match *input.get(pos)? {
+                b'"' => {
+                    self.pos = pos + 1;
+                    return Some(());
+                }
+                b'\\' => pos += escape_len(&input[pos..])?,
+                0..=0x1f => return None,
+                0x80.. => break,
+                _ => pos += 1,
+            }
+        }
+        // Non-ASCII text: the rest of the string is scanned for quotes,
+        // backslashes and control bytes only, then checked as UTF-8.
+        loop {
+            while let Some(chunk) = input.get(pos..pos + 8) {
+                let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+                let special = special_bytes(word);
+                if special != 0 {
+                    pos += (special.trailing_zeros() / 8) as usize;
+                    break;
+                }
+                pos += 8;
+            }
+            match *input.get(pos)? {
                 b'"' => break,
                 b'\\' => pos += escape_len(&input[pos..])?,
                 0..=0x1f => return None,
-                byte => {
-                    seen |= u64::from(byte);
-                    pos += 1;
-                }
+                _ => pos += 1,
             }
         }
-        if seen & HIGHS != 0 {
-            std::str::from_utf8(&input[contents..pos]).ok()?;
-        }
+        std::str::from_utf8(&input[contents..pos]).ok()?;
         self.pos = pos + 1;
         Some(())
     }
@@ -491,6 +503,22 @@ fn escape_len(bytes: &[u8]) -> Option<usize> {
 
 const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
 const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+
+/// The high bit of each byte of `word` (little-endian) that is a `"`, a
+/// `\`, a control byte (below 0x20) or a non-ASCII byte (0x80 and up). A
+/// borrow can also flag a byte after a flagged one, never before it, so
+/// the lowest flagged byte is always a true match.
+fn special_or_high_bytes(word: u64) -> u64 {
+    // `x - 1` has its high bit set when the byte `x` is zero (a match) or
+    // at least 0x81; `word - 0x20` when the byte is below 0x20. Bytes
+    // whose XOR with `"` or `\` is 0x80 or more are non-ASCII, flagged by
+    // `word` itself.
+    ((word ^ (ONES * u64::from(b'"'))).wrapping_sub(ONES)
+        | (word ^ (ONES * u64::from(b'\\'))).wrapping_sub(ONES)
+        | word.wrapping_sub(ONES * 0x20)
+        | word)
+        & HIGHS
+}
 
 /// The high bit of each byte of `word` (little-endian) that is a `"`, a
 /// `\` or a control byte (below 0x20). A borrow can also flag a byte after
