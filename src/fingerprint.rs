@@ -76,10 +76,10 @@ pub fn fingerprint(
     }
     let content_type = content_type(headers);
     if is_json(content_type) {
-        match canonical_json(body, exclude.json) {
+        match canonicalize(body, exclude.json, true) {
             Some(canonical) => {
                 hasher.update(b"J");
-                put(&mut hasher, &canonical);
+                canonical.hash_into(&mut hasher);
             }
             None => raw(&mut hasher, body),
         }
@@ -143,6 +143,18 @@ pub fn parse_pointer(pointer: &str) -> Vec<String> {
 /// removed. `None` when `input` is not JSON (which includes text that is
 /// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
+    canonicalize(input, exclude, false).map(|canonical| canonical.out)
+}
+
+/// Reads `input` into its canonical form. With `defer_root`, an unsorted
+/// top-level object is left in input order with its members listed in key
+/// order: [`Canonicalizer::hash_into`] then hashes them in that order,
+/// without writing them out again.
+fn canonicalize<'a, 'x>(
+    input: &'a [u8],
+    exclude: &'x [Vec<String>],
+    defer_root: bool,
+) -> Option<Canonicalizer<'a, 'x>> {
     let mut canonical = Canonicalizer {
         input,
         pos: 0,
@@ -154,10 +166,12 @@ pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> 
         members: Vec::with_capacity(16),
         exclude,
         path: Vec::new(),
+        defer_root,
+        root_deferred: false,
     };
     canonical.value(0)?;
     // Only whitespace may follow the value.
-    canonical.peek().is_none().then_some(canonical.out)
+    canonical.peek().is_none().then_some(canonical)
 }
 
 /// One pass over the input that validates it and writes its canonical form
@@ -182,6 +196,11 @@ struct Canonicalizer<'a, 'x> {
     /// Where the value being read sits (tracked only when `exclude` is not
     /// empty).
     path: Vec<Segment<'a>>,
+    /// Whether an unsorted top-level object may be left unsorted in `out`.
+    defer_root: bool,
+    /// Whether it was: `out` then holds it in input order, and `members`
+    /// its members in key order.
+    root_deferred: bool,
 }
 
 /// A member written to the output.
@@ -332,16 +351,42 @@ impl<'a> Canonicalizer<'a, '_> {
             self.pos += 1;
         }
         if !sorted {
-            self.sort_members(first, start);
+            self.sort_members(first);
+            if depth == 0 && self.defer_root {
+                // Hashed in key order by `hash_into`, never rewritten.
+                self.root_deferred = true;
+                self.out.push(b'}');
+                return Some(());
+            }
+            self.rewrite_members(first, start);
         }
         self.members.truncate(first);
         self.out.push(b'}');
         Some(())
     }
 
-    /// Rewrites the members from `first` on, which were written from
-    /// `start`, in key order (stable: duplicate keys keep their order).
-    fn sort_members(&mut self, first: usize, start: usize) {
+    /// Feeds the canonical form to `hasher` exactly as `put` does: its
+    /// length, then its bytes (a deferred top-level object member by
+    /// member, in key order; it has the same length in either order).
+    fn hash_into(&self, hasher: &mut Sha256) {
+        if !self.root_deferred {
+            put(hasher, &self.out);
+            return;
+        }
+        hasher.update((self.out.len() as u64).to_be_bytes());
+        hasher.update(b"{");
+        for (i, member) in self.members.iter().enumerate() {
+            if i > 0 {
+                hasher.update(b",");
+            }
+            hasher.update(&self.out[member.out.clone()]);
+        }
+        hasher.update(b"}");
+    }
+
+    /// Puts the members from `first` on in key order (stable: duplicate
+    /// keys keep their order).
+    fn sort_members(&mut self, first: usize) {
         let input = self.input;
         let members = &mut self.members[first..];
         // Whole keys are compared only when their prefixes tie.
@@ -350,6 +395,12 @@ impl<'a> Canonicalizer<'a, '_> {
                 .cmp(&b.prefix)
                 .then_with(|| input[a.key.clone()].cmp(&input[b.key.clone()]))
         });
+    }
+
+    /// Rewrites the members from `first` on, which were written from
+    /// `start` in input order and are now listed in key order.
+    fn rewrite_members(&mut self, first: usize, start: usize) {
+        let members = &self.members[first..];
         // Written again after the output, in key order (the same length),
         // then moved back over the original.
         let end = self.out.len();

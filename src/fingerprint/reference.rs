@@ -537,6 +537,25 @@ mod differential {
             new.as_deref().map(String::from_utf8_lossy),
             reference.as_deref().map(String::from_utf8_lossy),
         );
+        // The fingerprint's hashing (an unsorted top-level object hashed
+        // member by member) feeds the same bytes as hashing the reference.
+        use sha2::{Digest, Sha256};
+        let hashed = super::super::canonicalize(input, exclude, true).map(|canonical| {
+            let mut hasher = Sha256::new();
+            canonical.hash_into(&mut hasher);
+            hasher.finalize()
+        });
+        let expected = reference.map(|reference| {
+            let mut hasher = Sha256::new();
+            super::super::put(&mut hasher, &reference);
+            hasher.finalize()
+        });
+        assert_eq!(
+            hashed,
+            expected,
+            "input {:?} exclude {exclude:?}: hashed differently",
+            String::from_utf8_lossy(input),
+        );
     }
 
     proptest! {
