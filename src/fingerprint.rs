@@ -424,15 +424,7 @@ impl<'a> Canonicalizer<'a, '_> {
         // ASCII text, the common case: eight bytes at a time to the next
         // quote, backslash, control byte or non-ASCII byte.
         loop {
-            while let Some(chunk) = input.get(pos..pos + 8) {
-                let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
-                let special = special_or_high_bytes(word);
-                if special != 0 {
-                    pos += (special.trailing_zeros() / 8) as usize;
-                    break;
-                }
-                pos += 8;
-            }
+            pos = skip_words(input, pos, special_or_high_bytes);
             // At a special byte, or among the last seven bytes.
             match *input.get(pos)? {
                 b'"' => {
@@ -448,15 +440,7 @@ impl<'a> Canonicalizer<'a, '_> {
         // Non-ASCII text: the rest of the string is scanned for quotes,
         // backslashes and control bytes only, then checked as UTF-8.
         loop {
-            while let Some(chunk) = input.get(pos..pos + 8) {
-                let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
-                let special = special_bytes(word);
-                if special != 0 {
-                    pos += (special.trailing_zeros() / 8) as usize;
-                    break;
-                }
-                pos += 8;
-            }
+            pos = skip_words(input, pos, special_bytes);
             match *input.get(pos)? {
                 b'"' => break,
                 b'\\' => pos += escape_len(&input[pos..])?,
@@ -554,6 +538,22 @@ fn escape_len(bytes: &[u8]) -> Option<usize> {
 
 const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
 const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+
+/// Advances from `pos` eight bytes at a time to the first byte that
+/// `flags` marks (the high bit of its byte in the little-endian word), or
+/// to where fewer than eight bytes are left.
+#[inline(always)]
+fn skip_words(input: &[u8], mut pos: usize, flags: fn(u64) -> u64) -> usize {
+    while let Some(chunk) = input.get(pos..pos + 8) {
+        let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+        let flagged = flags(word);
+        if flagged != 0 {
+            return pos + (flagged.trailing_zeros() / 8) as usize;
+        }
+        pos += 8;
+    }
+    pos
+}
 
 /// The high bit of each byte of `word` (little-endian) that is a `"`, a
 /// `\`, a control byte (below 0x20) or a non-ASCII byte (0x80 and up). A
