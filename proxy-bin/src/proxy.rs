@@ -80,11 +80,20 @@ impl IdempotencyProxy {
                 // The rest of the body is not read: the connection cannot
                 // carry another request.
                 session.set_keepalive(None);
+                // A client still sending a body that is too large would
+                // have its connection reset, and maybe lose the 413, if it
+                // were closed at once: read and drop the rest first (a
+                // client waiting for `100 Continue` sends nothing).
+                let linger = matches!(failure, BodyFailure::TooLarge)
+                    && !expects_continue(session.req_header());
                 let response = match failure {
                     BodyFailure::TooLarge => self.engine.body_too_large(&policy),
                     BodyFailure::Unreadable { timed_out } => self.engine.body_unreadable(timed_out),
                 };
                 write_response(session, response).await?;
+                if linger {
+                    discard_body(session).await;
+                }
                 return Ok(true);
             }
         };
@@ -291,11 +300,7 @@ async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, BodyFai
     if declared.is_some_and(|length| length > limit as u64) {
         return Err(BodyFailure::TooLarge);
     }
-    let expects_continue = request
-        .headers
-        .get(header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    if expects_continue && session.write_continue_response().await.is_err() {
+    if expects_continue(request) && session.write_continue_response().await.is_err() {
         return Err(BodyFailure::Unreadable { timed_out: false });
     }
     let mut body = BytesMut::with_capacity(declared.map_or(0, |n| n as usize));
@@ -315,6 +320,35 @@ async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, BodyFai
             }
         }
     }
+}
+
+/// Whether the client waits for `100 Continue` before it sends the body.
+fn expects_continue(request: &RequestHeader) -> bool {
+    request
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
+/// The most a refused body is read (and dropped) after its 413, in bytes
+/// and in time, before the connection is closed.
+const LINGER_BYTES: usize = 8 << 20;
+const LINGER_TIME: Duration = Duration::from_secs(2);
+
+/// Reads and drops what is left of the request body, within the linger
+/// bounds: closing a socket with unread data resets it, and the client
+/// could see the reset instead of the answer already sent.
+async fn discard_body(session: &mut Session) {
+    let drain = async {
+        let mut left = LINGER_BYTES;
+        while let Ok(Some(chunk)) = session.read_request_body().await {
+            left = left.saturating_sub(chunk.len());
+            if left == 0 {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIME, drain).await;
 }
 
 /// Writes a whole response (a replay or one of the engine's problems).
