@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes a machine ready to build and test: installs cmake (Pingora's zlib-ng
-# needs it) when missing, and makes sure the services the tests talk to
+# needs it) and the framework test backends (PHP, Chromium, Django, Express)
+# when missing, and makes sure the services the tests talk to
 # answer: PostgreSQL on 127.0.0.1:5432 (user postgres, database test) and
 # Redis on 127.0.0.1:6379. Starts (on a bare machine, installs) them.
 set -euo pipefail
@@ -12,6 +13,15 @@ apt_install() {
 }
 
 command -v cmake >/dev/null 2>&1 || apt_install cmake
+# The framework backends of proxy-bin/tests/frameworks.rs: PHP's built-in
+# server (the Laravel stand-in), headless Chromium with its driver, Django
+# (PyPI) and Express (npm, from the committed lock file).
+command -v php >/dev/null 2>&1 || apt_install php-cli
+command -v chromium >/dev/null 2>&1 || apt_install chromium
+command -v chromedriver >/dev/null 2>&1 || apt_install chromium-driver
+python3 -c 'import django' >/dev/null 2>&1 || python3 -m pip install --quiet 'django>=5.2,<6'
+express_dir="$(dirname "$0")/../proxy-bin/tests/frameworks/express"
+[ -d "$express_dir/node_modules/express" ] || (cd "$express_dir" && npm ci --no-audit --no-fund --silent)
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
 if ! command -v pg_ctlcluster >/dev/null 2>&1; then
   apt_install postgresql postgresql-client
