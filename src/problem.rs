@@ -1,11 +1,18 @@
 //! The responses the engine itself produces: RFC 9457 problem details.
 //!
 //! Every such response is `application/problem+json` with a stable `type`
-//! URI per case (see [`ProblemKind::type_uri`]), so clients can branch on it.
-//! Details are fixed texts written here; no request input is ever echoed.
+//! URI per case (see [`ProblemKind::type_uri`]), so clients can branch on it,
+//! or, for a request that prefers `text/html` (a browser's form post), the
+//! same problem as a short HTML page (RFC 9457 allows other formats). Both
+//! carry the type in the `Problem-Type` header. Details are fixed texts
+//! written here; no request input is ever echoed.
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Response, StatusCode};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+
+/// The header that names the problem's `type` on every problem response,
+/// JSON or HTML, so logs and tests need not parse the body.
+pub const PROBLEM_TYPE_HEADER: HeaderName = HeaderName::from_static("problem-type");
 
 /// The cases the engine answers itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -127,20 +134,44 @@ impl Problem {
 
     /// The `application/problem+json` response.
     pub fn into_response(self) -> Response<Bytes> {
-        let body = serde_json::json!({
-            "type": self.kind.type_uri(),
-            "title": self.kind.title(),
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
-        let body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+        self.render(Format::Json)
+    }
+
+    /// The response in the format the request prefers: a short HTML page
+    /// when its `Accept` ranks `text/html` above JSON (a browser), else
+    /// `application/problem+json`. Status and headers are the same either
+    /// way.
+    pub fn into_response_for(self, request: &HeaderMap) -> Response<Bytes> {
+        let format = if prefers_html(request) {
+            Format::Html
+        } else {
+            Format::Json
+        };
+        self.render(format)
+    }
+
+    fn render(self, format: Format) -> Response<Bytes> {
+        let (content_type, body) = match format {
+            Format::Json => {
+                let body = serde_json::json!({
+                    "type": self.kind.type_uri(),
+                    "title": self.kind.title(),
+                    "status": self.status.as_u16(),
+                    "detail": self.detail,
+                });
+                let body = serde_json::to_vec(&body).unwrap_or_default();
+                ("application/problem+json", Bytes::from(body))
+            }
+            Format::Html => ("text/html; charset=utf-8", Bytes::from(self.html())),
+        };
         let length = body.len();
         let mut response = Response::new(body);
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
         headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
+            PROBLEM_TYPE_HEADER,
+            HeaderValue::from_static(self.kind.type_uri()),
         );
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
@@ -149,6 +180,76 @@ impl Problem {
         }
         response
     }
+}
+
+impl Problem {
+    /// The HTML page: the title, the detail and what the reader can do.
+    fn html(&self) -> String {
+        let title = escape_html(self.kind.title());
+        let detail = escape_html(&self.detail);
+        let advice = match self.kind {
+            ProblemKind::InFlight | ProblemKind::StoreUnavailable => {
+                "Please wait a moment, then go back and send the form again."
+            }
+            ProblemKind::KeyMissing | ProblemKind::KeyInvalid | ProblemKind::KeyMismatch => {
+                "Please go back, reload the form and fill it in again."
+            }
+            ProblemKind::BodyTooLarge => "Please go back and send less data.",
+            _ => "Please go back and try again.",
+        };
+        format!(
+            "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title></head>\
+             <body><h1>{title}</h1><p>{detail}</p><p>{advice}</p></body></html>\n"
+        )
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Format {
+    Json,
+    Html,
+}
+
+/// Whether `Accept` ranks `text/html` (or `text/*`) strictly above every
+/// JSON range (`application/problem+json`, `application/json`,
+/// `application/*`, `*/*`). A missing or unreadable `Accept` means JSON.
+fn prefers_html(headers: &HeaderMap) -> bool {
+    let mut html = 0.0_f32;
+    let mut json = 0.0_f32;
+    for value in headers.get_all(header::ACCEPT) {
+        let Ok(value) = value.to_str() else { continue };
+        for range in value.split(',') {
+            let mut parts = range.split(';');
+            let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
+            let q = parts
+                .filter_map(|p| p.trim().strip_prefix("q="))
+                .find_map(|q| q.trim().parse::<f32>().ok())
+                .unwrap_or(1.0);
+            match media.as_str() {
+                "text/html" | "application/xhtml+xml" | "text/*" => html = html.max(q),
+                "application/problem+json" | "application/json" | "application/*" | "*/*" => {
+                    json = json.max(q)
+                }
+                _ => {}
+            }
+        }
+    }
+    html > json
+}
+
+fn escape_html(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -176,5 +277,59 @@ mod tests {
     fn mismatch_status_override() {
         let problem = Problem::new(ProblemKind::KeyMismatch, "x").with_status(StatusCode::CONFLICT);
         assert_eq!(problem.into_response().status(), StatusCode::CONFLICT);
+    }
+
+    fn accept(value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::ACCEPT, HeaderValue::from_str(value).unwrap());
+        headers
+    }
+
+    #[test]
+    fn browsers_get_html_and_api_clients_json() {
+        let browser = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8";
+        for (value, html) in [
+            (browser, true),
+            ("text/html", true),
+            ("*/*", false),
+            ("application/json", false),
+            ("application/json, text/html;q=0.5", false),
+            ("text/html;q=0.5, application/problem+json", false),
+            ("text/*;q=0.9, */*;q=0.1", true),
+        ] {
+            let response = Problem::new(ProblemKind::KeyMissing, "no key <here>")
+                .into_response_for(&accept(value));
+            let content_type = response.headers()[header::CONTENT_TYPE].to_str().unwrap();
+            assert_eq!(content_type.starts_with("text/html"), html, "{value}");
+            assert_eq!(
+                response.headers()[PROBLEM_TYPE_HEADER],
+                "urn:tower-idempotency:key-missing"
+            );
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        }
+        let none = Problem::new(ProblemKind::InFlight, "x").into_response_for(&HeaderMap::new());
+        assert_eq!(
+            none.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+    }
+
+    #[test]
+    fn the_html_page_escapes_and_keeps_the_retry_hint() {
+        let response = Problem::new(ProblemKind::InFlight, "wait <b>\"now\"</b>")
+            .retry_after(3)
+            .into_response_for(&accept("text/html"));
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "3");
+        let page = std::str::from_utf8(response.body()).unwrap();
+        assert!(
+            page.contains("wait &lt;b&gt;&quot;now&quot;&lt;/b&gt;"),
+            "{page}"
+        );
+        assert!(!page.contains("<b>"), "{page}");
+        assert_eq!(
+            response.headers()[header::CONTENT_LENGTH],
+            response.body().len().to_string().as_str()
+        );
     }
 }
