@@ -43,7 +43,7 @@ pub mod policy;
 pub mod problem;
 pub mod store;
 
-pub use engine::{Capture, Decision, Engine, EngineConfig, RequestHead, Reservation};
+pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "layer")]
 pub use layer::{Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};

@@ -385,6 +385,11 @@ impl RoutePolicy {
         &self.policy
     }
 
+    /// The request body limit in bytes.
+    pub fn max_body_bytes(&self) -> usize {
+        self.policy().max_body_bytes
+    }
+
     /// Whether `method` is one the guarantee applies to on this route.
     pub fn applies_to(&self, method: &Method) -> bool {
         self.methods.contains(method)

@@ -26,11 +26,12 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::engine::{Coverage, Decision, RequestHead};
 use tower_idempotency::layer::{RequestBody, ResponseBody};
 use tower_idempotency::store::{Claim, Fingerprint, Outcome, OwnerToken, Record, ScopeKey};
 use tower_idempotency::{
-    Decision, Engine, Event, FailMode, IdempotencyLayer, InFlightPolicy, KeySource, MemoryStore,
-    Policy, RequestHead, Routes, Store, StoreError,
+    Engine, Event, FailMode, IdempotencyLayer, InFlightPolicy, KeySource, MemoryStore, Policy,
+    Routes, Store, StoreError,
 };
 
 use contact_form::Contacts;
@@ -884,14 +885,16 @@ async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
         let reservation = process.block_on(async {
             let (parts, body) = doomed.into_parts();
             let body = body.collect().await.unwrap().to_bytes();
-            let policy = dead.route(&parts.method, parts.uri.path()).unwrap();
             let head = RequestHead {
                 method: &parts.method,
                 uri: &parts.uri,
                 headers: &parts.headers,
                 principal: None,
             };
-            match dead.begin(&policy, head, &body).await {
+            let Coverage::Covered(covered) = dead.classify(&head) else {
+                panic!("the request is covered");
+            };
+            match dead.begin(&covered, head, &body).await {
                 Decision::Proceed(reservation) => reservation,
                 other => panic!("expected to reserve, got {other:?}"),
             }
