@@ -35,6 +35,7 @@
 
 pub mod engine;
 pub mod fingerprint;
+pub mod formats;
 pub mod key;
 #[cfg(feature = "layer")]
 pub mod layer;

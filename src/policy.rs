@@ -359,7 +359,7 @@ impl Policy {
             mismatch_status,
             json_exclude: json_exclude
                 .iter()
-                .map(|p| crate::fingerprint::parse_pointer(p))
+                .map(|p| crate::formats::parse_pointer(p))
                 .collect(),
             form_exclude,
             policy: self.clone(),

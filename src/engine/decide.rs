@@ -12,7 +12,8 @@ use tracing::Instrument;
 use super::responses::replay;
 use super::scope::scope_key;
 use super::{Covered, Engine, RequestHead, Reservation};
-use crate::fingerprint::{fingerprint, Exclusions};
+use crate::fingerprint::{fingerprint_view, Exclusions};
+use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
 use crate::policy::{FailMode, InFlightPolicy, RoutePolicy};
@@ -59,7 +60,9 @@ impl Engine {
     pub async fn begin(&self, covered: &Covered, head: RequestHead<'_>, body: &[u8]) -> Decision {
         let started = Instant::now();
         let policy = covered.policy();
-        let raw_key = match self.read_key(policy, &head, body) {
+        // Parsed once, read by the key and the fingerprint.
+        let body = View::parse(formats::content_type(head.headers), body);
+        let raw_key = match self.read_key(policy, &head, &body) {
             KeyRead::Found(key) => key,
             KeyRead::Absent => {
                 self.inner.metrics.record(Event::Passthrough);
@@ -68,12 +71,12 @@ impl Engine {
             KeyRead::Refused(response) => return Decision::Respond(response),
         };
         let key = scope_key(policy, &head, &raw_key);
-        let fingerprint = fingerprint(
+        let fingerprint = fingerprint_view(
             head.method,
             head.uri,
             head.headers,
             &policy.fingerprint_headers,
-            body,
+            &body,
             Exclusions {
                 json: &policy.json_exclude,
                 form: &policy.form_exclude,
@@ -87,14 +90,15 @@ impl Engine {
 
     /// The request's valid key, its absence on a route that does not
     /// require one, or the 400 to answer.
-    fn read_key(&self, policy: &RoutePolicy, head: &RequestHead<'_>, body: &[u8]) -> KeyRead {
+    fn read_key(&self, policy: &RoutePolicy, head: &RequestHead<'_>, body: &View<'_>) -> KeyRead {
         let settings = policy.policy();
-        let found = key::extract(&settings.key, head.uri, head.headers, body).and_then(|key| {
-            if let Some(key) = &key {
-                key::validate(key, settings.uuid_only)?;
-            }
-            Ok(key)
-        });
+        let found =
+            key::extract_from(&settings.key, head.uri, head.headers, body).and_then(|key| {
+                if let Some(key) = &key {
+                    key::validate(key, settings.uuid_only)?;
+                }
+                Ok(key)
+            });
         match found {
             Ok(Some(key)) => KeyRead::Found(key),
             Ok(None) if !settings.required => KeyRead::Absent,
