@@ -356,7 +356,7 @@ impl Policy {
             methods,
             scope_headers,
             fingerprint_headers,
-            mismatch_status,
+            mismatch: mismatch_status,
             json_exclude: json_exclude
                 .iter()
                 .map(|p| crate::formats::parse_pointer(p))
@@ -373,7 +373,9 @@ pub struct RoutePolicy {
     pub(crate) methods: Vec<Method>,
     pub(crate) scope_headers: Vec<HeaderName>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) mismatch_status: StatusCode,
+    /// The status answered for a key mismatch: `Policy::mismatch_status`,
+    /// checked to be 409 or 422.
+    pub(crate) mismatch: StatusCode,
     pub(crate) json_exclude: Vec<Vec<String>>,
     pub(crate) form_exclude: Vec<String>,
     pub(crate) policy: Policy,

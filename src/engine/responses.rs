@@ -96,7 +96,7 @@ impl Engine {
                 ProblemKind::KeyMismatch,
                 "This idempotency key was already used for a different request.",
             )
-            .with_status(policy.mismatch_status),
+            .with_status(policy.mismatch),
         )
     }
 
