@@ -10,7 +10,7 @@
 //!   proxy sends the buffered request itself over the shared keep-alive pool
 //!   (Pingora's retry buffer holds only 64 KiB, so its own path could not
 //!   resend a larger body) and streams the answer back while the engine
-//!   captures it.
+//!   records it (`exchange.rs`).
 //! * The upstream exchange runs in a detached task: a client that goes away
 //!   does not stop it, and the response is still stored.
 
@@ -74,26 +74,7 @@ impl IdempotencyProxy {
         let read = tokio::time::timeout(self.body_timeout, read).await;
         let body = match read.unwrap_or(Err(BodyFailure::Unreadable { timed_out: true })) {
             Ok(body) => body,
-            Err(failure) => {
-                // The rest of the body is not read: the connection cannot
-                // carry another request.
-                session.set_keepalive(None);
-                // A client still sending a body that is too large would
-                // have its connection reset, and maybe lose the 413, if it
-                // were closed at once: read and drop the rest first (a
-                // client waiting for `100 Continue` sends nothing).
-                let linger = matches!(failure, BodyFailure::TooLarge)
-                    && !expects_continue(session.req_header());
-                let response = match failure {
-                    BodyFailure::TooLarge => self.engine.body_too_large(covered.policy()),
-                    BodyFailure::Unreadable { timed_out } => self.engine.body_unreadable(timed_out),
-                };
-                write_response(session, response).await?;
-                if linger {
-                    discard_body(session).await;
-                }
-                return Ok(true);
-            }
+            Err(failure) => return self.refuse_body(session, covered, failure).await,
         };
         let head = request_head(session.req_header());
         let reservation = match self.engine.begin(covered, head, &body).await {
@@ -118,6 +99,34 @@ impl IdempotencyProxy {
                 .instrument(tracing::Span::current()),
         );
         relay(session, &mut receiver).await
+    }
+
+    /// Answers a body that was too large or could not be read (nothing was
+    /// reserved) and ends the connection.
+    async fn refuse_body(
+        &self,
+        session: &mut Session,
+        covered: &Covered,
+        failure: BodyFailure,
+    ) -> Result<bool> {
+        // The rest of the body is not read: the connection cannot carry
+        // another request.
+        session.set_keepalive(None);
+        // A client still sending a body that is too large would have its
+        // connection reset, and maybe lose the 413, if it were closed at
+        // once: read and drop the rest first (a client waiting for
+        // `100 Continue` sends nothing).
+        let linger =
+            matches!(failure, BodyFailure::TooLarge) && !expects_continue(session.req_header());
+        let response = match failure {
+            BodyFailure::TooLarge => self.engine.body_too_large(covered.policy()),
+            BodyFailure::Unreadable { timed_out } => self.engine.body_unreadable(timed_out),
+        };
+        write_response(session, response).await?;
+        if linger {
+            discard_body(session).await;
+        }
+        Ok(true)
     }
 
     /// The request head sent upstream for a buffered body.
