@@ -1,7 +1,7 @@
 //! Finding and validating the idempotency key of a request.
 //!
 //! The key is read from exactly one place per route (see
-//! [`KeySource`](crate::KeySource)) and must be 1..=255 visible ASCII
+//! [`KeySource`]) and must be 1..=255 visible ASCII
 //! characters (`!`..=`~`). In a header, a key holding `"`, `,` or `;` must
 //! be sent as the IETF draft's quoted sf-string; bare, it is ambiguous (see
 //! [`KeyError::Ambiguous`]). Anything else is a [`KeyError`], which the

@@ -156,6 +156,13 @@ impl Metrics {
 
     /// Appends the Prometheus text exposition of these metrics, plus
     /// `extra` counters (name, help, value), to `out`.
+    ///
+    /// Written here, not with `prometheus-client`: that crate renders
+    /// OpenMetrics (a `# EOF` line, its own `_total` and unit rules), which
+    /// would change the `/metrics` text scrapers already read, and it wants
+    /// every metric registered up front, while a store's counters are only
+    /// known when they are rendered. The format here is the 0.0.4 text
+    /// format, a few lines per metric.
     pub fn render_prometheus(&self, extra: &[(&str, &str, u64)], out: &mut String) {
         let _ = write!(out, "# HELP idempotency_requests_total Engine outcomes:");
         for (i, event) in Event::ALL.into_iter().enumerate() {
