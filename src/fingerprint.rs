@@ -31,10 +31,10 @@ use std::ops::Range;
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::key::{
-    content_type, form_pairs, is_json, is_media_type, multipart_boundary, multipart_parts,
-};
+use crate::formats::{self, Kind, View};
 use crate::store::Fingerprint;
+
+pub use crate::formats::parse_pointer;
 
 #[cfg(test)]
 mod reference;
@@ -60,6 +60,20 @@ pub fn fingerprint(
     body: &[u8],
     exclude: Exclusions<'_>,
 ) -> Fingerprint {
+    let view = View::parse(formats::content_type(headers), body);
+    fingerprint_view(method, uri, headers, fingerprint_headers, &view, exclude)
+}
+
+/// [`fingerprint`] of a body already parsed into a [`View`] (the engine
+/// parses a body once for the key and the fingerprint).
+pub fn fingerprint_view(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    fingerprint_headers: &[HeaderName],
+    body: &View<'_>,
+    exclude: Exclusions<'_>,
+) -> Fingerprint {
     let mut hasher = Sha256::new();
     put(&mut hasher, method.as_str().as_bytes());
     put(
@@ -74,43 +88,40 @@ pub fn fingerprint(
             put(&mut hasher, value.as_bytes());
         }
     }
-    let content_type = content_type(headers);
-    if is_json(content_type) {
-        match canonicalize(body, exclude.json, true) {
+    match &body.kind {
+        Kind::Json => match canonicalize(body.bytes, exclude.json, true) {
             Some(canonical) => {
                 hasher.update(b"J");
                 canonical.hash_into(&mut hasher);
             }
-            None => raw(&mut hasher, body),
+            None => raw(&mut hasher, body.bytes),
+        },
+        Kind::Form(pairs) => {
+            let mut fields: Vec<_> = pairs
+                .iter()
+                .filter(|(name, _)| !excluded(exclude.form, name))
+                .collect();
+            fields.sort_by(|a, b| a.0.cmp(&b.0));
+            hasher.update(b"F");
+            for (name, value) in fields {
+                put(&mut hasher, name);
+                put(&mut hasher, value);
+            }
         }
-    } else if is_media_type(content_type, "application/x-www-form-urlencoded") {
-        let mut fields: Vec<_> = form_pairs(body)
-            .filter(|(name, _)| !excluded(exclude.form, name))
-            .collect();
-        fields.sort_by(|a, b| a.0.cmp(&b.0));
-        hasher.update(b"F");
-        for (name, value) in &fields {
-            put(&mut hasher, name);
-            put(&mut hasher, value);
+        Kind::Multipart(parts) => {
+            let mut parts: Vec<_> = parts
+                .iter()
+                .filter(|part| !excluded(exclude.form, part.name))
+                .collect();
+            parts.sort_by(|a, b| a.name.cmp(b.name));
+            hasher.update(b"M");
+            for part in &parts {
+                put(&mut hasher, part.name);
+                put(&mut hasher, part.headers);
+                put(&mut hasher, part.data);
+            }
         }
-    } else if let Some(parts) = is_media_type(content_type, "multipart/form-data")
-        .then(|| multipart_boundary(content_type))
-        .flatten()
-        .and_then(|boundary| multipart_parts(body, boundary))
-    {
-        let mut parts: Vec<_> = parts
-            .into_iter()
-            .filter(|part| !excluded(exclude.form, part.name))
-            .collect();
-        parts.sort_by(|a, b| a.name.cmp(b.name));
-        hasher.update(b"M");
-        for part in &parts {
-            put(&mut hasher, part.name);
-            put(&mut hasher, part.headers);
-            put(&mut hasher, part.data);
-        }
-    } else {
-        raw(&mut hasher, body);
+        Kind::BadMultipart | Kind::Opaque => raw(&mut hasher, body.bytes),
     }
     Fingerprint(hasher.finalize().into())
 }
@@ -127,15 +138,6 @@ fn raw(hasher: &mut Sha256, body: &[u8]) {
 fn put(hasher: &mut Sha256, bytes: &[u8]) {
     hasher.update((bytes.len() as u64).to_be_bytes());
     hasher.update(bytes);
-}
-
-/// Splits a JSON pointer (`/a/b~1c`) into unescaped tokens (`["a", "b/c"]`).
-pub fn parse_pointer(pointer: &str) -> Vec<String> {
-    pointer
-        .split('/')
-        .skip(1)
-        .map(|token| token.replace("~1", "/").replace("~0", "~"))
-        .collect()
 }
 
 /// The canonical form of a JSON document: members sorted by key (bytewise,

@@ -1,7 +1,7 @@
 //! Finding and validating the idempotency key of a request.
 //!
 //! The key is read from exactly one place per route (see
-//! [`KeySource`](crate::KeySource)) and must be 1..=255 visible ASCII
+//! [`KeySource`]) and must be 1..=255 visible ASCII
 //! characters (`!`..=`~`). In a header, a key holding `"`, `,` or `;` must
 //! be sent as the IETF draft's quoted sf-string; bare, it is ambiguous (see
 //! [`KeyError::Ambiguous`]). Anything else is a [`KeyError`], which the
@@ -9,6 +9,7 @@
 
 use http::{HeaderMap, Uri};
 
+use crate::formats::{self, View};
 use crate::policy::KeySource;
 
 /// The longest key accepted, in bytes.
@@ -47,13 +48,25 @@ pub enum KeyError {
 
 /// Reads the raw key from where `source` says, without validating it.
 ///
-/// `Ok(None)` means the request carries no key at all. `content_type` is the
-/// request's `Content-Type`, used for form and JSON sources.
+/// `Ok(None)` means the request carries no key at all. Form and JSON
+/// sources read `body` (a form field by the request's `Content-Type`).
 pub fn extract(
     source: &KeySource,
     uri: &Uri,
     headers: &HeaderMap,
     body: &[u8],
+) -> Result<Option<Vec<u8>>, KeyError> {
+    let view = View::parse(formats::content_type(headers), body);
+    extract_from(source, uri, headers, &view)
+}
+
+/// [`extract`] from a body already parsed into a [`View`] (the engine
+/// parses a body once for the key and the fingerprint).
+pub fn extract_from(
+    source: &KeySource,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &View<'_>,
 ) -> Result<Option<Vec<u8>>, KeyError> {
     match source {
         KeySource::Header(name) => {
@@ -68,29 +81,15 @@ pub fn extract(
         }
         KeySource::Query(name) => Ok(uri
             .query()
-            .and_then(|query| form_value(query.as_bytes(), name))),
-        KeySource::FormField(name) => {
-            let content_type = content_type(headers);
-            if is_media_type(content_type, "application/x-www-form-urlencoded") {
-                Ok(form_value(body, name))
-            } else if is_media_type(content_type, "multipart/form-data") {
-                Ok(multipart_boundary(content_type)
-                    .and_then(|boundary| multipart_parts(body, boundary))
-                    .and_then(|parts| {
-                        parts
-                            .into_iter()
-                            .find(|part| part.name == name.as_bytes())
-                            .map(|part| part.data.to_vec())
-                    }))
-            } else {
-                Ok(None)
-            }
-        }
+            .and_then(|query| formats::form_value(query.as_bytes(), name))),
+        KeySource::FormField(name) => Ok(body.field(name).map(<[u8]>::to_vec)),
         KeySource::JsonPointer(pointer) => {
-            let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+            // Read whatever the content type says, as a client may not
+            // label its JSON.
+            let Ok(value) = serde_json::from_slice::<serde_json::Value>(body.bytes) else {
                 return Ok(None);
             };
-            match value.pointer(pointer) {
+            match formats::pointer_get(&value, &formats::parse_pointer(pointer)) {
                 None | Some(serde_json::Value::Null) => Ok(None),
                 Some(serde_json::Value::String(s)) => Ok(Some(s.clone().into_bytes())),
                 Some(_) => Err(KeyError::NotAString),
@@ -154,146 +153,6 @@ fn unquote(value: &[u8]) -> Result<Vec<u8>, KeyError> {
         }
     }
     Ok(out)
-}
-
-/// The request's `Content-Type` as text ("" when absent or not text).
-pub(crate) fn content_type(headers: &HeaderMap) -> &str {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-}
-
-/// Whether `content_type` is `expected`, ignoring parameters and case.
-pub(crate) fn is_media_type(content_type: &str, expected: &str) -> bool {
-    content_type
-        .split(';')
-        .next()
-        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case(expected))
-}
-
-/// Whether `content_type` is JSON (`application/json` or any `+json`).
-pub(crate) fn is_json(content_type: &str) -> bool {
-    let essence = content_type.split(';').next().unwrap_or("").trim();
-    essence.eq_ignore_ascii_case("application/json")
-        || essence.to_ascii_lowercase().ends_with("+json")
-}
-
-/// Decodes `application/x-www-form-urlencoded` into (name, value) pairs,
-/// in order. `+` is a space; a bad `%` escape is kept literally.
-pub(crate) fn form_pairs(body: &[u8]) -> impl Iterator<Item = (Vec<u8>, Vec<u8>)> + '_ {
-    body.split(|&b| b == b'&')
-        .filter(|pair| !pair.is_empty())
-        .map(|pair| {
-            let (name, value) = match pair.iter().position(|&b| b == b'=') {
-                Some(i) => (&pair[..i], &pair[i + 1..]),
-                None => (pair, &b""[..]),
-            };
-            (percent_decode(name), percent_decode(value))
-        })
-}
-
-fn form_value(body: &[u8], name: &str) -> Option<Vec<u8>> {
-    form_pairs(body)
-        .find(|(n, _)| n == name.as_bytes())
-        .map(|(_, v)| v)
-}
-
-fn percent_decode(input: &[u8]) -> Vec<u8> {
-    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
-    let mut out = Vec::with_capacity(input.len());
-    let mut i = 0;
-    while i < input.len() {
-        match input[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < input.len() => match (hex(input[i + 1]), hex(input[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push(h << 4 | l);
-                    i += 2;
-                }
-                _ => out.push(b'%'),
-            },
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    out
-}
-
-/// One part of a `multipart/form-data` body.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Part<'a> {
-    /// The `name` of its `Content-Disposition`.
-    pub(crate) name: &'a [u8],
-    /// Its headers, raw.
-    pub(crate) headers: &'a [u8],
-    /// Its content.
-    pub(crate) data: &'a [u8],
-}
-
-/// The `boundary` parameter of a multipart content type.
-pub(crate) fn multipart_boundary(content_type: &str) -> Option<&str> {
-    content_type.split(';').skip(1).find_map(|param| {
-        let (name, value) = param.split_once('=')?;
-        name.trim()
-            .eq_ignore_ascii_case("boundary")
-            .then(|| value.trim().trim_matches('"'))
-            .filter(|b| !b.is_empty() && b.len() <= 70)
-    })
-}
-
-/// Splits a multipart body into its parts. `None` if it is malformed.
-pub(crate) fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a>>> {
-    let delimiter = [b"--", boundary.as_bytes()].concat();
-    let mut parts = Vec::new();
-    let mut rest = &body[find(body, &delimiter)? + delimiter.len()..];
-    loop {
-        if rest.starts_with(b"--") {
-            return Some(parts);
-        }
-        rest = rest.strip_prefix(b"\r\n")?;
-        let header_end = find(rest, b"\r\n\r\n")?;
-        let headers = &rest[..header_end];
-        let content = &rest[header_end + 4..];
-        let mut next_delimiter = b"\r\n".to_vec();
-        next_delimiter.extend_from_slice(&delimiter);
-        let end = find(content, &next_delimiter)?;
-        parts.push(Part {
-            name: disposition_name(headers)?,
-            headers,
-            data: &content[..end],
-        });
-        rest = &content[end + next_delimiter.len()..];
-    }
-}
-
-fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
-    const PREFIX: &[u8] = b"content-disposition:";
-    let line = headers.split(|&b| b == b'\n').find(|line| {
-        line.len() > PREFIX.len() && line[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
-    })?;
-    line[PREFIX.len()..]
-        .split(|&b| b == b';')
-        .map(|param| param.trim_ascii())
-        .find_map(|param| {
-            let value = param
-                .get(..5)
-                .filter(|name| name.eq_ignore_ascii_case(b"name="))
-                .map(|_| &param[5..])?;
-            Some(
-                value
-                    .strip_prefix(b"\"")
-                    .and_then(|v| v.strip_suffix(b"\""))
-                    .unwrap_or(value),
-            )
-        })
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    if needle.is_empty() || haystack.len() < needle.len() {
-        return None;
-    }
-    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 #[cfg(test)]
@@ -375,24 +234,17 @@ mod tests {
     }
 
     #[test]
-    fn percent_decoding_edges() {
-        assert_eq!(percent_decode(b"%41%4"), b"A%4");
-        assert_eq!(percent_decode(b"%"), b"%");
-        assert_eq!(percent_decode(b"%zz"), b"%zz");
-    }
-
-    #[test]
     fn multipart_keys() {
         let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"email\"\r\n\r\na@b.c\r\n--XyZ\r\nContent-Disposition: form-data; name=\"submission_token\"\r\n\r\ntok-1\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello\r\n--XyZ--\r\n";
         let map = headers(&[("content-type", "multipart/form-data; boundary=XyZ")]);
         let source = KeySource::FormField("submission_token".into());
         let key = extract(&source, &Uri::from_static("/"), &map, body).unwrap();
         assert_eq!(key.unwrap(), b"tok-1");
-        let parts = multipart_parts(body, "XyZ").unwrap();
+        let parts = formats::multipart_parts(body, "XyZ").unwrap();
         assert_eq!(parts.len(), 3);
         assert_eq!(parts[2].name, b"file");
         assert_eq!(parts[2].data, b"hello");
-        assert!(multipart_parts(b"--XyZ\r\ngarbage", "XyZ").is_none());
+        assert!(formats::multipart_parts(b"--XyZ\r\ngarbage", "XyZ").is_none());
     }
 
     #[test]

@@ -35,6 +35,7 @@
 
 pub mod engine;
 pub mod fingerprint;
+pub mod formats;
 pub mod key;
 #[cfg(feature = "layer")]
 pub mod layer;
@@ -43,7 +44,7 @@ pub mod policy;
 pub mod problem;
 pub mod store;
 
-pub use engine::{Capture, Decision, Engine, EngineConfig, RequestHead, Reservation};
+pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "layer")]
 pub use layer::{Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};

@@ -7,32 +7,45 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-/// What the engine decided for one request. Each has a counter.
+/// What the engine decided or did for one request. Each has a counter,
+/// which moves exactly when its variant's documentation says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Event {
-    /// Not covered, or no key on an optional route: forwarded untouched.
+    /// Forwarded without protection, before anything is reserved: no
+    /// route covers it, or its route's key is optional and it has none.
     Passthrough,
-    /// First arrival (or lease takeover): the upstream was called.
+    /// The request reserved its key (first arrival, or a takeover of an
+    /// expired lease). Counted at the reservation, before the upstream is
+    /// called; what became of the call is counted as `Stored` or
+    /// `Released`.
     Executed,
-    /// A stored response was replayed.
+    /// Answered from the record at once: its stored response replayed, or,
+    /// when the response was too large to store, the
+    /// `response-not-stored` 409.
     Replayed,
-    /// A duplicate waited for the first request and then replayed it.
+    /// A duplicate waited for the first request, then replayed its stored
+    /// response.
     Waited,
-    /// A duplicate got 409 because the first is still in flight.
+    /// A duplicate got 409 because the first still holds the key (the
+    /// route rejects duplicates in flight, or the wait timed out).
     InFlightConflict,
-    /// Same key, different request.
+    /// Same key, different request: 422 (or the route's status).
     Mismatch,
-    /// Missing (where required) or malformed key.
+    /// 400: a required key is missing, or a key is malformed.
     InvalidKey,
-    /// Request body over the limit.
+    /// 413: the request body is over the route's limit; nothing reserved.
     TooLarge,
-    /// The store failed; answered 503 (or forwarded where fail-open).
+    /// A store call failed or timed out: while deciding (503, or forwarded
+    /// on a fail-open route), or while storing an outcome, after the
+    /// background retries gave up.
     StoreError,
-    /// The upstream's answer was not stored (status outside the stored
-    /// set, transport failure, abandoned request): the key was released.
+    /// A reservation ended without storing anything: a status the route
+    /// does not store, an upstream that failed or broke off, or an
+    /// abandoned request. The key is free again.
     Released,
-    /// The upstream's answer was stored.
+    /// The upstream's answer — or, for one too large to store, the marker
+    /// that it ran — was stored.
     Stored,
 }
 
@@ -51,6 +64,23 @@ impl Event {
         Event::Released,
         Event::Stored,
     ];
+
+    /// When the counter moves, in a few words (the metric's help text).
+    pub fn help(self) -> &'static str {
+        match self {
+            Event::Passthrough => "forwarded unprotected (not covered, or no optional key)",
+            Event::Executed => "key reserved, counted before the upstream is called",
+            Event::Replayed => "stored response replayed at once, or response-not-stored 409",
+            Event::Waited => "duplicate waited for the first, then replayed",
+            Event::InFlightConflict => "409, the first still holds the key",
+            Event::Mismatch => "same key, different request",
+            Event::InvalidKey => "400, key missing where required or malformed",
+            Event::TooLarge => "413, request body over the limit",
+            Event::StoreError => "store call failed or timed out (deciding or storing)",
+            Event::Released => "reservation ended without storing; key free again",
+            Event::Stored => "upstream answer (or too-large marker) stored",
+        }
+    }
 
     /// The label value used in logs and metrics.
     pub fn as_str(self) -> &'static str {
@@ -126,11 +156,20 @@ impl Metrics {
 
     /// Appends the Prometheus text exposition of these metrics, plus
     /// `extra` counters (name, help, value), to `out`.
+    ///
+    /// Written here, not with `prometheus-client`: that crate renders
+    /// OpenMetrics (a `# EOF` line, its own `_total` and unit rules), which
+    /// would change the `/metrics` text scrapers already read, and it wants
+    /// every metric registered up front, while a store's counters are only
+    /// known when they are rendered. The format here is the 0.0.4 text
+    /// format, a few lines per metric.
     pub fn render_prometheus(&self, extra: &[(&str, &str, u64)], out: &mut String) {
-        let _ = writeln!(
-            out,
-            "# HELP idempotency_requests_total Requests by engine outcome."
-        );
+        let _ = write!(out, "# HELP idempotency_requests_total Engine outcomes:");
+        for (i, event) in Event::ALL.into_iter().enumerate() {
+            let end = if i + 1 == Event::ALL.len() { "." } else { ";" };
+            let _ = write!(out, " {event}: {}{end}", event.help());
+        }
+        let _ = writeln!(out);
         let _ = writeln!(out, "# TYPE idempotency_requests_total counter");
         for event in Event::ALL {
             let _ = writeln!(
@@ -141,13 +180,13 @@ impl Metrics {
         }
         let _ = writeln!(
             out,
-            "# HELP idempotency_in_flight Requests holding a reservation."
+            "# HELP idempotency_in_flight Reservations held now (from the key's reservation until its outcome is stored or released)."
         );
         let _ = writeln!(out, "# TYPE idempotency_in_flight gauge");
         let _ = writeln!(out, "idempotency_in_flight {}", self.in_flight());
         let _ = writeln!(
             out,
-            "# HELP idempotency_store_latency_seconds Store call latency."
+            "# HELP idempotency_store_latency_seconds Duration of each timed store call: reserve, get, complete, release, renew, sweep, ping (timeouts included; waits are not timed)."
         );
         let _ = writeln!(out, "# TYPE idempotency_store_latency_seconds histogram");
         let mut cumulative = 0;

@@ -356,10 +356,10 @@ impl Policy {
             methods,
             scope_headers,
             fingerprint_headers,
-            mismatch_status,
+            mismatch: mismatch_status,
             json_exclude: json_exclude
                 .iter()
-                .map(|p| crate::fingerprint::parse_pointer(p))
+                .map(|p| crate::formats::parse_pointer(p))
                 .collect(),
             form_exclude,
             policy: self.clone(),
@@ -373,7 +373,9 @@ pub struct RoutePolicy {
     pub(crate) methods: Vec<Method>,
     pub(crate) scope_headers: Vec<HeaderName>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) mismatch_status: StatusCode,
+    /// The status answered for a key mismatch: `Policy::mismatch_status`,
+    /// checked to be 409 or 422.
+    pub(crate) mismatch: StatusCode,
     pub(crate) json_exclude: Vec<Vec<String>>,
     pub(crate) form_exclude: Vec<String>,
     pub(crate) policy: Policy,
@@ -383,6 +385,11 @@ impl RoutePolicy {
     /// The policy as configured.
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// The request body limit in bytes.
+    pub fn max_body_bytes(&self) -> usize {
+        self.policy().max_body_bytes
     }
 
     /// Whether `method` is one the guarantee applies to on this route.

@@ -24,70 +24,19 @@ use bytes::Bytes;
 use http::{header, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
-use tower::util::BoxCloneService;
-use tower::{ServiceBuilder, ServiceExt};
-use tower_idempotency::layer::{RequestBody, ResponseBody};
+use tower::ServiceExt;
+use tower_idempotency::engine::{Coverage, Decision, RequestHead};
 use tower_idempotency::store::{Claim, Fingerprint, Outcome, OwnerToken, Record, ScopeKey};
 use tower_idempotency::{
-    Decision, Engine, Event, FailMode, IdempotencyLayer, InFlightPolicy, KeySource, MemoryStore,
-    Policy, RequestHead, Routes, Store, StoreError,
+    Engine, Event, FailMode, IdempotencyLayer, InFlightPolicy, KeySource, MemoryStore, Policy,
+    Routes, Store, StoreError,
 };
 
 use contact_form::Contacts;
-use support::Reply;
+use support::{layered, Inbound, Reply, Upstream};
 
 // ---------------------------------------------------------------------------
 // Harness
-
-type Svc = BoxCloneService<Request<Body>, Response<Body>, Infallible>;
-type Inbound = Request<RequestBody<Body>>;
-
-/// A layered service whose inner service counts its executions.
-struct Upstream {
-    svc: Svc,
-    calls: Arc<AtomicUsize>,
-}
-
-impl Upstream {
-    /// How often the inner service was called.
-    fn calls(&self) -> usize {
-        self.calls.load(SeqCst)
-    }
-
-    /// Sends `request` through the layer; the future owns what it needs,
-    /// so it can be spawned.
-    fn send(&self, request: Request<Body>) -> impl Future<Output = Reply> + Send + 'static {
-        let svc = self.svc.clone();
-        async move {
-            let response = svc.oneshot(request).await.unwrap_or_else(|e| match e {});
-            Reply::read(response).await
-        }
-    }
-}
-
-/// `engine` in front of `handler`, which gets the execution number (1, 2, …)
-/// and the request as the inner service sees it.
-fn layered<H, F>(engine: &Engine, handler: H) -> Upstream
-where
-    H: Fn(usize, Inbound) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<Body>> + Send + 'static,
-{
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counter = calls.clone();
-    let inner = tower::service_fn(move |request: Inbound| {
-        let execution = counter.fetch_add(1, SeqCst) + 1;
-        let answer = handler(execution, request);
-        async move { Ok::<_, Infallible>(answer.await) }
-    });
-    let svc = ServiceBuilder::new()
-        .map_response(|response: Response<ResponseBody<Body, axum::Error>>| response.map(Body::new))
-        .layer(IdempotencyLayer::new(engine.clone()))
-        .service(inner);
-    Upstream {
-        svc: BoxCloneService::new(svc),
-        calls,
-    }
-}
 
 /// An engine over a fresh memory store with `policy` on every path.
 fn memory_engine(policy: Policy) -> (Engine, MemoryStore) {
@@ -494,12 +443,7 @@ async fn a_response_body_that_fails_midway_releases_the_key() {
             Body::from_stream(futures::stream::iter(chunks)),
         )
     });
-    let response = upstream
-        .svc
-        .clone()
-        .oneshot(order("k", "{}"))
-        .await
-        .unwrap();
+    let response = upstream.call(order("k", "{}")).await;
     assert_eq!(response.status(), StatusCode::CREATED);
     assert!(response.into_body().collect().await.is_err());
     assert!(store.is_empty());
@@ -884,14 +828,16 @@ async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
         let reservation = process.block_on(async {
             let (parts, body) = doomed.into_parts();
             let body = body.collect().await.unwrap().to_bytes();
-            let policy = dead.route(&parts.method, parts.uri.path()).unwrap();
             let head = RequestHead {
                 method: &parts.method,
                 uri: &parts.uri,
                 headers: &parts.headers,
                 principal: None,
             };
-            match dead.begin(&policy, head, &body).await {
+            let Coverage::Covered(covered) = dead.classify(&head) else {
+                panic!("the request is covered");
+            };
+            match dead.begin(&covered, head, &body).await {
                 Decision::Proceed(reservation) => reservation,
                 other => panic!("expected to reserve, got {other:?}"),
             }

@@ -74,7 +74,8 @@ async fn two_instances_on_one_database_execute_a_request_once() {
     first.migrate().await.unwrap();
     let second = PostgresStore::from_pool(pool(options, 10).await);
     let policy = Policy::default();
-    let base = Harness::new(policy.clone());
+    // Each execution lasts long enough for the duplicates to overlap it.
+    let base = Harness::new(policy.clone()).slow(Duration::from_millis(20));
     let instances = [
         base.with_engine(Engine::new(first, routes(&policy))),
         base.with_engine(Engine::new(second, routes(&policy))),

@@ -4,6 +4,7 @@
 #![cfg(feature = "redis")]
 
 mod fixtures;
+mod support;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
@@ -13,21 +14,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use axum::extract::State;
-use axum::routing::post;
-use axum::Router;
 use bytes::Bytes;
 use fixtures::{fingerprint, random_key};
-use http::{HeaderMap, StatusCode};
+use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
+use support::{layered, Inbound};
 use tower_idempotency::store::{
     Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoredResponse,
 };
 use tower_idempotency::{
-    Engine, EngineConfig, IdempotencyLayer, MemoryStore, Policy, RedisCache, RedisCacheConfig,
-    Routes, Store, StoreError,
+    Engine, EngineConfig, MemoryStore, Policy, RedisCache, RedisCacheConfig, Routes, Store,
+    StoreError,
 };
 
 const LEASE: Duration = Duration::from_millis(300);
@@ -487,13 +486,12 @@ type Executions = Arc<Mutex<HashMap<String, usize>>>;
 
 /// The upstream: counts executions per (user, key) and answers with them,
 /// so a second execution would show in every later response.
-async fn handler(
-    State(executions): State<Executions>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> (StatusCode, String) {
+async fn handler(executions: Executions, request: Inbound) -> Response<axum::body::Body> {
+    let (parts, body) = request.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
     let header = |name| {
-        headers
+        parts
+            .headers
             .get(name)
             .and_then(|v| v.to_str().ok())
             .unwrap_or("")
@@ -508,10 +506,10 @@ async fn handler(
     };
     // Long enough for duplicates to arrive while it runs.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    (
-        StatusCode::CREATED,
-        format!("{scope}|{}|{n}", String::from_utf8_lossy(&body)),
-    )
+    let mut response =
+        Response::new(format!("{scope}|{}|{n}", String::from_utf8_lossy(&body)).into());
+    *response.status_mut() = StatusCode::CREATED;
+    response
 }
 
 struct App {
@@ -537,13 +535,9 @@ impl App {
         };
         let engine = Engine::with_config(Arc::new(store), Routes::all(policy).unwrap(), config);
         let executions = Executions::default();
-        let router = Router::new()
-            .route("/orders", post(handler))
-            .layer(IdempotencyLayer::new(engine.clone()))
-            .with_state(executions.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        let counted = executions.clone();
+        let upstream = layered(&engine, move |_, request| handler(counted.clone(), request));
+        let (addr, _server) = upstream.serve().await;
         App {
             addr,
             engine,

@@ -6,6 +6,7 @@ mod support;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::join_all;
@@ -49,7 +50,8 @@ async fn principals_with_the_same_key_never_share_a_response() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn principals_stay_apart_under_concurrency() {
-    let harness = Harness::new(Policy::default());
+    // Each execution lasts long enough for the duplicates to overlap it.
+    let harness = Harness::new(Policy::default()).slow(Duration::from_millis(20));
     let requests = (0..50).map(|i| {
         let harness = harness.clone();
         let principal = if i % 2 == 0 { "alice" } else { "bob" };
@@ -285,11 +287,13 @@ fn assert_clean_problem(reply: &Reply, status: StatusCode, kind: &str) {
 #[tokio::test]
 async fn problems_never_echo_raw_input() {
     let script = b"<script>alert(1)</script>";
+    // An execution that is still running when its duplicate arrives.
     let harness = Harness::new(Policy {
         in_flight: InFlightPolicy::Reject,
         max_body_bytes: 64,
         ..Policy::default()
-    });
+    })
+    .slow(Duration::from_millis(20));
     let with_space = [&script[..], b" SECRET"].concat();
     let reply = harness
         .send(post(&with_space).body(Full::default()).unwrap())

@@ -20,12 +20,11 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
-use tower_idempotency::{Policy, PolicyError, RoutePolicy, Routes};
+use tower_idempotency::{Policy, PolicyError, Routes};
 
 /// The `[proxy]` table. Every key is optional; the command line overrides
 /// it, and [`ProxySettings::resolve`] fills in the defaults.
@@ -266,24 +265,6 @@ impl Config {
     }
 }
 
-/// The label of the route whose policy is `policy` (its path pattern), for
-/// logs.
-pub fn route_label(routes: &Routes, policy: &Arc<RoutePolicy>) -> String {
-    routes
-        .iter()
-        .find(|route| {
-            route
-                .policy
-                .as_ref()
-                .is_some_and(|p| Arc::ptr_eq(p, policy))
-        })
-        .map(|route| match &route.path {
-            tower_idempotency::policy::PathPattern::Prefix(p)
-            | tower_idempotency::policy::PathPattern::Glob(p) => p.clone(),
-        })
-        .unwrap_or_default()
-}
-
 fn defaults_message(error: &PolicyError) -> String {
     format!("[defaults]: {error}")
 }
@@ -346,6 +327,7 @@ mod tests {
     use http::Method;
 
     use super::*;
+    use tower_idempotency::engine::{Coverage, RequestHead};
 
     fn error(text: &str) -> (Option<usize>, String) {
         Config::parse(text).expect_err("the config should be refused")
@@ -384,7 +366,19 @@ mismatch_status = 409
         let contact = routes.find(&Method::POST, "/contact").unwrap();
         assert!(contact.policy().uuid_only && contact.policy().required);
         assert_eq!(contact.policy().lease, Duration::from_millis(300));
-        assert_eq!(route_label(routes, contact), "/contact");
+        let engine =
+            tower_idempotency::Engine::new(tower_idempotency::MemoryStore::new(), routes.clone());
+        let (uri, headers) = (http::Uri::from_static("/contact"), http::HeaderMap::new());
+        let head = RequestHead {
+            method: &Method::POST,
+            uri: &uri,
+            headers: &headers,
+            principal: None,
+        };
+        match engine.classify(&head) {
+            Coverage::Covered(covered) => assert_eq!(covered.label(), "/contact"),
+            Coverage::PassThrough => panic!("/contact is covered"),
+        }
         let api = routes.find(&Method::PATCH, "/api/v1/orders").unwrap();
         assert_eq!(api.policy().mismatch_status, 409);
         assert!(!api.policy().uuid_only);

@@ -12,8 +12,10 @@
 #![deny(unsafe_code)]
 
 mod admin;
+mod body;
 mod config;
 mod demo;
+mod exchange;
 mod proxy;
 mod shutdown;
 mod store;
@@ -182,7 +184,6 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         &server.configuration,
         proxy::IdempotencyProxy::new(
             engine.clone(),
-            config.routes,
             upstream,
             drain.clone(),
             settings.body_timeout,

@@ -177,19 +177,6 @@ impl Upstream {
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-/// Request headers that describe the client's connection, not the request:
-/// never forwarded on the buffered path, which frames the body itself.
-pub const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::EXPECT,
-];
-
 /// Sends the request and reads the response head. An error says whether
 /// the request had been written whole (`true`) when it happened.
 async fn exchange_head(

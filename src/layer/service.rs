@@ -8,7 +8,7 @@ use tower_service::Service;
 
 use super::future::Step;
 use super::{RequestBody, ResponseBody, ResponseFuture};
-use crate::engine::{Decision, RequestHead, Reservation};
+use crate::engine::{Coverage, Decision, Flow, RequestHead, Reservation};
 use crate::Engine;
 
 /// The authenticated caller, set as a request extension by an auth layer
@@ -73,11 +73,7 @@ where
             headers: request.headers(),
             principal: None,
         };
-        let covered = self
-            .engine
-            .route(head.method, head.uri.path())
-            .filter(|policy| !self.engine.passes_without_key(policy, &head));
-        let Some(policy) = covered else {
+        let Coverage::Covered(covered) = self.engine.classify(&head) else {
             return ResponseFuture::passthrough(
                 self.inner.call(request.map(RequestBody::streaming)),
             );
@@ -88,10 +84,11 @@ where
         let engine = self.engine.clone();
         ResponseFuture::engine(Box::pin(async move {
             let (parts, body) = request.into_parts();
-            let body = match read_body(body, policy.max_body_bytes()).await {
+            let body = match read_body(body, covered.max_body_bytes()).await {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
-                    return Step::Done(Ok(engine.body_too_large(&policy).map(ResponseBody::full)))
+                    let response = engine.body_too_large(covered.policy());
+                    return Step::Done(Ok(response.map(ResponseBody::full)));
                 }
                 Err(ReadError::Failed) => {
                     return Step::Done(Ok(engine.body_unreadable(false).map(ResponseBody::full)))
@@ -104,7 +101,7 @@ where
                 headers: &parts.headers,
                 principal: principal.as_deref(),
             };
-            let decision = engine.begin(&policy, head, &body).await;
+            let decision = engine.begin(&covered, head, &body).await;
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
             match decision {
@@ -165,8 +162,9 @@ where
     Ok(first.unwrap_or_else(|| buffer.freeze()))
 }
 
-/// Calls the inner service while holding the reservation, captures the
-/// answer and settles the reservation before returning it.
+/// Calls the inner service while holding the reservation and hands its
+/// answer to the engine's recorder; the answer is stored before the caller
+/// gets it.
 async fn execute<S, ReqB, ResB>(
     mut inner: S,
     request: Request<RequestBody<ReqB>>,
@@ -184,45 +182,33 @@ where
         }
     };
     let (parts, mut body) = response.into_parts();
-    let mut capture = reservation.capture(parts.status, &parts.headers);
-    if !capture.wants_body() {
-        // Not a status the route stores: free the key, stream as it is.
-        reservation.finish(capture).await;
+    let mut recorder = reservation.record(parts.status, &parts.headers).await;
+    if !recorder.is_recording() {
+        // Not a status the route stores (the key is free): stream it.
         return Ok(Response::from_parts(parts, ResponseBody::streaming(body)));
     }
     loop {
-        match body.frame().await {
+        let data = match body.frame().await {
             None => break,
             Some(Err(error)) => {
-                let received = capture.body();
-                reservation.release().await;
-                return Ok(Response::from_parts(
-                    parts,
-                    ResponseBody::failed(received, error),
-                ));
+                let received = recorder.fail().await;
+                let body = ResponseBody::failed(received, error);
+                return Ok(Response::from_parts(parts, body));
             }
-            Some(Ok(frame)) => {
-                let Ok(data) = frame.into_data() else {
-                    continue;
-                };
-                if capture.has_room_for(data.len()) {
-                    capture.push_bytes(&data);
-                    continue;
-                }
-                // Over the storage cap: store the marker, stream the rest.
-                let mut received = BytesMut::from(&capture.body()[..]);
-                received.extend_from_slice(&data);
-                capture.push(&data);
-                reservation.finish(capture).await;
-                return Ok(Response::from_parts(
-                    parts,
-                    ResponseBody::prefixed(received.freeze(), body),
-                ));
-            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => continue,
+            },
+        };
+        if let Flow::Pass { recorded } = recorder.chunk(&data).await {
+            // Past the storage cap (the marker is stored): stream the rest.
+            let mut received = BytesMut::from(&recorded[..]);
+            received.extend_from_slice(&data);
+            let body = ResponseBody::prefixed(received.freeze(), body);
+            return Ok(Response::from_parts(parts, body));
         }
     }
     // The caller gets the stored bytes themselves (no second copy).
-    let received = capture.body();
-    reservation.finish(capture).await;
+    let received = recorder.end().await;
     Ok(Response::from_parts(parts, ResponseBody::full(received)))
 }

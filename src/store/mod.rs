@@ -141,7 +141,7 @@ impl fmt::Debug for OwnerToken {
 /// A response as it is stored and replayed: status, filtered headers, body.
 ///
 /// Hop-by-hop headers, `Date` and (unless a route allows it) `Set-Cookie`
-/// were removed before it was stored; see [`crate::Capture`].
+/// were removed before it was stored; see [`crate::engine::headers::stored`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredResponse {
     /// The status code the first execution answered with.

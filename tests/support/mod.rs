@@ -1,56 +1,114 @@
-//! Shared by the hostile-input and security tests: the tower layer over a
-//! [`MemoryStore`] around an inner service that counts its executions.
+//! The one toolkit of the layer tests: a counting upstream that sees each
+//! request (a `service_fn`-style handler behind `IdempotencyLayer`, called
+//! in process or over a real socket), the [`Harness`] built on it for the
+//! common "every path covered, count the executions" case, and [`Reply`].
+//!
+//! Nothing here waits on its own: a test that needs an execution to last
+//! (so that duplicates overlap it) says so with [`Harness::slow`] or in its
+//! handler.
 #![allow(dead_code)]
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::pin::Pin;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::time::Duration;
 
+use axum::body::Body as AxumBody;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
-use tower::{Service, ServiceExt};
-use tower_idempotency::layer::RequestBody;
-use tower_idempotency::{Engine, Idempotency, MemoryStore, Policy, Routes};
+use tower::util::BoxCloneSyncService;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::layer::{RequestBody, ResponseBody};
+use tower_idempotency::{Engine, IdempotencyLayer, MemoryStore, Policy, Routes};
 
-type Respond = dyn Fn(usize, &Parts) -> Response<Full<Bytes>> + Send + Sync;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Svc = BoxCloneSyncService<Request<AxumBody>, Response<AxumBody>, Infallible>;
 
-/// The inner service: counts calls, reads the whole body, answers with
-/// `respond(call_number, request_parts)`.
+/// A request as the inner service sees it.
+pub type Inbound = Request<RequestBody<AxumBody>>;
+
+/// The layer in front of a counting inner service.
 #[derive(Clone)]
-pub struct Counting {
+pub struct Upstream {
+    svc: Svc,
     calls: Arc<AtomicUsize>,
-    respond: Arc<Respond>,
 }
 
-impl<B> Service<Request<RequestBody<B>>> for Counting
-where
-    B: Body<Data = Bytes> + Send + 'static,
-{
-    type Response = Response<Full<Bytes>>;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
+impl Upstream {
+    /// How often the inner service was called.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
     }
 
-    fn call(&mut self, request: Request<RequestBody<B>>) -> Self::Future {
-        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
-        let respond = self.respond.clone();
-        Box::pin(async move {
-            let (parts, body) = request.into_parts();
-            // Let concurrent duplicates pile up behind this execution.
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            let _ = body.collect().await;
-            Ok(respond(n, &parts))
+    /// Sends `request` through the layer; the future owns what it needs,
+    /// so it can be spawned.
+    pub fn send<B>(&self, request: Request<B>) -> impl Future<Output = Reply> + Send + 'static
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let svc = self.svc.clone();
+        let request = request.map(AxumBody::new);
+        async move {
+            let response = svc.oneshot(request).await.unwrap_or_else(|e| match e {});
+            Reply::read(response).await
+        }
+    }
+
+    /// Sends `request` through the layer and returns the response as it
+    /// is, its body not yet read.
+    pub async fn call(&self, request: Request<AxumBody>) -> Response<AxumBody> {
+        let svc = self.svc.clone();
+        svc.oneshot(request).await.unwrap_or_else(|e| match e {})
+    }
+
+    /// Serves the layered service on a real socket (127.0.0.1, a free
+    /// port) until the returned task is aborted.
+    pub async fn serve(&self) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = axum::Router::new().fallback_service(self.svc.clone());
+        let server = tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        (addr, server)
+    }
+}
+
+/// `engine` in front of `handler`, which gets the execution number (1, 2, …)
+/// and the request as the inner service sees it.
+pub fn layered<H, F>(engine: &Engine, handler: H) -> Upstream
+where
+    H: Fn(usize, Inbound) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<AxumBody>> + Send + 'static,
+{
+    layered_counting(engine, Arc::default(), handler)
+}
+
+/// [`layered`], counting into `calls` (shared by several layers).
+fn layered_counting<H, F>(engine: &Engine, calls: Arc<AtomicUsize>, handler: H) -> Upstream
+where
+    H: Fn(usize, Inbound) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<AxumBody>> + Send + 'static,
+{
+    let counter = calls.clone();
+    let inner = tower::service_fn(move |request: Inbound| {
+        let execution = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        let answer = handler(execution, request);
+        async move { Ok::<_, Infallible>(answer.await) }
+    });
+    let svc = ServiceBuilder::new()
+        .map_response(|response: Response<ResponseBody<AxumBody, axum::Error>>| {
+            response.map(AxumBody::new)
         })
+        .layer(IdempotencyLayer::new(engine.clone()))
+        .service(inner);
+    Upstream {
+        svc: BoxCloneSyncService::new(svc),
+        calls,
     }
 }
 
@@ -112,12 +170,18 @@ impl Reply {
     }
 }
 
-/// The layer, its store and the inner service.
+type Respond = dyn Fn(usize, &Parts) -> Response<Full<Bytes>> + Send + Sync;
+
+/// Every path covered by one policy, over a memory store (or another
+/// engine), in front of an inner service that reads the whole body and
+/// answers `respond(call_number, request_parts)`.
 #[derive(Clone)]
 pub struct Harness {
     pub store: MemoryStore,
     pub engine: Engine,
-    inner: Counting,
+    calls: Arc<AtomicUsize>,
+    respond: Arc<Respond>,
+    delay: Duration,
 }
 
 impl Harness {
@@ -143,11 +207,17 @@ impl Harness {
         Harness {
             store,
             engine,
-            inner: Counting {
-                calls: Arc::default(),
-                respond: Arc::new(respond),
-            },
+            calls: Arc::default(),
+            respond: Arc::new(respond),
+            delay: Duration::ZERO,
         }
+    }
+
+    /// The inner service waits `delay` before it reads the body and
+    /// answers: concurrent duplicates then arrive while it runs.
+    pub fn slow(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
     }
 
     /// The same inner service (and call count) behind `engine`: another
@@ -161,7 +231,23 @@ impl Harness {
 
     /// How often the inner service ran.
     pub fn calls(&self) -> usize {
-        self.inner.calls.load(Ordering::SeqCst)
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    /// The layered service, counting into this harness.
+    pub fn upstream(&self) -> Upstream {
+        let (respond, delay) = (self.respond.clone(), self.delay);
+        layered_counting(&self.engine, self.calls.clone(), move |n, request| {
+            let respond = respond.clone();
+            async move {
+                let (parts, body) = request.into_parts();
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                let _ = body.collect().await;
+                respond(n, &parts).map(AxumBody::new)
+            }
+        })
     }
 
     /// Sends `request` through the layer and collects the answer.
@@ -170,8 +256,7 @@ impl Harness {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let service = Idempotency::new(self.inner.clone(), self.engine.clone());
-        Reply::read(service.oneshot(request).await.unwrap()).await
+        self.upstream().send(request).await
     }
 }
 

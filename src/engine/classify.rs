@@ -1,0 +1,127 @@
+//! Covered or pass-through: the one question a front end asks before it
+//! reads a request body.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use http::{HeaderMap, Method, Uri};
+
+use super::Engine;
+use crate::key;
+use crate::metrics::Event;
+use crate::policy::{KeySource, PathPattern, RoutePolicy, Routes};
+
+/// What a front end needs to know of a request, borrowed from its own
+/// request type.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestHead<'a> {
+    /// The method.
+    pub method: &'a Method,
+    /// The URI (path and query are used).
+    pub uri: &'a Uri,
+    /// The headers.
+    pub headers: &'a HeaderMap,
+    /// An authenticated principal set by the application (the tower layer
+    /// reads it from a [`Principal`](crate::Principal) request extension).
+    /// Hashed into the scope, never stored.
+    pub principal: Option<&'a [u8]>,
+}
+
+/// The engine's answer to [`Engine::classify`].
+#[derive(Debug)]
+pub enum Coverage {
+    /// Forward the request untouched, without reading or limiting its
+    /// body: no route covers it, or its route takes an optional key from a
+    /// header or the query and it carries none.
+    PassThrough,
+    /// The engine decides: buffer the body (up to
+    /// [`Covered::max_body_bytes`]) and call [`Engine::begin`].
+    Covered(Covered),
+}
+
+/// A covered request's route: its policy and its label for logs.
+#[derive(Clone, Debug)]
+pub struct Covered {
+    policy: Arc<RoutePolicy>,
+    label: Arc<str>,
+}
+
+impl Covered {
+    /// The route's policy.
+    pub fn policy(&self) -> &Arc<RoutePolicy> {
+        &self.policy
+    }
+
+    /// The route's path pattern as configured (for log lines).
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The request body limit in bytes: a larger body is answered with
+    /// [`Engine::body_too_large`].
+    pub fn max_body_bytes(&self) -> usize {
+        self.policy.max_body_bytes()
+    }
+}
+
+/// Each route's label, found by its policy's address (a route table is
+/// fixed once the engine is built).
+#[derive(Debug, Default)]
+pub(super) struct Labels(HashMap<usize, Arc<str>>);
+
+impl Labels {
+    pub(super) fn new(routes: &Routes) -> Self {
+        let labels = routes
+            .iter()
+            .filter_map(|route| {
+                let policy = route.policy.as_ref()?;
+                let pattern = match &route.path {
+                    PathPattern::Prefix(pattern) | PathPattern::Glob(pattern) => pattern,
+                };
+                Some((Arc::as_ptr(policy) as usize, Arc::from(pattern.as_str())))
+            })
+            .collect();
+        Labels(labels)
+    }
+
+    fn get(&self, policy: &Arc<RoutePolicy>) -> Arc<str> {
+        self.0
+            .get(&(Arc::as_ptr(policy) as usize))
+            .cloned()
+            .unwrap_or_else(|| Arc::from(""))
+    }
+}
+
+impl Engine {
+    /// Whether the engine decides about this request. A pass-through is
+    /// counted ([`Event::Passthrough`]); nothing else is recorded.
+    pub fn classify(&self, head: &RequestHead<'_>) -> Coverage {
+        let Some(policy) = self.inner.routes.find(head.method, head.uri.path()) else {
+            self.inner.metrics.record(Event::Passthrough);
+            return Coverage::PassThrough;
+        };
+        if passes_without_key(policy, head) {
+            self.inner.metrics.record(Event::Passthrough);
+            return Coverage::PassThrough;
+        }
+        Coverage::Covered(Covered {
+            label: self.inner.labels.get(policy),
+            policy: policy.clone(),
+        })
+    }
+}
+
+/// Whether a covered request goes to the upstream untouched before its
+/// body is read: its route takes an optional key from a header or the
+/// query, and the request carries none. Such a request is not protected,
+/// so its body is neither buffered nor limited (a large upload without a
+/// key is not refused with 413).
+fn passes_without_key(policy: &RoutePolicy, head: &RequestHead<'_>) -> bool {
+    let settings = policy.policy();
+    !settings.required
+        && matches!(settings.key, KeySource::Header(_) | KeySource::Query(_))
+        && matches!(
+            key::extract(&settings.key, head.uri, head.headers, &[]),
+            Ok(None)
+        )
+}

@@ -1,0 +1,242 @@
+//! The decision for a covered request: read and check its key, fingerprint
+//! it, then reserve the key, replay, wait for the first request, or refuse.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Response;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::responses::replay;
+use super::scope::scope_key;
+use super::{Covered, Engine, RequestHead, Reservation};
+use crate::fingerprint::{fingerprint_view, Exclusions};
+use crate::formats::{self, View};
+use crate::key;
+use crate::metrics::Event;
+use crate::policy::{FailMode, InFlightPolicy, RoutePolicy};
+use crate::store::{Claim, Fingerprint, Outcome, Record, RecordState, ScopeKey, StoreError};
+
+/// The engine's answer to [`Engine::begin`].
+#[derive(Debug)]
+#[must_use = "a decision must be obeyed"]
+pub enum Decision {
+    /// Forward the request as it is; nothing was reserved (no key on an
+    /// optional route, or the store failed on a fail-open route).
+    Forward,
+    /// This request owns the key: call the upstream, then record its answer
+    /// ([`Reservation::record`]) or [`Reservation::release`] the key.
+    Proceed(Reservation),
+    /// Answer with this response and do not call the upstream: a replay
+    /// (with `Idempotent-Replayed: true`) or a problem.
+    Respond(Response<Bytes>),
+}
+
+/// What [`Engine::read_key`] found.
+enum KeyRead {
+    /// A valid key.
+    Found(Vec<u8>),
+    /// No key, and the route does not require one: forward unprotected.
+    Absent,
+    /// The answer for a missing or malformed key.
+    Refused(Response<Bytes>),
+}
+
+/// Where a duplicate stands while the first request holds the key.
+struct Waiting {
+    /// The latest it waits until (the route's `wait_timeout`).
+    deadline: Instant,
+    /// Whether it has waited at least once.
+    waited: bool,
+    /// How many waits so far (the store's back-off step).
+    attempt: u32,
+}
+
+impl Engine {
+    /// Decides what to do with a covered request whose whole body is
+    /// `body` (at most [`Covered::max_body_bytes`]).
+    pub async fn begin(&self, covered: &Covered, head: RequestHead<'_>, body: &[u8]) -> Decision {
+        let started = Instant::now();
+        let policy = covered.policy();
+        // Parsed once, read by the key and the fingerprint.
+        let body = View::parse(formats::content_type(head.headers), body);
+        let raw_key = match self.read_key(policy, &head, &body) {
+            KeyRead::Found(key) => key,
+            KeyRead::Absent => {
+                self.inner.metrics.record(Event::Passthrough);
+                return Decision::Forward;
+            }
+            KeyRead::Refused(response) => return Decision::Respond(response),
+        };
+        let key = scope_key(policy, &head, &raw_key);
+        let fingerprint = fingerprint_view(
+            head.method,
+            head.uri,
+            head.headers,
+            &policy.fingerprint_headers,
+            &body,
+            Exclusions {
+                json: &policy.json_exclude,
+                form: &policy.form_exclude,
+            },
+        );
+        let span = tracing::info_span!("idempotency", key = %key.short(), path = head.uri.path());
+        self.decide(policy, key, fingerprint, started)
+            .instrument(span)
+            .await
+    }
+
+    /// The request's valid key, its absence on a route that does not
+    /// require one, or the 400 to answer.
+    fn read_key(&self, policy: &RoutePolicy, head: &RequestHead<'_>, body: &View<'_>) -> KeyRead {
+        let settings = policy.policy();
+        let found =
+            key::extract_from(&settings.key, head.uri, head.headers, body).and_then(|key| {
+                if let Some(key) = &key {
+                    key::validate(key, settings.uuid_only)?;
+                }
+                Ok(key)
+            });
+        match found {
+            Ok(Some(key)) => KeyRead::Found(key),
+            Ok(None) if !settings.required => KeyRead::Absent,
+            Ok(None) => KeyRead::Refused(self.key_missing()),
+            Err(error) => KeyRead::Refused(self.invalid_key(error)),
+        }
+    }
+
+    /// Reserves the key, or answers from its record: replay, refuse, or
+    /// wait for the request that holds it and look again.
+    async fn decide(
+        &self,
+        policy: &Arc<RoutePolicy>,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+        started: Instant,
+    ) -> Decision {
+        let mut waiting = Waiting {
+            deadline: started + policy.policy().wait_timeout,
+            waited: false,
+            attempt: 0,
+        };
+        loop {
+            let record = match self.claim(policy, &key, &fingerprint, waiting.waited).await {
+                Err(error) => return self.store_failed(policy, &error),
+                Ok(Claim::Acquired { owner, takeover }) => {
+                    self.inner.metrics.record(Event::Executed);
+                    tracing::debug!(takeover, "idempotency key reserved");
+                    return Decision::Proceed(Reservation::new(
+                        self.clone(),
+                        policy.clone(),
+                        key,
+                        owner,
+                    ));
+                }
+                Ok(Claim::Existing(record)) => record,
+            };
+            if record.fingerprint != fingerprint {
+                return Decision::Respond(self.mismatch(policy));
+            }
+            match record.state {
+                RecordState::Completed(outcome) => {
+                    return Decision::Respond(self.completed(outcome, waiting.waited, started))
+                }
+                RecordState::InFlight { lease_remaining } => {
+                    if let Err(decision) =
+                        self.wait(policy, &key, lease_remaining, &mut waiting).await
+                    {
+                        return decision;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tries to reserve the key. After a wait, only reads: a waiter tries
+    /// the reservation again only when the record is gone or its lease ran
+    /// out, so waiters never compete with the owner's renewals for the
+    /// store with writes.
+    async fn claim(
+        &self,
+        policy: &RoutePolicy,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        waited: bool,
+    ) -> Result<Claim, StoreError> {
+        let store = &self.inner.store;
+        if waited {
+            let live = self
+                .store_call(store.get(key))
+                .await?
+                .filter(|record: &Record| !record.lease_expired());
+            if let Some(record) = live {
+                return Ok(Claim::Existing(record));
+            }
+        }
+        let settings = policy.policy();
+        self.store_call(store.reserve(key, fingerprint, settings.lease, settings.ttl))
+            .await
+    }
+
+    /// The answer for a key whose request completed: its stored response
+    /// replayed, or the "not stored" problem.
+    fn completed(&self, outcome: Outcome, waited: bool, started: Instant) -> Response<Bytes> {
+        match outcome {
+            Outcome::Stored(response) => {
+                let event = if waited {
+                    Event::Waited
+                } else {
+                    Event::Replayed
+                };
+                self.inner.metrics.record(event);
+                tracing::info!(
+                    outcome = %event,
+                    status = response.status.as_u16(),
+                    duration_us = started.elapsed().as_micros() as u64,
+                    "idempotency"
+                );
+                replay(response)
+            }
+            Outcome::TooLarge { status } => self.not_stored(status),
+        }
+    }
+
+    /// Waits while another request holds the key, at most until the
+    /// deadline and at the latest until its lease could be taken over;
+    /// `Err` is the answer instead (409 on a rejecting route or after the
+    /// deadline, or the store failure).
+    async fn wait(
+        &self,
+        policy: &RoutePolicy,
+        key: &ScopeKey,
+        lease_remaining: Duration,
+        waiting: &mut Waiting,
+    ) -> Result<(), Decision> {
+        let settings = policy.policy();
+        let now = Instant::now();
+        if settings.in_flight == InFlightPolicy::Reject || now >= waiting.deadline {
+            let retry = lease_remaining.min(settings.wait_timeout).as_secs() + 1;
+            return Err(Decision::Respond(self.in_flight(retry)));
+        }
+        waiting.waited = true;
+        // Wake at the latest when the lease could be taken over.
+        let max = (waiting.deadline - now).min(lease_remaining + Duration::from_millis(1));
+        if let Err(error) = self.inner.store.wait(key, max, waiting.attempt).await {
+            return Err(self.store_failed(policy, &error));
+        }
+        waiting.attempt += 1;
+        Ok(())
+    }
+
+    /// The store failed: forward unprotected (fail-open) or 503.
+    fn store_failed(&self, policy: &RoutePolicy, error: &StoreError) -> Decision {
+        self.inner.metrics.record(Event::StoreError);
+        tracing::warn!(%error, "idempotency store failed");
+        match policy.policy().fail_mode {
+            FailMode::Open => Decision::Forward,
+            FailMode::Closed => Decision::Respond(self.store_unavailable()),
+        }
+    }
+}

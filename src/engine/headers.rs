@@ -1,0 +1,169 @@
+//! Header hygiene: which headers belong to one connection and never travel
+//! further, and which are never stored for a replay. The engine (storing a
+//! response) and the proxy (forwarding a buffered request, relaying a
+//! response head) both ask here, so the rules exist once.
+//!
+//! Depends on nothing in this crate.
+
+use http::{header, HeaderMap, HeaderName, HeaderValue};
+
+/// The headers that describe one connection rather than the message
+/// (RFC 9110, section 7.6.1): `Connection` and the legacy `Keep-Alive` and
+/// `Proxy-Connection`. Never relayed, never stored.
+const CONNECTION_SCOPED: [HeaderName; 3] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+];
+
+/// Request headers that frame or extend one hop's message: a request whose
+/// body was buffered is framed again (`Content-Length`) by whoever sends it
+/// on, so these are never forwarded with it. `Expect` is answered by the hop
+/// that buffered the body.
+const HOP_FRAMING: [HeaderName; 5] = [
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::EXPECT,
+];
+
+/// The header names listed in `Connection` (RFC 9110, section 7.6.1): they
+/// belong to this connection only. Unparsable names are skipped.
+pub fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect()
+}
+
+/// The request headers not forwarded with a buffered body: the connection
+/// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
+/// `Upgrade`, `Expect`), and every header `Connection` lists. The caller
+/// removes them (and sets `Content-Length` for the body it sends).
+pub fn not_forwarded(request: &HeaderMap) -> Vec<HeaderName> {
+    let mut names: Vec<HeaderName> = CONNECTION_SCOPED
+        .iter()
+        .chain(&HOP_FRAMING)
+        .cloned()
+        .collect();
+    names.extend(connection_listed(request));
+    names
+}
+
+/// The response headers not relayed to the client: the connection headers
+/// and every header `Connection` lists. Framing (`Transfer-Encoding`,
+/// `Content-Length`) is left to the server that writes the response.
+pub fn not_relayed(response: &HeaderMap) -> Vec<HeaderName> {
+    let mut names = CONNECTION_SCOPED.to_vec();
+    names.extend(connection_listed(response));
+    names
+}
+
+/// Whether a response header is never stored for a replay, whatever it
+/// names: hop-by-hop headers, credentials, `Date` and `Content-Length`
+/// (set again on replay), `Idempotent-Replayed` (added by the replay), and
+/// `Set-Cookie` unless `replay_set_cookie`.
+pub fn never_stored(name: &HeaderName, replay_set_cookie: bool) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "authorization"
+            | "cookie"
+            | "date"
+            | "content-length"
+            | "idempotent-replayed"
+    ) || (!replay_set_cookie && name == header::SET_COOKIE)
+}
+
+/// The response headers kept for a replay, in order: all but those
+/// [`never_stored`] and those `Connection` lists.
+pub fn stored(response: &HeaderMap, replay_set_cookie: bool) -> Vec<(HeaderName, HeaderValue)> {
+    let listed = connection_listed(response);
+    response
+        .iter()
+        .filter(|(name, _)| !never_stored(name, replay_set_cookie) && !listed.contains(name))
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.append(
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
+            );
+        }
+        headers
+    }
+
+    #[test]
+    fn only_replayable_headers_are_stored() {
+        for replay_set_cookie in [false, true] {
+            let headers = map(&[
+                ("content-type", "text/plain"),
+                ("x-trace", "a"),
+                ("connection", "keep-alive, x-hop"),
+                ("x-hop", "per connection"),
+                ("keep-alive", "timeout=5"),
+                ("transfer-encoding", "chunked"),
+                ("date", "Tue, 01 Jan 2030 00:00:00 GMT"),
+                ("content-length", "5"),
+                ("set-cookie", "session=1"),
+                ("idempotent-replayed", "true"),
+                ("x-trace", "b"),
+            ]);
+            let stored: Vec<_> = headers
+                .iter()
+                .filter(|(name, _)| !never_stored(name, replay_set_cookie))
+                .map(|(name, _)| name.as_str())
+                .collect();
+            assert!(!stored.contains(&"date") && !stored.contains(&"content-length"));
+            assert_eq!(stored.contains(&"set-cookie"), replay_set_cookie);
+            assert!(stored.contains(&"content-type") && stored.contains(&"x-trace"));
+            let kept: Vec<_> = super::stored(&headers, replay_set_cookie)
+                .into_iter()
+                .map(|(name, _)| name)
+                .collect();
+            assert!(
+                !kept.iter().any(|name| name == "x-hop"),
+                "Connection-listed"
+            );
+        }
+    }
+
+    #[test]
+    fn forwarding_drops_connection_and_framing_headers() {
+        let request = map(&[
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+            ("transfer-encoding", "chunked"),
+            ("expect", "100-continue"),
+            ("content-type", "text/plain"),
+        ]);
+        let dropped = not_forwarded(&request);
+        for name in ["connection", "x-hop", "transfer-encoding", "expect", "te"] {
+            assert!(dropped.iter().any(|n| n == name), "{name}");
+        }
+        assert!(!dropped.iter().any(|n| n == "content-type"));
+        let relayed = not_relayed(&request);
+        assert!(relayed.iter().any(|n| n == "x-hop"));
+        assert!(!relayed.iter().any(|n| n == "transfer-encoding"));
+    }
+}

@@ -1,0 +1,169 @@
+//! The upstream's answer, recorded while it streams to the client.
+//!
+//! Every rule about what is stored lives here and in
+//! [`Reservation`](super::Reservation): a status the route does not store
+//! frees the key at once; each chunk is kept up to the storage cap; past
+//! the cap only a marker is stored; a broken stream frees the key; the end
+//! of the stream stores the response. A front end moves bytes and calls
+//! [`Recorder::chunk`], then [`Recorder::end`] or [`Recorder::fail`].
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, StatusCode};
+
+use super::Reservation;
+use crate::store::{Outcome, StoredResponse};
+
+/// What a front end does after handing a chunk to [`Recorder::chunk`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// The chunk was recorded: keep feeding chunks, then call
+    /// [`Recorder::end`] (or [`Recorder::fail`]).
+    Record,
+    /// Nothing is recorded any more: pass the rest on as it comes. On the
+    /// chunk that passed the storage cap (whose marker is now stored),
+    /// `recorded` holds the bytes recorded before that chunk, which the
+    /// recorder no longer holds; otherwise it is empty.
+    Pass {
+        /// The body recorded before the chunk that stopped recording.
+        recorded: Bytes,
+    },
+}
+
+/// Records one upstream answer for its reservation. Made by
+/// [`Reservation::record`].
+///
+/// Dropped before [`end`](Recorder::end) or [`fail`](Recorder::fail) while
+/// still recording (a panic, a cancelled task), it frees the key in the
+/// background, like a dropped [`Reservation`].
+#[derive(Debug)]
+pub struct Recorder {
+    /// `None` once the outcome is settled (stored, marked or released).
+    reservation: Option<Reservation>,
+    status: StatusCode,
+    /// The headers a replay will carry.
+    pub(super) headers: Vec<(HeaderName, HeaderValue)>,
+    body: Buffer,
+    limit: usize,
+}
+
+impl Recorder {
+    /// A recorder for `reservation`'s answer with `status` and the headers
+    /// kept for a replay; the body may be up to `limit` bytes.
+    pub(super) fn new(
+        reservation: Reservation,
+        status: StatusCode,
+        headers: Vec<(HeaderName, HeaderValue)>,
+        limit: usize,
+    ) -> Self {
+        Recorder {
+            reservation: Some(reservation),
+            status,
+            headers,
+            body: Buffer::default(),
+            limit,
+        }
+    }
+
+    /// A recorder with nothing to record: the key was already settled.
+    pub(super) fn settled(status: StatusCode) -> Self {
+        Recorder {
+            reservation: None,
+            status,
+            headers: Vec::new(),
+            body: Buffer::default(),
+            limit: 0,
+        }
+    }
+
+    /// Whether body chunks are still recorded. `false` from the start when
+    /// the route does not store this status (the key is already free).
+    pub fn is_recording(&self) -> bool {
+        self.reservation.is_some()
+    }
+
+    /// The status being recorded.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Records a body chunk (the first one without a copy). A chunk that
+    /// takes the body past the route's storage cap stops the recording:
+    /// the marker "executed, response too large" is stored at once, and
+    /// the retry gets a `response-not-stored` problem.
+    pub async fn chunk(&mut self, chunk: &Bytes) -> Flow {
+        let Some(reservation) = self.reservation.take() else {
+            return Flow::Pass {
+                recorded: Bytes::new(),
+            };
+        };
+        if self.body.len() + chunk.len() <= self.limit {
+            self.body.push(chunk);
+            self.reservation = Some(reservation);
+            return Flow::Record;
+        }
+        let recorded = std::mem::take(&mut self.body).into_bytes();
+        reservation
+            .store(Outcome::TooLarge {
+                status: self.status,
+            })
+            .await;
+        Flow::Pass { recorded }
+    }
+
+    /// The body ended: stores the response (from now on it is replayed).
+    /// Returns the recorded body, the very bytes stored (empty when nothing
+    /// was recorded).
+    pub async fn end(mut self) -> Bytes {
+        let body = std::mem::take(&mut self.body).into_bytes();
+        if let Some(reservation) = self.reservation.take() {
+            reservation
+                .store(Outcome::Stored(StoredResponse {
+                    status: self.status,
+                    headers: std::mem::take(&mut self.headers),
+                    body: body.clone(),
+                }))
+                .await;
+        }
+        body
+    }
+
+    /// The body broke off: nothing is stored and the key is released, so
+    /// the retry executes. Returns what was recorded before the break.
+    pub async fn fail(mut self) -> Bytes {
+        if let Some(reservation) = self.reservation.take() {
+            reservation.release().await;
+        }
+        std::mem::take(&mut self.body).into_bytes()
+    }
+}
+
+/// A body collected chunk by chunk: one chunk is kept as it came, several
+/// are joined.
+#[derive(Debug, Default)]
+struct Buffer {
+    /// The body when it came in one chunk; `joined` is empty while this is
+    /// set.
+    first: Option<Bytes>,
+    joined: BytesMut,
+}
+
+impl Buffer {
+    fn len(&self) -> usize {
+        self.first.as_ref().map_or(0, Bytes::len) + self.joined.len()
+    }
+
+    fn push(&mut self, chunk: &Bytes) {
+        if self.first.is_none() && self.joined.is_empty() {
+            self.first = Some(chunk.clone());
+            return;
+        }
+        if let Some(first) = self.first.take() {
+            self.joined.extend_from_slice(&first);
+        }
+        self.joined.extend_from_slice(chunk);
+    }
+
+    fn into_bytes(self) -> Bytes {
+        self.first.unwrap_or_else(|| self.joined.freeze())
+    }
+}

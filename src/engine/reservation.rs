@@ -1,0 +1,209 @@
+//! A held key, from its reservation to its outcome: stored, marked too
+//! large, or released — and released in the background when abandoned.
+
+use std::sync::Arc;
+
+use http::{HeaderMap, StatusCode};
+use tokio::time::Instant;
+
+use super::lease::Lease;
+use super::{headers, Engine, Recorder};
+use crate::metrics::Event;
+use crate::policy::RoutePolicy;
+use crate::store::{Outcome, OwnerToken, ScopeKey, StoreError};
+
+/// Ownership of one key while its request runs upstream.
+///
+/// While it lives, the engine's renewer renews the lease (every third of
+/// it), so a long upstream call is not taken over. It must end in
+/// [`record`](Reservation::record) (and its [`Recorder`]) or
+/// [`release`](Reservation::release); if it is dropped instead (a panic, a
+/// cancelled task), the key is released in the background, so no key is
+/// ever stuck for longer than its lease.
+#[derive(Debug)]
+pub struct Reservation {
+    engine: Engine,
+    policy: Arc<RoutePolicy>,
+    key: ScopeKey,
+    owner: OwnerToken,
+    lease: Lease,
+    started: Instant,
+    settled: bool,
+}
+
+impl Reservation {
+    pub(super) fn new(
+        engine: Engine,
+        policy: Arc<RoutePolicy>,
+        key: ScopeKey,
+        owner: OwnerToken,
+    ) -> Self {
+        engine.inner.metrics.in_flight_add(1);
+        let lease = engine
+            .inner
+            .leases
+            .hold(&engine.inner, key, owner, policy.policy().lease);
+        Reservation {
+            engine,
+            policy,
+            key,
+            owner,
+            lease,
+            started: Instant::now(),
+            settled: false,
+        }
+    }
+
+    fn stop_renewing(&self) {
+        self.lease.forget();
+    }
+
+    /// The short hash of the key, for correlating logs.
+    pub fn key_hash(&self) -> String {
+        self.key.short()
+    }
+
+    /// The route's policy.
+    pub fn policy(&self) -> &RoutePolicy {
+        &self.policy
+    }
+
+    /// Starts recording the upstream's answer, whose head is `status` and
+    /// `headers`. A status the route does not store releases the key here,
+    /// so a corrected request can go through; the recorder then records
+    /// nothing ([`Recorder::is_recording`] is `false`). The headers that
+    /// are never stored (see [`headers::stored`]) are dropped here.
+    pub async fn record(self, status: StatusCode, headers: &HeaderMap) -> Recorder {
+        let settings = self.policy.policy();
+        if !settings.store_statuses.contains(status) {
+            self.release_as(status).await;
+            return Recorder::settled(status);
+        }
+        let kept = headers::stored(headers, settings.replay_set_cookie);
+        let limit = settings.max_response_bytes;
+        Recorder::new(self, status, kept, limit)
+    }
+
+    /// Releases the key without storing anything (upstream transport
+    /// failure, abandoned request): the next request with it executes.
+    pub async fn release(self) {
+        self.release_as(StatusCode::BAD_GATEWAY).await;
+    }
+
+    /// Stores `outcome` (replayed from now on). Never fails and never holds
+    /// the caller up for long: when storing fails, it is retried in the
+    /// background (the renewer still renewing the lease) for up to the
+    /// route's lease, so a store outage shorter than the lease never leads
+    /// to a second execution; after that it is logged and the key can be
+    /// taken over.
+    pub(super) async fn store(mut self, outcome: Outcome) {
+        let status = match &outcome {
+            Outcome::Stored(response) => response.status,
+            Outcome::TooLarge { status } => *status,
+        };
+        match self.complete(&outcome).await {
+            Ok(done) => self.completed(status, Ok(done)),
+            Err(_) => {
+                // Giving up would leave the key in flight, and the first retry
+                // after the lease would execute the request a second time. So
+                // keep trying in the background — with the heartbeat still
+                // renewing the lease — for as long as the lease may be ours,
+                // and let the caller have its response now. The owner check
+                // makes a late success harmless.
+                tokio::spawn(async move {
+                    let deadline = Instant::now() + self.policy.policy().lease;
+                    let mut attempt = 0;
+                    let result = loop {
+                        let now = Instant::now();
+                        if now >= deadline {
+                            break Err(StoreError::Timeout);
+                        }
+                        tokio::time::sleep(crate::store::backoff(attempt).min(deadline - now))
+                            .await;
+                        attempt += 1;
+                        let result = self.complete(&outcome).await;
+                        if result.is_ok() {
+                            break result;
+                        }
+                    };
+                    self.completed(status, result);
+                });
+            }
+        }
+    }
+
+    async fn complete(&self, outcome: &Outcome) -> Result<bool, StoreError> {
+        self.lease.settling();
+        let engine = &self.engine;
+        let ttl = self.policy.policy().ttl;
+        engine
+            .store_call(
+                engine
+                    .inner
+                    .store
+                    .complete(&self.key, &self.owner, outcome, ttl),
+            )
+            .await
+    }
+
+    fn completed(&mut self, status: StatusCode, result: Result<bool, StoreError>) {
+        self.stop_renewing();
+        self.settled = true;
+        let engine = &self.engine;
+        let duration_us = self.started.elapsed().as_micros() as u64;
+        match result {
+            Ok(true) => {
+                engine.inner.metrics.record(Event::Stored);
+                tracing::info!(outcome = "executed", status = status.as_u16(), duration_us, key = %self.key.short(), "idempotency");
+            }
+            Ok(false) => {
+                tracing::warn!(status = status.as_u16(), key = %self.key.short(), "idempotency lease was taken over before completion; response not stored");
+            }
+            Err(error) => {
+                engine.inner.metrics.record(Event::StoreError);
+                tracing::error!(%error, status = status.as_u16(), key = %self.key.short(), "idempotency response could not be stored; the key frees when its lease expires");
+            }
+        }
+    }
+
+    /// Releases the key now; `status` is the upstream's (for the log).
+    async fn release_as(mut self, status: StatusCode) {
+        self.stop_renewing();
+        let engine = self.engine.clone();
+        let result = engine
+            .store_call(engine.inner.store.release(&self.key, &self.owner))
+            .await;
+        self.settled = true;
+        engine.inner.metrics.record(Event::Released);
+        match result {
+            Ok(_) => {
+                tracing::info!(outcome = "released", status = status.as_u16(), duration_us = self.started.elapsed().as_micros() as u64, key = %self.key.short(), "idempotency")
+            }
+            Err(error) => {
+                tracing::warn!(%error, key = %self.key.short(), "idempotency release failed; the key frees when its lease expires")
+            }
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.stop_renewing();
+        self.engine.inner.metrics.in_flight_add(-1);
+        if self.settled {
+            return;
+        }
+        // Abandoned (panic or cancellation): free the key in the background.
+        let engine = self.engine.clone();
+        let (key, owner) = (self.key, self.owner);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                engine.inner.metrics.record(Event::Released);
+                let _ = engine
+                    .store_call(engine.inner.store.release(&key, &owner))
+                    .await;
+                tracing::info!(outcome = "released", key = %key.short(), "idempotency reservation abandoned");
+            });
+        }
+    }
+}

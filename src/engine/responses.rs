@@ -1,0 +1,156 @@
+//! The answers the engine makes itself: replays of stored responses and
+//! problem documents (RFC 9457). A front end writes them as they are.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+
+use super::Engine;
+use crate::key::KeyError;
+use crate::metrics::Event;
+use crate::policy::RoutePolicy;
+use crate::problem::{Problem, ProblemKind};
+use crate::store::StoredResponse;
+
+/// The header added to every replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+impl Engine {
+    /// The 413 answer for a body over `policy`'s limit. Nothing is reserved.
+    pub fn body_too_large(&self, policy: &RoutePolicy) -> Response<Bytes> {
+        self.reject(
+            Event::TooLarge,
+            Problem::new(
+                ProblemKind::BodyTooLarge,
+                format!(
+                    "The request body exceeds the limit of {} bytes.",
+                    policy.max_body_bytes()
+                ),
+            ),
+        )
+    }
+
+    /// The answer for a body that could not be read (client gone or too
+    /// slow: `timed_out`). Nothing is reserved.
+    pub fn body_unreadable(&self, timed_out: bool) -> Response<Bytes> {
+        let problem = Problem::new(
+            ProblemKind::BodyUnreadable,
+            "The request body could not be read completely.",
+        );
+        let problem = if timed_out {
+            problem.with_status(StatusCode::REQUEST_TIMEOUT)
+        } else {
+            problem
+        };
+        problem.into_response()
+    }
+
+    /// The 502 (or 504 when `timed_out`) answer for an upstream transport
+    /// failure, after [`Reservation::release`](super::Reservation::release).
+    pub fn upstream_failed(&self, timed_out: bool) -> Response<Bytes> {
+        let problem = if timed_out {
+            Problem::new(
+                ProblemKind::UpstreamTimeout,
+                "The upstream did not answer in time; the request may be retried.",
+            )
+        } else {
+            Problem::new(
+                ProblemKind::UpstreamUnavailable,
+                "The upstream could not be reached; the request may be retried.",
+            )
+        };
+        problem.into_response()
+    }
+
+    /// Counts `event`, logs it and answers with `problem`.
+    pub(super) fn reject(&self, event: Event, problem: Problem) -> Response<Bytes> {
+        self.inner.metrics.record(event);
+        tracing::info!(outcome = %event, status = problem.status().as_u16(), "idempotency");
+        problem.into_response()
+    }
+
+    /// 400: a required key is missing.
+    pub(super) fn key_missing(&self) -> Response<Bytes> {
+        self.reject(
+            Event::InvalidKey,
+            Problem::new(
+                ProblemKind::KeyMissing,
+                "This endpoint requires an idempotency key.",
+            ),
+        )
+    }
+
+    /// 400: the key is malformed.
+    pub(super) fn invalid_key(&self, error: KeyError) -> Response<Bytes> {
+        self.reject(
+            Event::InvalidKey,
+            Problem::new(ProblemKind::KeyInvalid, error.to_string()),
+        )
+    }
+
+    /// 422 (or the route's `mismatch_status`): the key was used for a
+    /// different request.
+    pub(super) fn mismatch(&self, policy: &RoutePolicy) -> Response<Bytes> {
+        self.reject(
+            Event::Mismatch,
+            Problem::new(
+                ProblemKind::KeyMismatch,
+                "This idempotency key was already used for a different request.",
+            )
+            .with_status(policy.mismatch),
+        )
+    }
+
+    /// 409: the request ran once, but its response was too large to store.
+    /// Counted as a replay: the answer stands for the stored outcome.
+    pub(super) fn not_stored(&self, status: StatusCode) -> Response<Bytes> {
+        self.reject(
+            Event::Replayed,
+            Problem::new(
+                ProblemKind::ResponseNotStored,
+                format!(
+                    "The request was executed once (status {}), but its response \
+                     was too large to store; it will not be executed again.",
+                    status.as_u16()
+                ),
+            ),
+        )
+    }
+
+    /// 409 with `Retry-After`: the first request still holds the key.
+    pub(super) fn in_flight(&self, retry_after: u64) -> Response<Bytes> {
+        self.reject(
+            Event::InFlightConflict,
+            Problem::new(
+                ProblemKind::InFlight,
+                "A request with this idempotency key is still being \
+                 processed; retry later.",
+            )
+            .retry_after(retry_after),
+        )
+    }
+
+    /// 503 with `Retry-After`: the store failed on a fail-closed route.
+    pub(super) fn store_unavailable(&self) -> Response<Bytes> {
+        Problem::new(
+            ProblemKind::StoreUnavailable,
+            "The idempotency store is unavailable; the request was not executed.",
+        )
+        .retry_after(self.inner.config.store_retry_after)
+        .into_response()
+    }
+}
+
+/// A stored response as the client gets it again: its status, headers and
+/// body, with `Content-Length` and `Idempotent-Replayed: true`.
+pub(super) fn replay(stored: StoredResponse) -> Response<Bytes> {
+    let length = stored.body.len();
+    let mut response = Response::new(stored.body);
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        headers.append(name, value);
+    }
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    response
+}

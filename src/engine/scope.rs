@@ -1,0 +1,29 @@
+//! The scope identity a key is stored under: two requests share a record
+//! only when every part of it is equal.
+
+use sha2::{Digest, Sha256};
+
+use super::RequestHead;
+use crate::policy::RoutePolicy;
+use crate::store::ScopeKey;
+
+/// SHA-256 over (principal, scope headers, method, path, key), each
+/// length-prefixed.
+pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &[u8]) -> ScopeKey {
+    let mut hasher = Sha256::new();
+    let mut put = |bytes: &[u8]| {
+        hasher.update((bytes.len() as u64).to_be_bytes());
+        hasher.update(bytes);
+    };
+    put(head.principal.unwrap_or(b""));
+    for name in &policy.scope_headers {
+        for value in head.headers.get_all(name) {
+            put(name.as_str().as_bytes());
+            put(value.as_bytes());
+        }
+    }
+    put(head.method.as_str().as_bytes());
+    put(head.uri.path().as_bytes());
+    put(raw_key);
+    ScopeKey(hasher.finalize().into())
+}

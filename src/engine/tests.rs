@@ -1,0 +1,543 @@
+//! The engine's unit tests, against the memory store (and a flaky wrapper
+//! of it for outages).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+
+use super::scope::scope_key;
+use super::*;
+use crate::policy::{InFlightPolicy, Policy, Routes};
+use crate::store::{
+    Claim, Fingerprint, MemoryStore, Outcome, OwnerToken, Record, ScopeKey, Store, StoreError,
+};
+
+/// The route covering `POST path` on `engine` (for a request with a key).
+fn covered(engine: &Engine, path: &'static str) -> Covered {
+    let mut headers = HeaderMap::new();
+    headers.insert("idempotency-key", HeaderValue::from_static("k"));
+    let uri = Uri::from_static(path);
+    let head = RequestHead {
+        method: &Method::POST,
+        uri: &uri,
+        headers: &headers,
+        principal: None,
+    };
+    match engine.classify(&head) {
+        Coverage::Covered(covered) => covered,
+        Coverage::PassThrough => panic!("{path} is not covered"),
+    }
+}
+
+fn engine(policy: Policy) -> (Engine, MemoryStore, Covered) {
+    let store = MemoryStore::new();
+    let routes = Routes::all(policy).unwrap();
+    let engine = Engine::new(store.clone(), routes);
+    let policy = covered(&engine, "/orders");
+    (engine, store, policy)
+}
+
+/// `POST /orders` with `Idempotency-Key: key` and a JSON body.
+async fn begin(engine: &Engine, policy: &Covered, key: &str) -> Decision {
+    let mut headers = HeaderMap::new();
+    headers.insert("idempotency-key", key.parse().unwrap());
+    headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+    let head = RequestHead {
+        method: &Method::POST,
+        uri: &Uri::from_static("/orders"),
+        headers: &headers,
+        principal: None,
+    };
+    engine.begin(policy, head, br#"{"amount":10}"#).await
+}
+
+fn proceed(decision: Decision) -> Reservation {
+    match decision {
+        Decision::Proceed(reservation) => reservation,
+        other => panic!("expected Proceed, got {other:?}"),
+    }
+}
+
+fn problem_type(decision: Decision) -> (StatusCode, String) {
+    let Decision::Respond(response) = decision else {
+        panic!("expected a response, got {decision:?}");
+    };
+    let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+    (response.status(), body["type"].as_str().unwrap().to_owned())
+}
+
+#[tokio::test]
+async fn the_recorder_drops_connection_listed_headers_and_stops_at_the_cap() {
+    let (engine, _, policy) = engine(Policy {
+        max_response_bytes: 8,
+        ..Policy::default()
+    });
+    let reservation = proceed(begin(&engine, &policy, "k").await);
+    let mut headers = HeaderMap::new();
+    headers.insert(header::CONNECTION, "x-hop".parse().unwrap());
+    headers.insert("x-hop", "1".parse().unwrap());
+    headers.append("x-keep", "1".parse().unwrap());
+    headers.append("x-keep", "2".parse().unwrap());
+    let mut recorder = reservation.record(StatusCode::CREATED, &headers).await;
+    let names: Vec<_> = recorder
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+        .collect();
+    assert_eq!(names, [("x-keep", "1"), ("x-keep", "2")]);
+    assert_eq!(
+        recorder.chunk(&Bytes::from_static(b"12345")).await,
+        Flow::Record
+    );
+    assert!(recorder.is_recording());
+    assert_eq!(
+        recorder.chunk(&Bytes::from_static(b"6789")).await,
+        Flow::Pass {
+            recorded: Bytes::from_static(b"12345")
+        }
+    );
+    assert!(!recorder.is_recording());
+    assert!(recorder.end().await.is_empty(), "nothing more was recorded");
+    assert_eq!(
+        problem_type(begin(&engine, &policy, "k").await),
+        (
+            StatusCode::CONFLICT,
+            "urn:tower-idempotency:response-not-stored".to_owned()
+        )
+    );
+}
+
+#[tokio::test]
+async fn the_recorder_keeps_one_chunk_uncopied_and_joins_several_in_order() {
+    let (engine, _, policy) = engine(Policy {
+        max_response_bytes: 10,
+        ..Policy::default()
+    });
+    let one = proceed(begin(&engine, &policy, "one").await);
+    let mut recorder = one.record(StatusCode::OK, &HeaderMap::new()).await;
+    let chunk = Bytes::from_static(b"hello");
+    assert_eq!(recorder.chunk(&chunk).await, Flow::Record);
+    let stored = recorder.end().await;
+    assert_eq!(stored.as_ptr(), chunk.as_ptr(), "stored as it came");
+
+    let several = proceed(begin(&engine, &policy, "several").await);
+    let mut recorder = several.record(StatusCode::OK, &HeaderMap::new()).await;
+    for part in ["hello", " ", "you"] {
+        let part = Bytes::from_static(part.as_bytes());
+        assert_eq!(recorder.chunk(&part).await, Flow::Record);
+    }
+    assert_eq!(
+        recorder.chunk(&Bytes::from_static(b"!!")).await,
+        Flow::Pass {
+            recorded: Bytes::from_static(b"hello you")
+        },
+        "past the cap"
+    );
+    assert!(
+        recorder.fail().await.is_empty(),
+        "nothing held past the cap"
+    );
+
+    let broken = proceed(begin(&engine, &policy, "broken").await);
+    let mut recorder = broken.record(StatusCode::OK, &HeaderMap::new()).await;
+    for part in ["hel", "lo"] {
+        let part = Bytes::from_static(part.as_bytes());
+        assert_eq!(recorder.chunk(&part).await, Flow::Record);
+    }
+    assert_eq!(recorder.fail().await, "hello", "what came before the break");
+    assert!(
+        matches!(
+            begin(&engine, &policy, "broken").await,
+            Decision::Proceed(_)
+        ),
+        "a broken body frees the key"
+    );
+}
+
+#[tokio::test]
+async fn unstored_statuses_and_abandoned_reservations_release_the_key() {
+    let (engine, store, policy) = engine(Policy::default());
+    let reservation = proceed(begin(&engine, &policy, "k").await);
+    let recorder = reservation
+        .record(StatusCode::UNPROCESSABLE_ENTITY, &HeaderMap::new())
+        .await;
+    assert!(!recorder.is_recording());
+    assert!(recorder.end().await.is_empty());
+    assert!(store.is_empty());
+
+    // Dropped without being recorded or released (a panic, a cancelled task).
+    drop(proceed(begin(&engine, &policy, "k").await));
+    let mut next = begin(&engine, &policy, "k").await;
+    for _ in 0..100 {
+        if matches!(next, Decision::Proceed(_)) {
+            break;
+        }
+        tokio::task::yield_now().await;
+        next = begin(&engine, &policy, "k").await;
+    }
+    proceed(next).release().await;
+    assert!(store.is_empty());
+    assert_eq!(engine.metrics().in_flight(), 0);
+}
+
+/// The heartbeat keeps a long call's lease alive: a duplicate arriving
+/// long after the first lease would have run out still sees it in flight.
+#[tokio::test(start_paused = true)]
+async fn the_heartbeat_keeps_a_long_call_from_being_taken_over() {
+    let (engine, _, policy) = engine(Policy {
+        lease: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    let first = proceed(begin(&engine, &policy, "k").await);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        problem_type(begin(&engine, &policy, "k").await),
+        (
+            StatusCode::CONFLICT,
+            "urn:tower-idempotency:in-flight".to_owned()
+        )
+    );
+    let _ = first
+        .record(StatusCode::OK, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+    assert!(matches!(
+        begin(&engine, &policy, "k").await,
+        Decision::Respond(response) if response.headers().contains_key(REPLAYED_HEADER)
+    ));
+}
+
+/// A call may outlive the record's retention (`ttl`) when the heartbeat
+/// keeps renewing its lease; the record must not expire under it.
+#[tokio::test(start_paused = true)]
+async fn a_renewed_reservation_outlives_its_retention() {
+    let (engine, store, policy) = engine(Policy {
+        lease: Duration::from_millis(300),
+        ttl: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    let first = proceed(begin(&engine, &policy, "k").await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(store.sweep(10).await.unwrap(), 0);
+    assert_eq!(
+        problem_type(begin(&engine, &policy, "k").await).1,
+        "urn:tower-idempotency:in-flight"
+    );
+    first.release().await;
+}
+
+/// One renewer serves every lease: a short lease taken after a long
+/// one (the renewer asleep until the long one is due) is still renewed
+/// in time, and settled or abandoned reservations leave it.
+#[tokio::test(start_paused = true)]
+async fn one_renewer_keeps_short_and_long_leases_alive() {
+    let policy = |lease| Policy {
+        lease,
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/long", policy(Duration::from_secs(60)))
+        .unwrap()
+        .route("/short", policy(Duration::from_millis(300)))
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let long = covered(&engine, "/long");
+    let short = covered(&engine, "/short");
+    let first = proceed(begin(&engine, &long, "long").await);
+    // Let the renewer start and go to sleep until the long lease is due.
+    tokio::task::yield_now().await;
+    let second = proceed(begin(&engine, &short, "short").await);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        problem_type(begin(&engine, &short, "short").await).1,
+        "urn:tower-idempotency:in-flight"
+    );
+    let third = proceed(begin(&engine, &short, "dropped").await);
+    assert_eq!(engine.inner.leases.len(), 3);
+
+    let _ = first
+        .record(StatusCode::OK, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+    second.release().await;
+    drop(third);
+    assert_eq!(engine.inner.leases.len(), 0);
+}
+
+/// The renewer holds the engine only weakly and ends with it.
+#[tokio::test(start_paused = true)]
+async fn the_renewer_ends_with_the_engine() {
+    let (engine, _, policy) = engine(Policy::default());
+    proceed(begin(&engine, &policy, "k").await).release().await;
+    let leases = engine.inner.leases.clone();
+    assert_eq!(leases.renewer_refs(), [2], "one renewer, running");
+    drop(engine);
+    for _ in 0..3 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(leases.renewer_refs(), [1], "the renewer has ended");
+}
+
+/// Each runtime renews the leases of its own requests: a runtime that
+/// stopped (or is no longer driven) takes no one else's leases with it.
+#[test]
+fn a_runtime_no_longer_driven_takes_no_other_runtimes_leases_with_it() {
+    let (engine, _, policy) = engine(Policy {
+        lease: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    };
+    // The first reservation starts a renewer on a runtime that is then
+    // no longer driven (and later stops).
+    let first = runtime();
+    let idle = first.block_on(async { proceed(begin(&engine, &policy, "a").await) });
+    let second = runtime();
+    second.block_on(async {
+        let held = proceed(begin(&engine, &policy, "b").await);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "b").await).1,
+            "urn:tower-idempotency:in-flight",
+            "the lease was renewed, not taken over"
+        );
+        held.release().await;
+    });
+    drop(idle);
+    drop(first);
+}
+
+#[test]
+fn every_part_of_the_scope_changes_the_key() {
+    let policy = Policy {
+        scope_headers: vec!["authorization".into()],
+        ..Policy::default()
+    }
+    .validate()
+    .unwrap();
+    let key = |principal: Option<&[u8]>, auth: &str, method: Method, path: &str, raw: &[u8]| {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, auth.parse().unwrap());
+        let uri: Uri = path.parse().unwrap();
+        let head = RequestHead {
+            method: &method,
+            uri: &uri,
+            headers: &headers,
+            principal,
+        };
+        scope_key(&policy, &head, raw)
+    };
+    let base = key(None, "a", Method::POST, "/o", b"k");
+    assert_eq!(base, key(None, "a", Method::POST, "/o?q=1", b"k"));
+    for other in [
+        key(Some(b"alice"), "a", Method::POST, "/o", b"k"),
+        key(None, "b", Method::POST, "/o", b"k"),
+        key(None, "a", Method::PATCH, "/o", b"k"),
+        key(None, "a", Method::POST, "/p", b"k"),
+        key(None, "a", Method::POST, "/o", b"k2"),
+    ] {
+        assert_ne!(base, other);
+    }
+    // Length prefixes: moving bytes between parts changes the key.
+    assert_ne!(
+        key(Some(b"ab"), "a", Method::POST, "/o", b"c"),
+        key(Some(b"a"), "a", Method::POST, "/o", b"bc")
+    );
+}
+
+/// The memory store, with `complete` failing while `outage` is above 0
+/// (each failure counts it down): a store that is briefly unreachable.
+#[derive(Debug, Default)]
+struct Flaky {
+    store: MemoryStore,
+    outage: AtomicUsize,
+    /// Like `outage`, for `renew`.
+    renew_outage: AtomicUsize,
+    reserves: AtomicUsize,
+}
+
+/// Fails (counting `outage` down) while it is above 0.
+fn fail_while(outage: &AtomicUsize) -> Result<(), StoreError> {
+    match outage.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
+        Ok(_) => Err(StoreError::Unavailable("down".into())),
+        Err(_) => Ok(()),
+    }
+}
+
+#[async_trait]
+impl Store for Flaky {
+    async fn reserve(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.reserves.fetch_add(1, Ordering::SeqCst);
+        self.store.reserve(key, fingerprint, lease, ttl).await
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        outcome: &Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        fail_while(&self.outage)?;
+        self.store.complete(key, owner, outcome, ttl).await
+    }
+
+    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
+        self.store.release(key, owner).await
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        fail_while(&self.renew_outage)?;
+        self.store.renew(key, owner, lease).await
+    }
+
+    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
+        self.store.get(key).await
+    }
+
+    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
+        self.store.sweep(batch).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// A waiter polls (this store has no wake-ups) with reads only: it
+/// tried to reserve once, on arrival, and replays the first answer.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_polls_with_reads_not_reservations() {
+    let store = Arc::new(Flaky::default());
+    let engine = Engine::with_config(
+        store.clone(),
+        Routes::all(Policy::default()).unwrap(),
+        EngineConfig::default(),
+    );
+    let policy = covered(&engine, "/orders");
+    let first = proceed(begin(&engine, &policy, "k").await);
+    let waiter = tokio::spawn({
+        let (engine, policy) = (engine.clone(), policy.clone());
+        async move { begin(&engine, &policy, "k").await }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!waiter.is_finished(), "the waiter is still waiting");
+    let _ = first
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+    let Decision::Respond(replay) = waiter.await.unwrap() else {
+        panic!("the waiter replays");
+    };
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert!(replay.headers().contains_key(REPLAYED_HEADER));
+    assert_eq!(store.reserves.load(Ordering::SeqCst), 2);
+}
+
+/// Renewals that fail (a store restarting, broken pooled connections)
+/// are tried again soon, not a third of the lease later: three failed
+/// renewals in a row do not let a live request's lease run out.
+#[tokio::test(start_paused = true)]
+async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
+    let store = Arc::new(Flaky::default());
+    store.renew_outage.store(3, Ordering::SeqCst);
+    let policy = Policy {
+        lease: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    };
+    let engine = Engine::with_config(
+        store.clone(),
+        Routes::all(policy).unwrap(),
+        EngineConfig::default(),
+    );
+    let policy = covered(&engine, "/orders");
+    let held = proceed(begin(&engine, &policy, "k").await);
+    // A duplicate every 10 ms for 2 s: none may take the key over.
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await).1,
+            "urn:tower-idempotency:in-flight",
+            "the lease was renewed, not taken over"
+        );
+    }
+    assert_eq!(store.renew_outage.load(Ordering::SeqCst), 0, "all failed");
+    held.release().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
+    let store = Arc::new(Flaky::default());
+    let policy = Policy {
+        lease: Duration::from_secs(2),
+        ..Policy::default()
+    };
+    let engine = Engine::with_config(
+        store.clone(),
+        Routes::all(policy).unwrap(),
+        EngineConfig::default(),
+    );
+    let (method, uri) = (Method::POST, Uri::from_static("/orders"));
+    let mut headers = HeaderMap::new();
+    headers.insert("idempotency-key", HeaderValue::from_static("k1"));
+    let head = RequestHead {
+        method: &method,
+        uri: &uri,
+        headers: &headers,
+        principal: None,
+    };
+    let policy = covered(&engine, "/orders");
+    let Decision::Proceed(reservation) = engine.begin(&policy, head, b"").await else {
+        panic!("the first request proceeds");
+    };
+    // The store is down for a while (well under the lease) when the
+    // upstream's answer arrives.
+    store.outage.store(10, Ordering::SeqCst);
+    let _ = reservation
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+    // Long after the lease, a retry is a replay, not a second execution.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        store.outage.load(Ordering::SeqCst),
+        0,
+        "storing was retried"
+    );
+    match engine.begin(&policy, head, b"").await {
+        Decision::Respond(response) => {
+            assert_eq!(response.status(), StatusCode::CREATED);
+            assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+        }
+        other => panic!("the retry executed again: {other:?}"),
+    }
+}

@@ -1,0 +1,316 @@
+//! Request-body formats: media types, `application/x-www-form-urlencoded`,
+//! `multipart/form-data` and JSON pointers — parsed once into a [`View`]
+//! that key extraction and fingerprinting both read.
+//!
+//! This module depends on nothing else in the crate.
+//!
+//! Why the parsers here are not the usual crates':
+//!
+//! * `form_urlencoded` decodes names and values into UTF-8 *lossily*: two
+//!   bodies that differ only in invalid bytes would decode alike and get
+//!   one fingerprint, so a changed request could be answered with the first
+//!   one's response. The decoder here keeps the bytes.
+//! * `multer` parses a part's headers into a map; the fingerprint hashes
+//!   them as sent (a changed header spelling is a changed request), and
+//!   `multer` needs an async stream for a body that is already buffered.
+//!   The parser here keeps them raw and searches in linear time
+//!   (`memchr::memmem`), so a body full of near-matches of the boundary
+//!   costs no more than any other body of its size.
+//! * `mime` refuses content types with a loose parameter
+//!   (`application/json; charset`), which clients do send; the essence
+//!   match here reads only the part before `;`, as before.
+
+use http::HeaderMap;
+use memchr::memmem;
+
+/// The request's `Content-Type` as text ("" when absent or not text).
+pub fn content_type(headers: &HeaderMap) -> &str {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+/// Whether `content_type` is `expected`, ignoring parameters and case.
+pub fn is_media_type(content_type: &str, expected: &str) -> bool {
+    content_type
+        .split(';')
+        .next()
+        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case(expected))
+}
+
+/// Whether `content_type` is JSON (`application/json` or any `+json`).
+pub fn is_json(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || essence.to_ascii_lowercase().ends_with("+json")
+}
+
+/// A request body as its content type says to read it, parsed once.
+#[derive(Debug)]
+pub struct View<'a> {
+    /// The body as it came.
+    pub bytes: &'a [u8],
+    /// What it was parsed into.
+    pub kind: Kind<'a>,
+}
+
+/// How a [`View`]'s body was read.
+#[derive(Debug)]
+pub enum Kind<'a> {
+    /// JSON by its content type (read by the canonicaliser or a pointer).
+    Json,
+    /// A urlencoded form: (name, value) pairs, decoded, in order.
+    Form(Vec<(Vec<u8>, Vec<u8>)>),
+    /// A well-formed multipart form: its parts, in order.
+    Multipart(Vec<Part<'a>>),
+    /// A multipart content type whose body or boundary is malformed.
+    BadMultipart,
+    /// Anything else: opaque bytes.
+    Opaque,
+}
+
+impl<'a> View<'a> {
+    /// Reads `body` as `content_type` says.
+    pub fn parse(content_type: &str, body: &'a [u8]) -> Self {
+        let kind = if is_json(content_type) {
+            Kind::Json
+        } else if is_media_type(content_type, "application/x-www-form-urlencoded") {
+            Kind::Form(form_pairs(body).collect())
+        } else if is_media_type(content_type, "multipart/form-data") {
+            multipart_boundary(content_type)
+                .and_then(|boundary| multipart_parts(body, boundary))
+                .map_or(Kind::BadMultipart, Kind::Multipart)
+        } else {
+            Kind::Opaque
+        };
+        View { bytes: body, kind }
+    }
+
+    /// The value of the first form field (urlencoded or multipart) named
+    /// `name`; `None` for other bodies.
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        match &self.kind {
+            Kind::Form(pairs) => pairs
+                .iter()
+                .find(|(n, _)| n == name.as_bytes())
+                .map(|(_, v)| &v[..]),
+            Kind::Multipart(parts) => parts
+                .iter()
+                .find(|part| part.name == name.as_bytes())
+                .map(|part| part.data),
+            _ => None,
+        }
+    }
+}
+
+/// Decodes `application/x-www-form-urlencoded` into (name, value) pairs,
+/// in order. `+` is a space; a bad `%` escape is kept literally.
+pub fn form_pairs(body: &[u8]) -> impl Iterator<Item = (Vec<u8>, Vec<u8>)> + '_ {
+    body.split(|&b| b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (name, value) = match pair.iter().position(|&b| b == b'=') {
+                Some(i) => (&pair[..i], &pair[i + 1..]),
+                None => (pair, &b""[..]),
+            };
+            (percent_decode(name), percent_decode(value))
+        })
+}
+
+/// The value of the first pair named `name` in a urlencoded string (a
+/// query or a form body).
+pub fn form_value(body: &[u8], name: &str) -> Option<Vec<u8>> {
+    form_pairs(body)
+        .find(|(n, _)| n == name.as_bytes())
+        .map(|(_, v)| v)
+}
+
+fn percent_decode(input: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(input.len());
+    let mut i = 0;
+    while i < input.len() {
+        match input[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < input.len() => match (hex(input[i + 1]), hex(input[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push(h << 4 | l);
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    out
+}
+
+/// One part of a `multipart/form-data` body.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Part<'a> {
+    /// The `name` of its `Content-Disposition`.
+    pub name: &'a [u8],
+    /// Its headers, raw.
+    pub headers: &'a [u8],
+    /// Its content.
+    pub data: &'a [u8],
+}
+
+/// The `boundary` parameter of a multipart content type.
+pub fn multipart_boundary(content_type: &str) -> Option<&str> {
+    content_type.split(';').skip(1).find_map(|param| {
+        let (name, value) = param.split_once('=')?;
+        name.trim()
+            .eq_ignore_ascii_case("boundary")
+            .then(|| value.trim().trim_matches('"'))
+            .filter(|b| !b.is_empty() && b.len() <= 70)
+    })
+}
+
+/// Splits a multipart body into its parts. `None` if it is malformed.
+/// Linear in the body's length: each byte is searched once per delimiter
+/// search, with a substring search that does not backtrack.
+pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a>>> {
+    let delimiter = [b"--", boundary.as_bytes()].concat();
+    let next_delimiter = [b"\r\n", &delimiter[..]].concat();
+    let next = memmem::Finder::new(&next_delimiter);
+    let header_end = memmem::Finder::new(b"\r\n\r\n");
+    let mut parts = Vec::new();
+    let mut rest = &body[memmem::find(body, &delimiter)? + delimiter.len()..];
+    loop {
+        if rest.starts_with(b"--") {
+            return Some(parts);
+        }
+        rest = rest.strip_prefix(b"\r\n")?;
+        let header_end = header_end.find(rest)?;
+        let headers = &rest[..header_end];
+        let content = &rest[header_end + 4..];
+        let end = next.find(content)?;
+        parts.push(Part {
+            name: disposition_name(headers)?,
+            headers,
+            data: &content[..end],
+        });
+        rest = &content[end + next_delimiter.len()..];
+    }
+}
+
+fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
+    const PREFIX: &[u8] = b"content-disposition:";
+    let line = headers.split(|&b| b == b'\n').find(|line| {
+        line.len() > PREFIX.len() && line[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
+    })?;
+    line[PREFIX.len()..]
+        .split(|&b| b == b';')
+        .map(|param| param.trim_ascii())
+        .find_map(|param| {
+            let value = param
+                .get(..5)
+                .filter(|name| name.eq_ignore_ascii_case(b"name="))
+                .map(|_| &param[5..])?;
+            Some(
+                value
+                    .strip_prefix(b"\"")
+                    .and_then(|v| v.strip_suffix(b"\""))
+                    .unwrap_or(value),
+            )
+        })
+}
+
+/// Splits a JSON pointer (RFC 6901, `/a/b~1c`) into unescaped tokens
+/// (`["a", "b/c"]`).
+pub fn parse_pointer(pointer: &str) -> Vec<String> {
+    pointer
+        .split('/')
+        .skip(1)
+        .map(|token| token.replace("~1", "/").replace("~0", "~"))
+        .collect()
+}
+
+/// The array index a pointer token names: decimal, without sign or
+/// leading zeros (RFC 6901, section 4).
+fn array_index(token: &str) -> Option<usize> {
+    if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// The value `tokens` (from [`parse_pointer`]) points at in `value`.
+pub fn pointer_get<'v>(
+    value: &'v serde_json::Value,
+    tokens: &[String],
+) -> Option<&'v serde_json::Value> {
+    tokens.iter().try_fold(value, |value, token| match value {
+        serde_json::Value::Object(members) => members.get(token),
+        serde_json::Value::Array(items) => items.get(array_index(token)?),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding_edges() {
+        assert_eq!(percent_decode(b"%41%4"), b"A%4");
+        assert_eq!(percent_decode(b"%"), b"%");
+        assert_eq!(percent_decode(b"%zz"), b"%zz");
+    }
+
+    #[test]
+    fn multipart_parts_and_fields() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"email\"\r\n\r\na@b.c\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello\r\n--XyZ--\r\n";
+        let parts = multipart_parts(body, "XyZ").unwrap();
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[1].name, b"file");
+        assert_eq!(parts[1].data, b"hello");
+        assert!(multipart_parts(b"--XyZ\r\ngarbage", "XyZ").is_none());
+        let view = View::parse("multipart/form-data; boundary=XyZ", body);
+        assert_eq!(view.field("email"), Some(&b"a@b.c"[..]));
+        let view = View::parse("multipart/form-data; boundary=Other", body);
+        assert!(matches!(view.kind, Kind::BadMultipart));
+    }
+
+    /// A body of near-matches of a 70-byte boundary is split as fast as
+    /// any other: counted in comparisons, not time, with a search that
+    /// would take ~70 per byte if it backtracked.
+    #[test]
+    fn near_matches_of_the_boundary_stay_linear() {
+        let boundary = "b".repeat(70);
+        let near = format!("\r\n--{}x", &boundary[..69]);
+        let mut body =
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\n");
+        while body.len() < 1 << 20 {
+            body.push_str(&near);
+        }
+        body.push_str(&format!("\r\n--{boundary}--\r\n"));
+        let parts = multipart_parts(body.as_bytes(), &boundary).unwrap();
+        assert_eq!(parts.len(), 1);
+        assert!(parts[0].data.len() > 1 << 19);
+    }
+
+    #[test]
+    fn pointers_select_members_and_canonical_indexes() {
+        let value: serde_json::Value =
+            serde_json::from_str(r#"{"a/b":{"~k":[10,{"x":"y"}]}}"#).unwrap();
+        let get = |pointer: &str| pointer_get(&value, &parse_pointer(pointer)).cloned();
+        assert_eq!(get("/a~1b/~0k/1/x"), Some("y".into()));
+        assert_eq!(get("/a~1b/~0k/0"), Some(10.into()));
+        assert_eq!(get("/a~1b/~0k/01"), None);
+        assert_eq!(get("/a~1b/~0k/+1"), None);
+        assert_eq!(get("/missing"), None);
+        let doc = serde_json::json!({"": 1, "x": [2, 3], "/": 4, "~": 5});
+        for pointer in ["", "/", "/x", "/x/1", "/x/2", "/x/01", "/~1", "/~0", "/x/-"] {
+            let tokens = parse_pointer(pointer);
+            assert_eq!(
+                doc.pointer(pointer),
+                pointer_get(&doc, &tokens),
+                "{pointer}"
+            );
+        }
+    }
+}
