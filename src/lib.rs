@@ -48,7 +48,9 @@ pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "layer")]
 pub use layer::{Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};
-pub use policy::{FailMode, InFlightPolicy, KeySource, Policy, PolicyError, RoutePolicy, Routes};
+pub use policy::{
+    FailMode, InFlightPolicy, KeySource, MismatchPolicy, Policy, PolicyError, RoutePolicy, Routes,
+};
 pub use problem::{Problem, ProblemKind};
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;

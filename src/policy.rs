@@ -11,7 +11,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, Method, StatusCode};
+use http::{header, HeaderMap, HeaderName, Method, StatusCode};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// One mebibyte, the default request and response size cap.
@@ -52,6 +52,23 @@ pub enum InFlightPolicy {
     Wait,
     /// Answer 409 with `Retry-After` at once.
     Reject,
+}
+
+/// What "same key, different request" gets once the key's request has
+/// consumed it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MismatchPolicy {
+    /// Refuse with [`Policy::mismatch_status`] (422 or 409): an API client
+    /// that changed its request under an old key learns about it.
+    #[default]
+    Reject,
+    /// Answer with the key's stored response, marked replayed: the form
+    /// token *is* the submission (the Laravel seed's semantics), so a
+    /// corrected or changed form sent again with a consumed token gets the
+    /// success page, never a second execution. A key whose request is
+    /// still in flight is waited for as usual.
+    Replay,
 }
 
 /// What happens when the store cannot be reached.
@@ -208,10 +225,27 @@ pub struct Policy {
     /// The status for "same key, different request": 422 (IETF draft,
     /// default) or 409.
     pub mismatch_status: u16,
+    /// What "same key, different request" gets once the key is consumed:
+    /// `reject` (default, [`Policy::mismatch_status`]) or `replay` (the
+    /// stored response, for form routes; see [`MismatchPolicy`]).
+    pub mismatch: MismatchPolicy,
+    /// The status of the in-flight conflict (a duplicate on an
+    /// `in_flight = "reject"` route, or one that waited out `wait_timeout`),
+    /// with `Retry-After`. Default 409. A client that tells conflicts apart
+    /// by status alone needs it to differ from `mismatch_status` (e.g. 425
+    /// or 429); any 4xx or 5xx is accepted.
+    pub in_flight_status: u16,
     /// Which upstream statuses are stored and replayed; any other status
     /// releases the key so a corrected request can go through.
     /// Default `["2xx", "3xx"]`.
     pub store_statuses: StatusSet,
+    /// The redirect targets that mean success. When set, a stored 3xx
+    /// consumes the key only if its `Location` (absolute or relative; its
+    /// path, normalised) matches one of these patterns (the route pattern
+    /// syntax: a prefix or a glob); any other redirect — the redirect
+    /// *back* to a form after a validation error (Laravel) — releases the
+    /// key. Default empty: every stored 3xx consumes it.
+    pub success_redirects: Vec<String>,
     /// What to do when the store is unreachable. Default `closed`.
     pub fail_mode: FailMode,
     /// The largest request body accepted, in bytes; larger ones get 413
@@ -242,7 +276,10 @@ impl Default for Policy {
             in_flight: InFlightPolicy::Wait,
             wait_timeout: Duration::from_secs(10),
             mismatch_status: 422,
+            mismatch: MismatchPolicy::Reject,
+            in_flight_status: 409,
             store_statuses: StatusSet::default(),
+            success_redirects: Vec::new(),
             fail_mode: FailMode::Closed,
             max_body_bytes: MIB,
             max_response_bytes: MIB,
@@ -344,6 +381,33 @@ impl Policy {
                 ))
             }
         };
+        let in_flight_status = StatusCode::from_u16(self.in_flight_status)
+            .ok()
+            .filter(|status| status.is_client_error() || status.is_server_error())
+            .ok_or_else(|| {
+                invalid(
+                    "in_flight_status",
+                    format!("{} is not a 4xx or 5xx status", self.in_flight_status),
+                )
+            })?;
+        let success_redirects = self
+            .success_redirects
+            .iter()
+            .map(|pattern| {
+                PathPattern::parse(pattern)
+                    .map_err(|error| invalid("success_redirects", error.reason))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if !success_redirects.is_empty()
+            && !(300..=399).any(|code| {
+                StatusCode::from_u16(code).is_ok_and(|status| self.store_statuses.contains(status))
+            })
+        {
+            return Err(invalid(
+                "success_redirects",
+                "no 3xx status is in `store_statuses`, so no redirect is ever stored",
+            ));
+        }
         if self.max_body_bytes == 0 {
             return Err(invalid("max_body_bytes", "must be greater than 0"));
         }
@@ -357,6 +421,8 @@ impl Policy {
             scope_headers,
             fingerprint_headers,
             mismatch: mismatch_status,
+            in_flight_status,
+            success_redirects,
             json_exclude: json_exclude
                 .iter()
                 .map(|p| crate::formats::parse_pointer(p))
@@ -376,6 +442,10 @@ pub struct RoutePolicy {
     /// The status answered for a key mismatch: `Policy::mismatch_status`,
     /// checked to be 409 or 422.
     pub(crate) mismatch: StatusCode,
+    /// `Policy::in_flight_status`, checked to be 4xx or 5xx.
+    pub(crate) in_flight_status: StatusCode,
+    /// `Policy::success_redirects`, parsed.
+    pub(crate) success_redirects: Vec<PathPattern>,
     pub(crate) json_exclude: Vec<Vec<String>>,
     pub(crate) form_exclude: Vec<String>,
     pub(crate) policy: Policy,
@@ -396,6 +466,65 @@ impl RoutePolicy {
     pub fn applies_to(&self, method: &Method) -> bool {
         self.methods.contains(method)
     }
+
+    /// Whether an upstream answer with `status` and `headers` consumes the
+    /// key (it is stored and replayed from now on): its status is in
+    /// `store_statuses` and, for a redirect on a route with
+    /// `success_redirects`, its `Location` matches one of them. Any other
+    /// answer releases the key. `request_path` resolves a relative
+    /// `Location` such as `thanks`.
+    pub fn consumes(&self, status: StatusCode, headers: &HeaderMap, request_path: &str) -> bool {
+        if !self.policy.store_statuses.contains(status) {
+            return false;
+        }
+        if !status.is_redirection() || self.success_redirects.is_empty() {
+            return true;
+        }
+        let Some(target) = headers
+            .get(header::LOCATION)
+            .and_then(|location| location_path(location.as_bytes(), request_path))
+        else {
+            return false;
+        };
+        self.success_redirects
+            .iter()
+            .any(|pattern| pattern.matches(&target))
+    }
+}
+
+/// The path a `Location` points to: the path of an absolute URL
+/// (`http://host/contact/thanks`), of a network-path reference
+/// (`//host/x`), an absolute path (`/x?y`), or a relative reference
+/// resolved against `base` (`thanks` from `/contact` is `/thanks`); dot
+/// segments and repeated slashes removed. `None` for a value that is not
+/// a URI reference.
+fn location_path(location: &[u8], base: &str) -> Option<String> {
+    let location = std::str::from_utf8(location).ok()?.trim();
+    let location = location.split(['?', '#']).next().unwrap_or_default();
+    let path = if let Some(rest) = location.strip_prefix("//") {
+        rest.find('/').map_or("/", |i| &rest[i..]).to_owned()
+    } else if location.starts_with('/') {
+        location.to_owned()
+    } else if let Some(scheme) = location.find("://").filter(|&i| {
+        location[..i]
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+    }) {
+        let rest = &location[scheme + 3..];
+        rest.find('/').map_or("/", |i| &rest[i..]).to_owned()
+    } else {
+        let directory = base.rfind('/').map_or("/", |i| &base[..=i]);
+        format!("{directory}{location}")
+    };
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in path.split('/').filter(|s| !s.is_empty() && *s != ".") {
+        if segment == ".." {
+            segments.pop();
+        } else {
+            segments.push(segment);
+        }
+    }
+    Some(format!("/{}", segments.join("/")))
 }
 
 /// How a route matches request paths.

@@ -88,7 +88,9 @@ impl Exchange {
                 if let Some(reservation) = reservation {
                     reservation.release().await;
                 }
-                let problem = self.engine.upstream_failed(failure.timed_out);
+                let problem = self
+                    .engine
+                    .upstream_failed(failure.timed_out, &request.headers);
                 self.send(Frame::Failed(problem)).await;
                 return;
             }

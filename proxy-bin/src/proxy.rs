@@ -118,9 +118,12 @@ impl IdempotencyProxy {
         // `100 Continue` sends nothing).
         let linger =
             matches!(failure, BodyFailure::TooLarge) && !expects_continue(session.req_header());
+        let request = &session.req_header().headers;
         let response = match failure {
-            BodyFailure::TooLarge => self.engine.body_too_large(covered.policy()),
-            BodyFailure::Unreadable { timed_out } => self.engine.body_unreadable(timed_out),
+            BodyFailure::TooLarge => self.engine.body_too_large(covered.policy(), request),
+            BodyFailure::Unreadable { timed_out } => {
+                self.engine.body_unreadable(timed_out, request)
+            }
         };
         write_response(session, response).await?;
         if linger {
@@ -201,11 +204,12 @@ impl ProxyHttp for IdempotencyProxy {
             // Mid-response: all that is left is to cut the connection.
             return gone;
         }
+        let request = &session.req_header().headers;
         let response = match (error.esource(), error.etype()) {
             (ErrorSource::Upstream, ErrorType::ReadTimedout | ErrorType::WriteTimedout) => {
-                self.engine.upstream_failed(true)
+                self.engine.upstream_failed(true, request)
             }
-            (ErrorSource::Upstream, _) => self.engine.upstream_failed(false),
+            (ErrorSource::Upstream, _) => self.engine.upstream_failed(false, request),
             (
                 ErrorSource::Downstream,
                 ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed,

@@ -16,7 +16,7 @@ use crate::fingerprint::{fingerprint_view, Exclusions};
 use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
-use crate::policy::{FailMode, InFlightPolicy, RoutePolicy};
+use crate::policy::{FailMode, InFlightPolicy, MismatchPolicy, RoutePolicy};
 use crate::store::{Claim, Fingerprint, Outcome, Record, RecordState, ScopeKey, StoreError};
 
 /// The engine's answer to [`Engine::begin`].
@@ -83,7 +83,7 @@ impl Engine {
             },
         );
         let span = tracing::info_span!("idempotency", key = %key.short(), path = head.uri.path());
-        self.decide(policy, key, fingerprint, started)
+        self.decide(policy, &head, key, fingerprint, started)
             .instrument(span)
             .await
     }
@@ -102,8 +102,8 @@ impl Engine {
         match found {
             Ok(Some(key)) => KeyRead::Found(key),
             Ok(None) if !settings.required => KeyRead::Absent,
-            Ok(None) => KeyRead::Refused(self.key_missing()),
-            Err(error) => KeyRead::Refused(self.invalid_key(error)),
+            Ok(None) => KeyRead::Refused(self.key_missing(head.headers)),
+            Err(error) => KeyRead::Refused(self.invalid_key(error, head.headers)),
         }
     }
 
@@ -112,6 +112,7 @@ impl Engine {
     async fn decide(
         &self,
         policy: &Arc<RoutePolicy>,
+        head: &RequestHead<'_>,
         key: ScopeKey,
         fingerprint: Fingerprint,
         started: Instant,
@@ -123,7 +124,7 @@ impl Engine {
         };
         loop {
             let record = match self.claim(policy, &key, &fingerprint, waiting.waited).await {
-                Err(error) => return self.store_failed(policy, &error),
+                Err(error) => return self.store_failed(policy, head, &error),
                 Ok(Claim::Acquired { owner, takeover }) => {
                     self.inner.metrics.record(Event::Executed);
                     tracing::debug!(takeover, "idempotency key reserved");
@@ -132,20 +133,31 @@ impl Engine {
                         policy.clone(),
                         key,
                         owner,
+                        head.uri.path(),
                     ));
                 }
                 Ok(Claim::Existing(record)) => record,
             };
-            if record.fingerprint != fingerprint {
-                return Decision::Respond(self.mismatch(policy));
+            // A form route may answer a changed request under a consumed
+            // key with the key's own outcome (`mismatch = "replay"`).
+            if record.fingerprint != fingerprint
+                && policy.policy().mismatch == MismatchPolicy::Reject
+            {
+                return Decision::Respond(self.mismatch(policy, head.headers));
             }
             match record.state {
                 RecordState::Completed(outcome) => {
-                    return Decision::Respond(self.completed(outcome, waiting.waited, started))
+                    return Decision::Respond(self.completed(
+                        outcome,
+                        waiting.waited,
+                        started,
+                        head.headers,
+                    ))
                 }
                 RecordState::InFlight { lease_remaining } => {
-                    if let Err(decision) =
-                        self.wait(policy, &key, lease_remaining, &mut waiting).await
+                    if let Err(decision) = self
+                        .wait(policy, head, &key, lease_remaining, &mut waiting)
+                        .await
                     {
                         return decision;
                     }
@@ -182,7 +194,13 @@ impl Engine {
 
     /// The answer for a key whose request completed: its stored response
     /// replayed, or the "not stored" problem.
-    fn completed(&self, outcome: Outcome, waited: bool, started: Instant) -> Response<Bytes> {
+    fn completed(
+        &self,
+        outcome: Outcome,
+        waited: bool,
+        started: Instant,
+        request: &http::HeaderMap,
+    ) -> Response<Bytes> {
         match outcome {
             Outcome::Stored(response) => {
                 let event = if waited {
@@ -199,7 +217,7 @@ impl Engine {
                 );
                 replay(response)
             }
-            Outcome::TooLarge { status } => self.not_stored(status),
+            Outcome::TooLarge { status } => self.not_stored(status, request),
         }
     }
 
@@ -210,6 +228,7 @@ impl Engine {
     async fn wait(
         &self,
         policy: &RoutePolicy,
+        head: &RequestHead<'_>,
         key: &ScopeKey,
         lease_remaining: Duration,
         waiting: &mut Waiting,
@@ -218,25 +237,34 @@ impl Engine {
         let now = Instant::now();
         if settings.in_flight == InFlightPolicy::Reject || now >= waiting.deadline {
             let retry = lease_remaining.min(settings.wait_timeout).as_secs() + 1;
-            return Err(Decision::Respond(self.in_flight(retry)));
+            return Err(Decision::Respond(self.in_flight(
+                policy,
+                retry,
+                head.headers,
+            )));
         }
         waiting.waited = true;
         // Wake at the latest when the lease could be taken over.
         let max = (waiting.deadline - now).min(lease_remaining + Duration::from_millis(1));
         if let Err(error) = self.inner.store.wait(key, max, waiting.attempt).await {
-            return Err(self.store_failed(policy, &error));
+            return Err(self.store_failed(policy, head, &error));
         }
         waiting.attempt += 1;
         Ok(())
     }
 
     /// The store failed: forward unprotected (fail-open) or 503.
-    fn store_failed(&self, policy: &RoutePolicy, error: &StoreError) -> Decision {
+    fn store_failed(
+        &self,
+        policy: &RoutePolicy,
+        head: &RequestHead<'_>,
+        error: &StoreError,
+    ) -> Decision {
         self.inner.metrics.record(Event::StoreError);
         tracing::warn!(%error, "idempotency store failed");
         match policy.policy().fail_mode {
             FailMode::Open => Decision::Forward,
-            FailMode::Closed => Decision::Respond(self.store_unavailable()),
+            FailMode::Closed => Decision::Respond(self.store_unavailable(head.headers)),
         }
     }
 }

@@ -29,6 +29,9 @@ pub struct Reservation {
     lease: Lease,
     started: Instant,
     settled: bool,
+    /// The request's path, kept only where a relative `Location` may need
+    /// it (routes with `success_redirects`).
+    request_path: Option<Box<str>>,
 }
 
 impl Reservation {
@@ -37,12 +40,15 @@ impl Reservation {
         policy: Arc<RoutePolicy>,
         key: ScopeKey,
         owner: OwnerToken,
+        request_path: &str,
     ) -> Self {
         engine.inner.metrics.in_flight_add(1);
         let lease = engine
             .inner
             .leases
             .hold(&engine.inner, key, owner, policy.policy().lease);
+        // Kept only where a relative `Location` may need it.
+        let request_path = (!policy.success_redirects.is_empty()).then(|| request_path.into());
         Reservation {
             engine,
             policy,
@@ -51,6 +57,7 @@ impl Reservation {
             lease,
             started: Instant::now(),
             settled: false,
+            request_path,
         }
     }
 
@@ -69,13 +76,16 @@ impl Reservation {
     }
 
     /// Starts recording the upstream's answer, whose head is `status` and
-    /// `headers`. A status the route does not store releases the key here,
-    /// so a corrected request can go through; the recorder then records
-    /// nothing ([`Recorder::is_recording`] is `false`). The headers that
-    /// are never stored (see [`headers::stored`]) are dropped here.
+    /// `headers`. An answer that does not consume the key (a status the
+    /// route does not store, or a redirect to no `success_redirects`
+    /// target: see [`RoutePolicy::consumes`]) releases the key here, so a
+    /// corrected request can go through; the recorder then records nothing
+    /// ([`Recorder::is_recording`] is `false`). The headers that are never
+    /// stored (see [`headers::stored`]) are dropped here.
     pub async fn record(self, status: StatusCode, headers: &HeaderMap) -> Recorder {
         let settings = self.policy.policy();
-        if !settings.store_statuses.contains(status) {
+        let base = self.request_path.as_deref().unwrap_or("/");
+        if !self.policy.consumes(status, headers, base) {
             self.release_as(status).await;
             return Recorder::settled(status);
         }

@@ -2,7 +2,7 @@
 //! problem documents (RFC 9457). A front end writes them as they are.
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Response, StatusCode};
+use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 
 use super::Engine;
 use crate::key::KeyError;
@@ -16,8 +16,11 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 impl Engine {
     /// The 413 answer for a body over `policy`'s limit. Nothing is reserved.
-    pub fn body_too_large(&self, policy: &RoutePolicy) -> Response<Bytes> {
+    /// Like every problem the engine answers, it is HTML when the request's
+    /// headers (`request`) prefer it, JSON otherwise.
+    pub fn body_too_large(&self, policy: &RoutePolicy, request: &HeaderMap) -> Response<Bytes> {
         self.reject(
+            request,
             Event::TooLarge,
             Problem::new(
                 ProblemKind::BodyTooLarge,
@@ -31,7 +34,7 @@ impl Engine {
 
     /// The answer for a body that could not be read (client gone or too
     /// slow: `timed_out`). Nothing is reserved.
-    pub fn body_unreadable(&self, timed_out: bool) -> Response<Bytes> {
+    pub fn body_unreadable(&self, timed_out: bool, request: &HeaderMap) -> Response<Bytes> {
         let problem = Problem::new(
             ProblemKind::BodyUnreadable,
             "The request body could not be read completely.",
@@ -41,12 +44,12 @@ impl Engine {
         } else {
             problem
         };
-        problem.into_response()
+        problem.into_response_for(request)
     }
 
     /// The 502 (or 504 when `timed_out`) answer for an upstream transport
     /// failure, after [`Reservation::release`](super::Reservation::release).
-    pub fn upstream_failed(&self, timed_out: bool) -> Response<Bytes> {
+    pub fn upstream_failed(&self, timed_out: bool, request: &HeaderMap) -> Response<Bytes> {
         let problem = if timed_out {
             Problem::new(
                 ProblemKind::UpstreamTimeout,
@@ -58,19 +61,25 @@ impl Engine {
                 "The upstream could not be reached; the request may be retried.",
             )
         };
-        problem.into_response()
+        problem.into_response_for(request)
     }
 
     /// Counts `event`, logs it and answers with `problem`.
-    pub(super) fn reject(&self, event: Event, problem: Problem) -> Response<Bytes> {
+    pub(super) fn reject(
+        &self,
+        request: &HeaderMap,
+        event: Event,
+        problem: Problem,
+    ) -> Response<Bytes> {
         self.inner.metrics.record(event);
         tracing::info!(outcome = %event, status = problem.status().as_u16(), "idempotency");
-        problem.into_response()
+        problem.into_response_for(request)
     }
 
     /// 400: a required key is missing.
-    pub(super) fn key_missing(&self) -> Response<Bytes> {
+    pub(super) fn key_missing(&self, request: &HeaderMap) -> Response<Bytes> {
         self.reject(
+            request,
             Event::InvalidKey,
             Problem::new(
                 ProblemKind::KeyMissing,
@@ -80,8 +89,9 @@ impl Engine {
     }
 
     /// 400: the key is malformed.
-    pub(super) fn invalid_key(&self, error: KeyError) -> Response<Bytes> {
+    pub(super) fn invalid_key(&self, error: KeyError, request: &HeaderMap) -> Response<Bytes> {
         self.reject(
+            request,
             Event::InvalidKey,
             Problem::new(ProblemKind::KeyInvalid, error.to_string()),
         )
@@ -89,8 +99,9 @@ impl Engine {
 
     /// 422 (or the route's `mismatch_status`): the key was used for a
     /// different request.
-    pub(super) fn mismatch(&self, policy: &RoutePolicy) -> Response<Bytes> {
+    pub(super) fn mismatch(&self, policy: &RoutePolicy, request: &HeaderMap) -> Response<Bytes> {
         self.reject(
+            request,
             Event::Mismatch,
             Problem::new(
                 ProblemKind::KeyMismatch,
@@ -102,8 +113,9 @@ impl Engine {
 
     /// 409: the request ran once, but its response was too large to store.
     /// Counted as a replay: the answer stands for the stored outcome.
-    pub(super) fn not_stored(&self, status: StatusCode) -> Response<Bytes> {
+    pub(super) fn not_stored(&self, status: StatusCode, request: &HeaderMap) -> Response<Bytes> {
         self.reject(
+            request,
             Event::Replayed,
             Problem::new(
                 ProblemKind::ResponseNotStored,
@@ -116,27 +128,35 @@ impl Engine {
         )
     }
 
-    /// 409 with `Retry-After`: the first request still holds the key.
-    pub(super) fn in_flight(&self, retry_after: u64) -> Response<Bytes> {
+    /// 409 (or the route's `in_flight_status`) with `Retry-After`: the
+    /// first request still holds the key.
+    pub(super) fn in_flight(
+        &self,
+        policy: &RoutePolicy,
+        retry_after: u64,
+        request: &HeaderMap,
+    ) -> Response<Bytes> {
         self.reject(
+            request,
             Event::InFlightConflict,
             Problem::new(
                 ProblemKind::InFlight,
                 "A request with this idempotency key is still being \
                  processed; retry later.",
             )
+            .with_status(policy.in_flight_status)
             .retry_after(retry_after),
         )
     }
 
     /// 503 with `Retry-After`: the store failed on a fail-closed route.
-    pub(super) fn store_unavailable(&self) -> Response<Bytes> {
+    pub(super) fn store_unavailable(&self, request: &HeaderMap) -> Response<Bytes> {
         Problem::new(
             ProblemKind::StoreUnavailable,
             "The idempotency store is unavailable; the request was not executed.",
         )
         .retry_after(self.inner.config.store_retry_after)
-        .into_response()
+        .into_response_for(request)
     }
 }
 

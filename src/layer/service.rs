@@ -87,11 +87,12 @@ where
             let body = match read_body(body, covered.max_body_bytes()).await {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
-                    let response = engine.body_too_large(covered.policy());
+                    let response = engine.body_too_large(covered.policy(), &parts.headers);
                     return Step::Done(Ok(response.map(ResponseBody::full)));
                 }
                 Err(ReadError::Failed) => {
-                    return Step::Done(Ok(engine.body_unreadable(false).map(ResponseBody::full)))
+                    let response = engine.body_unreadable(false, &parts.headers);
+                    return Step::Done(Ok(response.map(ResponseBody::full)));
                 }
             };
             let principal = parts.extensions.get::<Principal>().map(|p| p.0.clone());

@@ -375,7 +375,9 @@ impl Browser {
 
     /// The page's current URL.
     pub async fn url(&self) -> String {
-        let value = self.call("GET", &self.session_path("/url"), Value::Null).await;
+        let value = self
+            .call("GET", &self.session_path("/url"), Value::Null)
+            .await;
         value["value"].as_str().unwrap_or_default().to_owned()
     }
 
