@@ -1,7 +1,8 @@
 //! The request fingerprint: "is this the same request as the first one?"
 //!
-//! SHA-256 over the method, the path and query, the selected headers and the
-//! body in canonical form:
+//! SHA-256 over the method, the path (normalised, see
+//! [`normalize_path`](crate::policy::normalize_path)) and query, the
+//! selected headers and the body in canonical form:
 //!
 //! * **JSON** (`application/json`, `*/*+json`): object members sorted by
 //!   their decoded key (`"\u0061"` sorts as `"a"`), no insignificant
@@ -66,12 +67,13 @@ pub fn fingerprint(
 ) -> Fingerprint {
     let mut hasher = Sha256::new();
     put(&mut hasher, method.as_str().as_bytes());
-    put(
-        &mut hasher,
-        uri.path_and_query()
-            .map_or("/", |pq| pq.as_str())
-            .as_bytes(),
-    );
+    // The path in the form it is routed and scoped by: two spellings of
+    // one path are the same request.
+    let path = crate::policy::normalize_path(uri.path(), false);
+    match uri.query() {
+        Some(query) => put(&mut hasher, format!("{path}?{query}").as_bytes()),
+        None => put(&mut hasher, path.as_bytes()),
+    }
     for name in fingerprint_headers {
         for value in headers.get_all(name) {
             put(&mut hasher, name.as_str().as_bytes());

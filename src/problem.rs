@@ -34,6 +34,10 @@ pub enum ProblemKind {
     UpstreamUnavailable,
     /// The upstream did not answer in time; the key was released. 504.
     UpstreamTimeout,
+    /// The request body has a transfer coding other than `chunked` (such
+    /// as `gzip, chunked`), which the engine does not decode; refused
+    /// before anything is reserved. 501.
+    TransferCodingUnsupported,
 }
 
 impl ProblemKind {
@@ -50,6 +54,9 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "urn:tower-idempotency:store-unavailable",
             ProblemKind::UpstreamUnavailable => "urn:tower-idempotency:upstream-unavailable",
             ProblemKind::UpstreamTimeout => "urn:tower-idempotency:upstream-timeout",
+            ProblemKind::TransferCodingUnsupported => {
+                "urn:tower-idempotency:transfer-coding-unsupported"
+            }
         }
     }
 
@@ -65,6 +72,7 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::UpstreamUnavailable => "Upstream unavailable",
             ProblemKind::UpstreamTimeout => "Upstream timed out",
+            ProblemKind::TransferCodingUnsupported => "Transfer coding not implemented",
         }
     }
 
@@ -79,6 +87,7 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemKind::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ProblemKind::TransferCodingUnsupported => StatusCode::NOT_IMPLEMENTED,
         }
     }
 }

@@ -4,11 +4,47 @@
 
 mod support;
 
-use http::{Method, StatusCode};
-use tower_idempotency::fingerprint::{fingerprint, Exclusions};
-use tower_idempotency::Policy;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
 
-use support::{post_json, Harness};
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use tower::ServiceExt;
+use tower_idempotency::fingerprint::{fingerprint, Exclusions};
+use tower_idempotency::{Engine, IdempotencyLayer, MemoryStore, Policy, Principal, Routes};
+
+use support::{post_json, Harness, Reply};
+
+fn no_key(method: Method, uri: &str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(Full::new(Bytes::new()))
+        .unwrap()
+}
+
+fn with_key(method: Method, uri: &str, key: &str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::new()))
+        .unwrap()
+}
+
+/// A harness whose inner service answers `201 <path> <n>`, over `routes`.
+fn echo_path(routes: Routes) -> Harness {
+    Harness::with_response(Policy::default(), |n, parts| {
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Full::new(Bytes::from(format!("{} {n}", parts.uri))))
+            .unwrap()
+    })
+    .with_engine(Engine::new(MemoryStore::new(), routes))
+}
 
 // ---------------------------------------------------------------------------
 // Hole 1: escaped duplicate JSON keys
@@ -146,4 +182,201 @@ mod oracle {
         assert_eq!(fp(r#"{"b":1,"\u0061":2}"#), fp(r#"{"\u0061":2,"b":1}"#));
         assert_eq!(fp(r#"{"b":1,"a":2}"#), fp(r#"{"a":2,"b":1}"#));
     }
+}
+
+// ---------------------------------------------------------------------------
+// Hole 13: the first route matching path and method decides
+
+#[tokio::test]
+async fn a_later_route_covering_the_method_is_not_skipped() {
+    let routes = Routes::new()
+        .route("/api/payments", Policy::default())
+        .unwrap()
+        .route(
+            "/api/**",
+            Policy {
+                methods: vec!["PUT".into(), "DELETE".into()],
+                required: true,
+                ..Policy::default()
+            },
+        )
+        .unwrap();
+    let h = echo_path(routes);
+    let reply = h.send(no_key(Method::PUT, "/api/payments/7")).await;
+    reply.assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    assert_eq!(
+        h.calls(),
+        0,
+        "the unprotected PUT never reached the service"
+    );
+    let first = h.send(with_key(Method::PUT, "/api/payments/7", "k")).await;
+    let second = h.send(with_key(Method::PUT, "/api/payments/7", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(second.replayed());
+    assert_eq!(h.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 7: path spellings
+
+#[tokio::test]
+async fn path_spellings_neither_bypass_a_route_nor_split_a_scope() {
+    let routes = Routes::new()
+        .route("/api/pay", Policy::default().required(true))
+        .unwrap();
+    let h = echo_path(routes);
+    for spelling in [
+        "//api/pay",
+        "/./api/pay",
+        "/%61pi/pay",
+        "/api/pay/",
+        "/x/../api/pay",
+    ] {
+        let reply = h.send(no_key(Method::POST, spelling)).await;
+        reply.assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    }
+    assert_eq!(h.calls(), 0);
+    // One scope for every spelling; the request is forwarded as it came.
+    let first = h.send(with_key(Method::POST, "//api/pay/", "k")).await;
+    assert_eq!(first.text(), "//api/pay/ 1");
+    for spelling in ["/api/pay", "/api/pay/", "/%61pi/pay", "/./api//pay"] {
+        let reply = h.send(with_key(Method::POST, spelling, "k")).await;
+        assert!(reply.replayed(), "{spelling}: {reply:?}");
+        assert_eq!(reply.text(), "//api/pay/ 1");
+    }
+    assert_eq!(h.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 14: glob backtracking
+
+/// A 40 KB path of near-matches against `/a/**/b/**/c`: answered, and
+/// matched right (the backtracking matcher took quadratic time on it).
+#[tokio::test]
+async fn a_long_path_against_a_double_glob_is_matched_right() {
+    let routes = Routes::new()
+        .route("/a/**/b/**/c", Policy::default().required(true))
+        .unwrap();
+    let h = echo_path(routes);
+    let near = format!("/a/{}", "b/".repeat(20_000));
+    let reply = h.send(no_key(Method::POST, &near)).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::CREATED,
+        "not covered: passed through"
+    );
+    let covered = format!("{near}c");
+    let reply = h.send(no_key(Method::POST, &covered)).await;
+    reply.assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    assert_eq!(h.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 4: mount prefix and host
+
+fn shop(engine: &Engine, name: &'static str, calls: Arc<AtomicUsize>) -> Router {
+    Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = calls.fetch_add(1, SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("{name} order {n}")) }
+            }),
+        )
+        .layer(IdempotencyLayer::new(engine.clone()))
+}
+
+async fn call(app: &Router, request: Request<axum::body::Body>) -> Reply {
+    Reply::read(app.clone().oneshot(request).await.unwrap()).await
+}
+
+fn order(uri: &str, host: &str, key: &str) -> Request<axum::body::Body> {
+    Request::post(uri)
+        .header("host", host)
+        .header("idempotency-key", key)
+        .body(axum::body::Body::empty())
+        .unwrap()
+}
+
+#[tokio::test]
+async fn nested_routers_sharing_an_engine_never_share_a_response() {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .nest("/shop-a", shop(&engine, "shop-a", calls.clone()))
+        .nest("/shop-b", shop(&engine, "shop-b", calls.clone()));
+    let a = call(&app, order("/shop-a/orders", "shop.example", "order-1001")).await;
+    let b = call(&app, order("/shop-b/orders", "shop.example", "order-1001")).await;
+    assert_eq!(a.text(), "shop-a order 1");
+    assert!(!b.replayed(), "shop B got shop A's response: {b:?}");
+    assert_eq!(b.text(), "shop-b order 2");
+    let again = call(&app, order("/shop-a/orders", "shop.example", "order-1001")).await;
+    assert!(again.replayed());
+    assert_eq!(again.text(), "shop-a order 1");
+}
+
+#[tokio::test]
+async fn two_hosts_never_share_a_response() {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = shop(&engine, "shop", calls.clone());
+    let a = call(&app, order("/orders", "tenant-a.example", "order-1001")).await;
+    let b = call(&app, order("/orders", "tenant-b.example", "order-1001")).await;
+    assert!(!b.replayed(), "tenant B got tenant A's response: {b:?}");
+    assert_eq!(
+        (a.text(), b.text()),
+        ("shop order 1".into(), "shop order 2".into())
+    );
+    // Host names are case-insensitive: the same tenant replays.
+    let again = call(&app, order("/orders", "TENANT-A.example", "order-1001")).await;
+    assert!(again.replayed());
+    // The option turns it off: one key space for every host name.
+    let engine = Engine::new(
+        MemoryStore::new(),
+        Routes::all(Policy {
+            scope_authority: false,
+            ..Policy::default()
+        })
+        .unwrap(),
+    );
+    let app = shop(&engine, "shop", calls.clone());
+    call(&app, order("/orders", "a.example", "k")).await;
+    assert!(call(&app, order("/orders", "b.example", "k"))
+        .await
+        .replayed());
+}
+
+// ---------------------------------------------------------------------------
+// Hole 9: an empty principal is a principal
+
+#[tokio::test]
+async fn an_empty_principal_is_not_the_absence_of_one() {
+    let h = Harness::new(Policy::default());
+    let anonymous = h.send(post_json(b"k", "{}")).await;
+    let mut request = post_json(b"k", "{}");
+    request.extensions_mut().insert(Principal::new(""));
+    let empty = h.send(request).await;
+    assert_eq!(anonymous.text(), "order 1");
+    assert!(!empty.replayed(), "{empty:?}");
+    assert_eq!(h.calls(), 2);
+}
+
+#[tokio::test]
+async fn a_transfer_coding_the_engine_does_not_implement_is_refused() {
+    let h = Harness::new(Policy::default());
+    let mut request = post_json(b"k", "{}");
+    request
+        .headers_mut()
+        .insert("transfer-encoding", "gzip, chunked".parse().unwrap());
+    let reply = h.send(request).await;
+    reply.assert_problem(StatusCode::NOT_IMPLEMENTED, "transfer-coding-unsupported");
+    assert_eq!(h.calls(), 0);
+    // Nothing was reserved: the same key with a plain body executes.
+    let reply = h.send(post_json(b"k", "{}")).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let mut chunked = post_json(b"k2", "{}");
+    chunked
+        .headers_mut()
+        .insert("transfer-encoding", "Chunked".parse().unwrap());
+    assert_eq!(h.send(chunked).await.status, StatusCode::CREATED);
 }

@@ -237,6 +237,28 @@ impl Engine {
         problem.into_response()
     }
 
+    /// The 501 answer for a covered request whose body has a transfer
+    /// coding other than `chunked` (`Transfer-Encoding: gzip, chunked`):
+    /// the engine could neither fingerprint nor key such a body, and must
+    /// not pretend the upstream failed. `None` when there is none. Asked
+    /// before the body is read; nothing is reserved.
+    pub fn unsupported_transfer_coding(&self, headers: &HeaderMap) -> Option<Response<Bytes>> {
+        let unsupported = headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+            .map(<[u8]>::trim_ascii)
+            .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"chunked"));
+        unsupported.then(|| {
+            Problem::new(
+                ProblemKind::TransferCodingUnsupported,
+                "The request's transfer coding is not implemented; send it unencoded or \
+                 only chunked. The request was not executed.",
+            )
+            .into_response()
+        })
+    }
+
     fn reject(&self, event: Event, problem: Problem) -> Response<Bytes> {
         self.inner.metrics.record(event);
         tracing::info!(outcome = %event, status = problem.status().as_u16(), "idempotency");
@@ -467,15 +489,22 @@ impl Engine {
     }
 }
 
-/// SHA-256 over (principal, scope headers, method, path, key), each
-/// length-prefixed.
+/// SHA-256 over (principal or its absence, scope headers, method,
+/// authority, normalised path, key), each length-prefixed.
 fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &[u8]) -> ScopeKey {
     let mut hasher = Sha256::new();
     let mut put = |bytes: &[u8]| {
         hasher.update((bytes.len() as u64).to_be_bytes());
         hasher.update(bytes);
     };
-    put(head.principal.unwrap_or(b""));
+    // "No principal" and an empty one are different callers.
+    match head.principal {
+        None => put(b"-"),
+        Some(principal) => {
+            put(b"+");
+            put(principal);
+        }
+    }
     for name in &policy.scope_headers {
         for value in head.headers.get_all(name) {
             put(name.as_str().as_bytes());
@@ -483,7 +512,7 @@ fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &[u8]) -> Sc
         }
     }
     put(head.method.as_str().as_bytes());
-    put(head.uri.path().as_bytes());
+    policy.scope_target(head.uri, head.headers, &mut put);
     put(raw_key);
     ScopeKey(hasher.finalize().into())
 }
