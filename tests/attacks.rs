@@ -4,17 +4,22 @@
 
 mod support;
 
+use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use tower::ServiceExt;
 use tower_idempotency::fingerprint::{fingerprint, Exclusions};
-use tower_idempotency::{Engine, IdempotencyLayer, MemoryStore, Policy, Principal, Routes};
+use tower_idempotency::layer::RequestBody;
+use tower_idempotency::{
+    Engine, Idempotency, IdempotencyLayer, InFlightPolicy, MemoryStore, Policy, Principal, Routes,
+};
 
 use support::{post_json, Harness, Reply};
 
@@ -379,4 +384,71 @@ async fn a_transfer_coding_the_engine_does_not_implement_is_refused() {
         .headers_mut()
         .insert("transfer-encoding", "Chunked".parse().unwrap());
     assert_eq!(h.send(chunked).await.status, StatusCode::CREATED);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 10: a blocked worker must not stop other requests' lease renewal
+
+/// One request with a 300 ms lease runs (awaiting) for 1.5 s; meanwhile
+/// another handler blocks its worker thread for 1 s right after taking its
+/// own key. A duplicate of the first, sent while the worker is blocked,
+/// must find it in flight: the first one's backend ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blocked_worker_does_not_stop_other_leases_from_being_renewed() {
+    let policy = |lease_ms| Policy {
+        lease: Duration::from_millis(lease_ms),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/slow", policy(300))
+        .unwrap()
+        .route("/block", policy(30))
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let slow_calls = Arc::new(AtomicUsize::new(0));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let inner = tower::service_fn({
+        let (slow_calls, started) = (slow_calls.clone(), started.clone());
+        move |request: Request<RequestBody<Full<Bytes>>>| {
+            let (slow_calls, started) = (slow_calls.clone(), started.clone());
+            let blocking = request.uri().path() == "/block";
+            if blocking {
+                // Blocks its worker before its first await.
+                std::thread::sleep(Duration::from_secs(1));
+            } else {
+                slow_calls.fetch_add(1, SeqCst);
+                started.notify_one();
+            }
+            async move {
+                if !blocking {
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                }
+                let _ = request.into_body().collect().await;
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(StatusCode::CREATED)
+                        .body(Full::new(Bytes::from_static(b"done")))
+                        .unwrap(),
+                )
+            }
+        }
+    });
+    let service = Idempotency::new(inner, engine);
+    let send = |uri: &str, key: &str| {
+        let service = service.clone();
+        let request = with_key(Method::POST, uri, key);
+        tokio::spawn(async move { Reply::read(service.oneshot(request).await.unwrap()).await })
+    };
+    let first = send("/slow", "a");
+    started.notified().await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let blocker = send("/block", "b");
+    // Well past the first lease, while the worker is still blocked.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let duplicate = send("/slow", "a").await.unwrap();
+    duplicate.assert_problem(StatusCode::CONFLICT, "in-flight");
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(blocker.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(slow_calls.load(SeqCst), 1, "the first request ran twice");
 }
