@@ -161,6 +161,12 @@ impl ProxyHttp for IdempotencyProxy {
             // Unprotected anyway: stream it, without a body limit.
             return Ok(false);
         }
+        if let Some(refused) = self.engine.unsupported_transfer_coding(&request.headers) {
+            // Not forwarded, and the body is not read: nothing reserved.
+            session.set_keepalive(None);
+            write_response(session, refused).await?;
+            return Ok(true);
+        }
         let route = route_label(&self.routes, &policy);
         let span = tracing::info_span!("request", method = %request.method, route = %route);
         ctx.route = Some(route);
