@@ -9,7 +9,8 @@
 //!   `**`), `enabled` (alias `idempotency`; `false` leaves matching paths as
 //!   plain passthrough) and any policy key, overriding `[defaults]`.
 //!
-//! Routes are tried in file order; the first whose path matches decides.
+//! Routes are tried in file order; the first whose path and methods match
+//! decides (see [`Routes`]).
 //! Without any `[[route]]`, `[defaults]` covers every path.
 //!
 //! The policy keys are exactly [`Policy`]'s fields: this module only merges

@@ -13,8 +13,8 @@ use std::ops::Range;
 
 use super::MAX_JSON_DEPTH;
 
-/// The canonical form of a JSON document: members sorted by key (bytewise,
-/// stable), no insignificant whitespace, members at `exclude` pointers
+/// The canonical form of a JSON document: members sorted by decoded key
+/// (by code point, stable), no insignificant whitespace, members at `exclude` pointers
 /// removed. `None` when `input` is not JSON (which includes text that is
 /// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub(super) fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
