@@ -225,11 +225,12 @@ pub struct Policy {
     /// Replay `Set-Cookie` headers. Default `false`: a replay never hands out
     /// a session cookie minted for the first request.
     pub replay_set_cookie: bool,
-    /// Hash the request's authority (the URI's, else the `Host` header,
-    /// lowercased) into the key's scope. Default `true`: two virtual hosts
-    /// (tenants) behind one engine never share a key space. Turn it off
-    /// only when several host names serve one and the same application
-    /// and a retry may arrive under another name.
+    /// Hash the request's host name (the URI's, else the `Host` header's;
+    /// lowercased, without port, see [`scope_host`]) into the key's scope.
+    /// Default `true`: two virtual hosts (tenants) behind one engine never
+    /// share a key space. Turn it off only when several host names serve
+    /// one and the same application and a retry may arrive under another
+    /// name.
     pub scope_authority: bool,
 }
 
@@ -409,9 +410,9 @@ impl RoutePolicy {
     }
 
     /// Feeds the request target's part of the key's scope to `put`: the
-    /// authority (unless [`Policy::scope_authority`] is off) and the
-    /// normalised path (see [`normalize_path`]), each as one part. Two
-    /// spellings of one path share a scope; two hosts never do.
+    /// host (unless [`Policy::scope_authority`] is off; see [`scope_host`])
+    /// and the normalised path (see [`normalize_path`]), each as one part.
+    /// Two spellings of one path share a scope; two hosts never do.
     pub(crate) fn scope_target(
         &self,
         uri: &http::Uri,
@@ -419,15 +420,31 @@ impl RoutePolicy {
         put: &mut impl FnMut(&[u8]),
     ) {
         if self.policy.scope_authority {
-            let authority = uri
-                .authority()
-                .map(|a| a.as_str().as_bytes())
-                .or_else(|| headers.get(http::header::HOST).map(|h| h.as_bytes()))
-                .unwrap_or(b"");
-            put(&authority.to_ascii_lowercase());
+            put(scope_host(uri, headers).as_bytes());
         }
         put(normalize_path(uri.path(), self.case_insensitive_paths).as_bytes());
     }
+}
+
+/// The host a request's key is scoped by: the URI's authority, else the
+/// `Host` header, without port or trailing dot, lowercased; empty when
+/// there is none. Host names select tenants; the port does not (instances
+/// of one deployment listen on different ports, and `example.com` and
+/// `example.com:443` are one target).
+pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
+    let host = match uri.authority() {
+        Some(authority) => authority.host().to_owned(),
+        None => match headers.get(http::header::HOST) {
+            Some(value) => match http::uri::Authority::try_from(value.as_bytes()) {
+                Ok(authority) => authority.host().to_owned(),
+                // Not a valid authority: the value itself, as it came.
+                Err(_) => String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            },
+            None => String::new(),
+        },
+    };
+    let host = host.strip_suffix('.').unwrap_or(&host);
+    host.to_ascii_lowercase()
 }
 
 /// The form a path is routed and scoped by; the request itself is
@@ -444,6 +461,20 @@ impl RoutePolicy {
 ///
 /// An empty path is `/`.
 pub fn normalize_path(path: &str, case_insensitive: bool) -> std::borrow::Cow<'_, str> {
+    normalize(path, case_insensitive, true)
+}
+
+/// Whether `path` holds a percent-encoded dot (`%2e`): backends disagree
+/// on whether `/%2e%2e/` is a `..` segment.
+fn has_encoded_dot(path: &str) -> bool {
+    path.as_bytes()
+        .windows(3)
+        .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'e'))
+}
+
+/// [`normalize_path`]; with `decode_dots` off, `%2e` stays encoded (as
+/// `%2E`), so it never makes a dot segment.
+fn normalize(path: &str, case_insensitive: bool, decode_dots: bool) -> std::borrow::Cow<'_, str> {
     let bytes = path.as_bytes();
     let simple = bytes.first() == Some(&b'/')
         && !bytes.contains(&b'%')
@@ -463,7 +494,10 @@ pub fn normalize_path(path: &str, case_insensitive: bool) -> std::borrow::Cow<'_
             let hex = |b: u8| (b as char).to_digit(16);
             if let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
                 let value = (hi * 16 + lo) as u8;
-                if value.is_ascii_alphanumeric() || matches!(value, b'-' | b'.' | b'_' | b'~') {
+                let unreserved = value.is_ascii_alphanumeric()
+                    || matches!(value, b'-' | b'_' | b'~')
+                    || (value == b'.' && decode_dots);
+                if unreserved {
                     decoded.push(value);
                 } else {
                     decoded.push(b'%');
@@ -743,10 +777,24 @@ impl Routes {
 
     /// The policy that applies to `method` on `path` (raw, as in the
     /// request; it is normalised here), if any.
+    ///
+    /// A path with an encoded dot (`/api/pay/%2e%2e`) is read both ways, as
+    /// backends differ on it (some decode `%2e` and then remove dot
+    /// segments, others take it as text): it is covered when either reading
+    /// is, so neither kind of backend can be reached around a route. The
+    /// first reading (dots decoded) wins when both are covered.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        let path = normalize_path(path, self.case_insensitive);
+        let decoded = self.decide(method, &normalize(path, self.case_insensitive, true));
+        if decoded.is_some() || !has_encoded_dot(path) {
+            return decoded;
+        }
+        self.decide(method, &normalize(path, self.case_insensitive, false))
+    }
+
+    /// The first route matching normalised `path` and `method` decides.
+    fn decide(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         for route in &self.routes {
-            if !route.path.matches(&path) {
+            if !route.path.matches(path) {
                 continue;
             }
             match &route.policy {
@@ -925,6 +973,20 @@ mod tests {
             .unwrap();
         assert!(routes.find(&Method::POST, "/health").is_none());
         assert!(routes.find(&Method::POST, "//health/").is_none());
+    }
+
+    /// `%2e%2e` is a `..` segment to some backends and text to others: a
+    /// path is covered when either reading is.
+    #[test]
+    fn encoded_dots_are_covered_either_way() {
+        let routes = Routes::new().route("/api/pay", Policy::default()).unwrap();
+        // Read as text: `/api/pay/%2E%2E` is under `/api/pay`.
+        assert!(routes.find(&Method::POST, "/api/pay/%2e%2e").is_some());
+        // Read as a dot segment: `/api/x/../pay` is `/api/pay`.
+        assert!(routes.find(&Method::POST, "/api/x/%2e%2e/pay").is_some());
+        assert!(routes.find(&Method::POST, "/api/x/%2E./pay").is_some());
+        assert!(routes.find(&Method::POST, "/api/other/%2e").is_none());
+        assert_eq!(normalize("/a/%2e%2e/b", false, false), "/a/%2E%2E/b");
     }
 
     #[test]

@@ -332,9 +332,17 @@ async fn two_hosts_never_share_a_response() {
         (a.text(), b.text()),
         ("shop order 1".into(), "shop order 2".into())
     );
-    // Host names are case-insensitive: the same tenant replays.
-    let again = call(&app, order("/orders", "TENANT-A.example", "order-1001")).await;
-    assert!(again.replayed());
+    // Host names are case-insensitive, and the port names no tenant: the
+    // same tenant replays.
+    for same in [
+        "TENANT-A.example",
+        "tenant-a.example:443",
+        "tenant-a.example.",
+    ] {
+        let again = call(&app, order("/orders", same, "order-1001")).await;
+        assert!(again.replayed(), "{same}: {again:?}");
+        assert_eq!(again.text(), "shop order 1");
+    }
     // The option turns it off: one key space for every host name.
     let engine = Engine::new(
         MemoryStore::new(),
