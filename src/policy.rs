@@ -733,7 +733,9 @@ impl Routes {
     /// Routes paths without regard to ASCII case (`/API/Pay` is `/api/pay`),
     /// for backends that do the same (ASP.NET, IIS): the scope then uses
     /// the lowercased path too, so both spellings share one key space.
-    /// Applies to every route, before or after this call. Default off.
+    /// Applies to every route, added before or after this call (their
+    /// patterns are kept lowercased from then on, so turning it off again
+    /// needs a new table). Default off.
     pub fn case_insensitive(mut self, on: bool) -> Self {
         self.case_insensitive = on;
         for route in &mut self.routes {
