@@ -1,10 +1,12 @@
 //! The request fingerprint: "is this the same request as the first one?"
 //!
-//! SHA-256 over the method, the path and query, the selected headers and the
-//! body in canonical form:
+//! SHA-256 over the method, the path (normalised, see
+//! [`normalize_path`](crate::policy::normalize_path)) and query, the
+//! selected headers and the body in canonical form:
 //!
-//! * **JSON** (`application/json`, `*/*+json`): object members sorted by key,
-//!   no insignificant whitespace. Strings and numbers are kept exactly as
+//! * **JSON** (`application/json`, `*/*+json`): object members sorted by
+//!   their decoded key (`"\u0061"` sorts as `"a"`), no insignificant
+//!   whitespace. Strings and numbers are kept exactly as
 //!   written, so `1.0` and `1`, or `"é"` and `"\u00e9"`, count as different
 //!   requests (a mismatch is answered, never a wrong replay). Configured
 //!   JSON pointers are left out.
@@ -16,6 +18,9 @@
 //!   second one with the same key gets a mismatch, never the first one's
 //!   response). Moving a duplicated member past *other* keys does not
 //!   change the fingerprint: `{"a":1,"b":0,"a":2}` equals `{"b":0,"a":1,"a":2}`.
+//!   Keys are compared as a parser reads them, so differently escaped
+//!   spellings of one key are duplicates too: `{"amount":10,"\u0061mount":1000}`
+//!   and `{"\u0061mount":1000,"amount":10}` are different requests.
 //!   Malformed JSON, or JSON nested deeper than [`MAX_JSON_DEPTH`], is hashed
 //!   as raw bytes — never an error, never unbounded recursion.
 //! * **Forms** (`application/x-www-form-urlencoded`, `multipart/form-data`):
@@ -76,12 +81,13 @@ pub fn fingerprint_view(
 ) -> Fingerprint {
     let mut hasher = Sha256::new();
     put(&mut hasher, method.as_str().as_bytes());
-    put(
-        &mut hasher,
-        uri.path_and_query()
-            .map_or("/", |pq| pq.as_str())
-            .as_bytes(),
-    );
+    // The path in the form it is routed and scoped by: two spellings of
+    // one path are the same request.
+    let path = crate::policy::normalize_path(uri.path(), false);
+    match uri.query() {
+        Some(query) => put(&mut hasher, format!("{path}?{query}").as_bytes()),
+        None => put(&mut hasher, path.as_bytes()),
+    }
     for name in fingerprint_headers {
         for value in headers.get_all(name) {
             put(&mut hasher, name.as_str().as_bytes());
@@ -140,8 +146,9 @@ fn put(hasher: &mut Sha256, bytes: &[u8]) {
     hasher.update(bytes);
 }
 
-/// The canonical form of a JSON document: members sorted by key (bytewise,
-/// stable), no insignificant whitespace, members at `exclude` pointers
+/// The canonical form of a JSON document: members sorted by decoded key
+/// (bytewise, i.e. by code point; stable), keys and scalars written as in
+/// the input, no insignificant whitespace, members at `exclude` pointers
 /// removed. `None` when `input` is not JSON (which includes text that is
 /// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
@@ -166,6 +173,7 @@ fn canonicalize<'a, 'x>(
         // all the room the output needs, with `BLOCK` bytes for `append`.
         out: Vec::with_capacity(2 * input.len() + BLOCK),
         members: Vec::with_capacity(16),
+        decoded: Vec::new(),
         exclude,
         path: Vec::new(),
         defer_root,
@@ -194,6 +202,8 @@ struct Canonicalizer<'a, 'x> {
     out: Vec<u8>,
     /// The members of the objects being written, innermost object last.
     members: Vec<Member>,
+    /// The decoded keys of those members whose keys hold escapes.
+    decoded: Vec<u8>,
     exclude: &'x [Vec<String>],
     /// Where the value being read sits (tracked only when `exclude` is not
     /// empty).
@@ -207,18 +217,24 @@ struct Canonicalizer<'a, 'x> {
 
 /// A member written to the output.
 struct Member {
-    /// The first eight bytes of its key, big-endian, zero-padded: keys
-    /// compare as their prefixes do, unless the prefixes are equal.
+    /// The first eight bytes of its decoded key, big-endian, zero-padded:
+    /// keys compare as their prefixes do, unless the prefixes are equal.
     prefix: u64,
-    /// Its raw key in the input (without quotes, escapes as written).
+    /// Its decoded key: the raw key in the input when it holds no escape
+    /// (it is its own decoding then), else a range of `decoded`.
     key: Range<usize>,
+    /// Whether `key` is a range of `decoded`.
+    escaped: bool,
     /// Its bytes in the output: `"key":value`, without a comma.
     out: Range<usize>,
 }
 
 /// One step of the path to the value being read.
 enum Segment<'a> {
+    /// A key without escapes, as written.
     Key(&'a [u8]),
+    /// A key with escapes, decoded.
+    Decoded(Vec<u8>),
     Index(usize),
 }
 
@@ -248,7 +264,9 @@ impl<'a> Canonicalizer<'a, '_> {
         match first {
             b'{' => return self.object(depth),
             b'[' => return self.array(depth),
-            b'"' => self.string()?,
+            b'"' => {
+                self.string()?;
+            }
             b't' => self.literal(b"true")?,
             b'f' => self.literal(b"false")?,
             b'n' => self.literal(b"null")?,
@@ -300,6 +318,7 @@ impl<'a> Canonicalizer<'a, '_> {
         self.out.push(b'{');
         let start = self.out.len();
         let first = self.members.len();
+        let decoded_start = self.decoded.len();
         let mut sorted = true;
         if self.peek()? == b'}' {
             self.pos += 1;
@@ -309,8 +328,17 @@ impl<'a> Canonicalizer<'a, '_> {
                     return None;
                 }
                 let quoted = self.pos;
-                self.string()?;
+                let escaped = self.string()?;
                 let key = quoted + 1..self.pos - 1;
+                // Members are ordered by their decoded keys (escapes are
+                // rare: only then is a key decoded).
+                let sort_key = if escaped {
+                    let from = self.decoded.len();
+                    decode_key(&input[key.clone()], &mut self.decoded);
+                    from..self.decoded.len()
+                } else {
+                    key.clone()
+                };
                 if self.peek()? != b':' {
                     return None;
                 }
@@ -326,7 +354,11 @@ impl<'a> Canonicalizer<'a, '_> {
                     self.value(depth + 1)?;
                     false
                 } else {
-                    self.path.push(Segment::Key(&input[key.clone()]));
+                    self.path.push(if escaped {
+                        Segment::Decoded(self.decoded[sort_key.clone()].to_vec())
+                    } else {
+                        Segment::Key(&input[key.clone()])
+                    });
                     let excluded = is_excluded(self.exclude, &self.path);
                     self.value(depth + 1)?;
                     self.path.pop();
@@ -335,14 +367,20 @@ impl<'a> Canonicalizer<'a, '_> {
                 if excluded {
                     self.out.truncate(before_comma);
                 } else {
-                    let prefix = key_prefix(input, key.clone());
+                    let key_bytes = if escaped { &self.decoded[..] } else { input };
+                    let prefix = key_prefix(key_bytes, sort_key.clone());
                     if self.members.len() > first {
                         let previous = &self.members[self.members.len() - 1];
-                        sorted &= (previous.prefix, &input[previous.key.clone()])
-                            <= (prefix, &input[key.clone()]);
+                        sorted &= (previous.prefix, self.key_of(previous))
+                            <= (prefix, &key_bytes[sort_key.clone()]);
                     }
                     let out = member..self.out.len();
-                    self.members.push(Member { prefix, key, out });
+                    self.members.push(Member {
+                        prefix,
+                        key: sort_key,
+                        escaped,
+                        out,
+                    });
                 }
                 match self.peek()? {
                     b',' => self.pos += 1,
@@ -363,8 +401,18 @@ impl<'a> Canonicalizer<'a, '_> {
             self.rewrite_members(first, start);
         }
         self.members.truncate(first);
+        self.decoded.truncate(decoded_start);
         self.out.push(b'}');
         Some(())
+    }
+
+    /// The decoded key of `member`.
+    fn key_of(&self, member: &Member) -> &[u8] {
+        if member.escaped {
+            &self.decoded[member.key.clone()]
+        } else {
+            &self.input[member.key.clone()]
+        }
     }
 
     /// Feeds the canonical form to `hasher` exactly as `put` does: its
@@ -389,14 +437,17 @@ impl<'a> Canonicalizer<'a, '_> {
     /// Puts the members from `first` on in key order (stable: duplicate
     /// keys keep their order).
     fn sort_members(&mut self, first: usize) {
-        let input = self.input;
+        let (input, decoded) = (self.input, &self.decoded[..]);
+        let key = |member: &Member| {
+            if member.escaped {
+                &decoded[member.key.clone()]
+            } else {
+                &input[member.key.clone()]
+            }
+        };
         let members = &mut self.members[first..];
         // Whole keys are compared only when their prefixes tie.
-        members.sort_by(|a, b| {
-            a.prefix
-                .cmp(&b.prefix)
-                .then_with(|| input[a.key.clone()].cmp(&input[b.key.clone()]))
-        });
+        members.sort_by(|a, b| a.prefix.cmp(&b.prefix).then_with(|| key(a).cmp(key(b))));
     }
 
     /// Rewrites the members from `first` on, which were written from
@@ -417,12 +468,14 @@ impl<'a> Canonicalizer<'a, '_> {
     }
 
     /// string = `"` *( unescaped / `\` escape ) `"`, its contents UTF-8.
-    /// Reads it, quotes included; its opening quote is at `pos`.
+    /// Reads it, quotes included; its opening quote is at `pos`. Returns
+    /// whether it holds an escape.
     #[inline(always)]
-    fn string(&mut self) -> Option<()> {
+    fn string(&mut self) -> Option<bool> {
         let input = self.input;
         let contents = self.pos + 1;
         let mut pos = contents;
+        let mut escaped = false;
         // ASCII text, the common case: eight bytes at a time to the next
         // quote, backslash, control byte or non-ASCII byte.
         loop {
@@ -431,9 +484,12 @@ impl<'a> Canonicalizer<'a, '_> {
             match *input.get(pos)? {
                 b'"' => {
                     self.pos = pos + 1;
-                    return Some(());
+                    return Some(escaped);
                 }
-                b'\\' => pos += escape_len(&input[pos..])?,
+                b'\\' => {
+                    escaped = true;
+                    pos += escape_len(&input[pos..])?;
+                }
                 0..=0x1f => return None,
                 0x80.. => break,
                 _ => pos += 1,
@@ -445,14 +501,17 @@ impl<'a> Canonicalizer<'a, '_> {
             pos = skip_words(input, pos, special_bytes);
             match *input.get(pos)? {
                 b'"' => break,
-                b'\\' => pos += escape_len(&input[pos..])?,
+                b'\\' => {
+                    escaped = true;
+                    pos += escape_len(&input[pos..])?;
+                }
                 0..=0x1f => return None,
                 _ => pos += 1,
             }
         }
         std::str::from_utf8(&input[contents..pos]).ok()?;
         self.pos = pos + 1;
-        Some(())
+        Some(escaped)
     }
 
     fn literal(&mut self, word: &'static [u8]) -> Option<()> {
@@ -585,9 +644,78 @@ fn special_bytes(word: u64) -> u64 {
         | below(word, 0x20)
 }
 
+/// Appends the decoding of a raw key that holds escapes (already checked
+/// by [`Canonicalizer::string`]) to `out`: UTF-8, with `\u` escapes of
+/// surrogate pairs joined and a lone surrogate written as its own
+/// three-byte sequence (generalised UTF-8, as WTF-8 does). Bytewise order
+/// of the result is code point order, and two keys decode alike exactly
+/// when a parser reads them as the same text.
+fn decode_key(raw: &[u8], out: &mut Vec<u8>) {
+    let hex4 = |at: usize| {
+        raw[at..at + 4].iter().fold(0u32, |n, &digit| {
+            n * 16 + (digit as char).to_digit(16).unwrap_or(0)
+        })
+    };
+    let mut i = 0;
+    while i < raw.len() {
+        if raw[i] != b'\\' {
+            out.push(raw[i]);
+            i += 1;
+            continue;
+        }
+        let simple = match raw[i + 1] {
+            b'b' => Some(0x08),
+            b'f' => Some(0x0c),
+            b'n' => Some(b'\n'),
+            b'r' => Some(b'\r'),
+            b't' => Some(b'\t'),
+            b'u' => None,
+            other => Some(other),
+        };
+        if let Some(byte) = simple {
+            out.push(byte);
+            i += 2;
+            continue;
+        }
+        let mut code = hex4(i + 2);
+        i += 6;
+        if (0xd800..0xdc00).contains(&code) && raw[i..].starts_with(b"\\u") {
+            let low = hex4(i + 2);
+            if (0xdc00..0xe000).contains(&low) {
+                code = 0x10000 + ((code - 0xd800) << 10) + (low - 0xdc00);
+                i += 6;
+            }
+        }
+        push_code_point(code, out);
+    }
+}
+
+/// Writes `code` (up to U+10FFFF, surrogates included) in generalised
+/// UTF-8.
+fn push_code_point(code: u32, out: &mut Vec<u8>) {
+    if code < 0x80 {
+        out.push(code as u8);
+    } else if code < 0x800 {
+        out.extend_from_slice(&[0xc0 | (code >> 6) as u8, 0x80 | (code & 0x3f) as u8]);
+    } else if code < 0x10000 {
+        out.extend_from_slice(&[
+            0xe0 | (code >> 12) as u8,
+            0x80 | ((code >> 6) & 0x3f) as u8,
+            0x80 | (code & 0x3f) as u8,
+        ]);
+    } else {
+        out.extend_from_slice(&[
+            0xf0 | (code >> 18) as u8,
+            0x80 | ((code >> 12) & 0x3f) as u8,
+            0x80 | ((code >> 6) & 0x3f) as u8,
+            0x80 | (code & 0x3f) as u8,
+        ]);
+    }
+}
+
 /// The first eight bytes of the key at `input[key]` as a big-endian
-/// number, zero-padded. Raw keys hold no zero bytes (control bytes are not
-/// allowed in strings), so when two prefixes differ they order their keys.
+/// number, zero-padded. When two prefixes differ they order their keys
+/// (a zero byte of padding sorts a key before the longer ones it starts).
 fn key_prefix(input: &[u8], key: Range<usize>) -> u64 {
     let n = key.len();
     match input.get(key.start..key.start + 8) {
@@ -616,6 +744,7 @@ fn is_excluded(exclude: &[Vec<String>], path: &[Segment<'_>]) -> bool {
                 .zip(path)
                 .all(|(token, segment)| match segment {
                     Segment::Key(key) => token.as_bytes() == *key,
+                    Segment::Decoded(key) => token.as_bytes() == key.as_slice(),
                     Segment::Index(i) => token.parse() == Ok(*i),
                 })
     })
@@ -661,6 +790,35 @@ mod tests {
             "12345678901234567890123"
         );
         assert_eq!(canonical(r#"{"a":1,"a":2}"#).unwrap(), r#"{"a":1,"a":2}"#);
+    }
+
+    #[test]
+    fn members_sort_by_their_decoded_keys() {
+        // Sorted as "a" < "b", written as they came.
+        assert_eq!(
+            canonical(r#"{"b":1,"\u0061":2}"#).unwrap(),
+            r#"{"\u0061":2,"b":1}"#
+        );
+        // Spellings of one key are duplicates: their order is kept.
+        assert_eq!(
+            canonical(r#"{"\u0061mount":1000,"amount":10}"#).unwrap(),
+            r#"{"\u0061mount":1000,"amount":10}"#
+        );
+        assert_ne!(
+            json_fp(r#"{"amount":10,"\u0061mount":1000}"#, &[]),
+            json_fp(r#"{"\u0061mount":1000,"amount":10}"#, &[])
+        );
+        // Code point order: U+E000 before U+1F600 (UTF-16 order would
+        // differ), a lone surrogate before both.
+        assert_eq!(
+            canonical(r#"{"\ud83d\ude00":1,"\ue000":2,"\ud800":3}"#).unwrap(),
+            r#"{"\ud800":3,"\ue000":2,"\ud83d\ude00":1}"#
+        );
+        // An excluded field is excluded however its key is spelled.
+        assert_eq!(
+            json_fp(r#"{"a":1,"\u006deta":{"sent_at":"1"}}"#, &["/meta/sent_at"]),
+            json_fp(r#"{"a":1,"\u006deta":{"sent_at":"2"}}"#, &["/meta/sent_at"])
+        );
     }
 
     #[test]

@@ -259,6 +259,13 @@ pub struct Policy {
     /// Replay `Set-Cookie` headers. Default `false`: a replay never hands out
     /// a session cookie minted for the first request.
     pub replay_set_cookie: bool,
+    /// Hash the request's host name (the URI's, else the `Host` header's;
+    /// lowercased, without port, see [`scope_host`]) into the key's scope.
+    /// Default `true`: two virtual hosts (tenants) behind one engine never
+    /// share a key space. Turn it off only when several host names serve
+    /// one and the same application and a retry may arrive under another
+    /// name.
+    pub scope_authority: bool,
 }
 
 impl Default for Policy {
@@ -284,6 +291,7 @@ impl Default for Policy {
             max_body_bytes: MIB,
             max_response_bytes: MIB,
             replay_set_cookie: false,
+            scope_authority: true,
         }
     }
 }
@@ -331,6 +339,13 @@ impl Policy {
     /// Checks every field and prepares the policy for the engine. This is
     /// the only place a policy can be refused.
     pub fn validate(&self) -> Result<Arc<RoutePolicy>, PolicyError> {
+        if self.methods.is_empty() {
+            return Err(invalid(
+                "methods",
+                "is empty, so the route would cover nothing; list the methods it covers, \
+                 or write an exclusion to leave its paths alone",
+            ));
+        }
         let methods = self
             .methods
             .iter()
@@ -428,13 +443,14 @@ impl Policy {
                 .map(|p| crate::formats::parse_pointer(p))
                 .collect(),
             form_exclude,
+            case_insensitive_paths: false,
             policy: self.clone(),
         }))
     }
 }
 
 /// A [`Policy`] that passed [`Policy::validate`], with its strings parsed.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct RoutePolicy {
     pub(crate) methods: Vec<Method>,
     pub(crate) scope_headers: Vec<HeaderName>,
@@ -448,6 +464,9 @@ pub struct RoutePolicy {
     pub(crate) success_redirects: Vec<PathPattern>,
     pub(crate) json_exclude: Vec<Vec<String>>,
     pub(crate) form_exclude: Vec<String>,
+    /// Whether its table routes paths case-insensitively (set by
+    /// [`Routes`]); the scope then uses the lowercased path too.
+    pub(crate) case_insensitive_paths: bool,
     pub(crate) policy: Policy,
 }
 
@@ -490,14 +509,30 @@ impl RoutePolicy {
             .iter()
             .any(|pattern| pattern.matches(&target))
     }
+
+    /// Feeds the request target's part of the key's scope to `put`: the
+    /// host (unless [`Policy::scope_authority`] is off; see [`scope_host`])
+    /// and the normalised path (see [`normalize_path`]), each as one part.
+    /// Two spellings of one path share a scope; two hosts never do.
+    pub(crate) fn scope_target(
+        &self,
+        uri: &http::Uri,
+        headers: &http::HeaderMap,
+        put: &mut impl FnMut(&[u8]),
+    ) {
+        if self.policy.scope_authority {
+            put(scope_host(uri, headers).as_bytes());
+        }
+        put(normalize_path(uri.path(), self.case_insensitive_paths).as_bytes());
+    }
 }
 
 /// The path a `Location` points to: the path of an absolute URL
 /// (`http://host/contact/thanks`), of a network-path reference
 /// (`//host/x`), an absolute path (`/x?y`), or a relative reference
-/// resolved against `base` (`thanks` from `/contact` is `/thanks`); dot
-/// segments and repeated slashes removed. `None` for a value that is not
-/// a URI reference.
+/// resolved against `base` (`thanks` from `/contact` is `/thanks`),
+/// normalised as request paths are (see [`normalize_path`]). `None` for a
+/// value that is not UTF-8.
 fn location_path(location: &[u8], base: &str) -> Option<String> {
     let location = std::str::from_utf8(location).ok()?.trim();
     let location = location.split(['?', '#']).next().unwrap_or_default();
@@ -516,35 +551,170 @@ fn location_path(location: &[u8], base: &str) -> Option<String> {
         let directory = base.rfind('/').map_or("/", |i| &base[..=i]);
         format!("{directory}{location}")
     };
-    let mut segments: Vec<&str> = Vec::new();
-    for segment in path.split('/').filter(|s| !s.is_empty() && *s != ".") {
-        if segment == ".." {
-            segments.pop();
-        } else {
-            segments.push(segment);
-        }
-    }
-    Some(format!("/{}", segments.join("/")))
+    Some(normalize_path(&path, false).into_owned())
 }
 
-/// How a route matches request paths.
+/// The host a request's key is scoped by: the URI's authority, else the
+/// `Host` header, without port or trailing dot, lowercased; empty when
+/// there is none. Host names select tenants; the port does not (instances
+/// of one deployment listen on different ports, and `example.com` and
+/// `example.com:443` are one target).
+pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
+    let host = match uri.authority() {
+        Some(authority) => authority.host().to_owned(),
+        None => match headers.get(http::header::HOST) {
+            Some(value) => match http::uri::Authority::try_from(value.as_bytes()) {
+                Ok(authority) => authority.host().to_owned(),
+                // Not a valid authority: the value itself, as it came.
+                Err(_) => String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            },
+            None => String::new(),
+        },
+    };
+    let host = host.strip_suffix('.').unwrap_or(&host);
+    host.to_ascii_lowercase()
+}
+
+/// The form a path is routed and scoped by; the request itself is
+/// forwarded unchanged.
+///
+/// * percent-encoded unreserved characters (`A-Z a-z 0-9 - . _ ~`) are
+///   decoded (`/%61pi` is `/api`); other escapes keep their meaning and get
+///   upper-case hex digits (`%2f` is `%2F`, never `/`);
+/// * repeated slashes are merged (`//api` is `/api`);
+/// * `.` and `..` segments are removed (`/./api`, `/x/../api` are `/api`;
+///   `..` never climbs above the root);
+/// * a trailing slash is dropped (`/api/pay/` is `/api/pay`); `/` stays;
+/// * with `case_insensitive`, ASCII letters are lowercased.
+///
+/// An empty path is `/`.
+pub fn normalize_path(path: &str, case_insensitive: bool) -> std::borrow::Cow<'_, str> {
+    normalize(path, case_insensitive, true)
+}
+
+/// Whether `path` holds a percent-encoded dot (`%2e`): backends disagree
+/// on whether `/%2e%2e/` is a `..` segment.
+fn has_encoded_dot(path: &str) -> bool {
+    path.as_bytes()
+        .windows(3)
+        .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'e'))
+}
+
+/// [`normalize_path`]; with `decode_dots` off, `%2e` stays encoded (as
+/// `%2E`), so it never makes a dot segment.
+fn normalize(path: &str, case_insensitive: bool, decode_dots: bool) -> std::borrow::Cow<'_, str> {
+    let bytes = path.as_bytes();
+    let simple = bytes.first() == Some(&b'/')
+        && !bytes.contains(&b'%')
+        && !bytes.windows(2).any(|w| w == b"//" || w == b"/.")
+        && (bytes.len() == 1 || bytes.last() != Some(&b'/'))
+        && !(case_insensitive && bytes.iter().any(u8::is_ascii_uppercase));
+    if simple {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    // Percent-decoding of unreserved characters first (RFC 3986 6.2.2.2),
+    // then dot segments (6.2.2.3), so `/%2e%2e/` is a `..` segment too.
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        if byte == b'%' && i + 2 < bytes.len() {
+            let hex = |b: u8| (b as char).to_digit(16);
+            if let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                let value = (hi * 16 + lo) as u8;
+                let unreserved = value.is_ascii_alphanumeric()
+                    || matches!(value, b'-' | b'_' | b'~')
+                    || (value == b'.' && decode_dots);
+                if unreserved {
+                    decoded.push(value);
+                } else {
+                    decoded.push(b'%');
+                    decoded.push(bytes[i + 1].to_ascii_uppercase());
+                    decoded.push(bytes[i + 2].to_ascii_uppercase());
+                }
+                i += 3;
+                continue;
+            }
+        }
+        decoded.push(byte);
+        i += 1;
+    }
+    if case_insensitive {
+        decoded.make_ascii_lowercase();
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for segment in decoded.split(|&b| b == b'/') {
+        match segment {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            segment => segments.push(segment),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len());
+    for segment in &segments {
+        out.push('/');
+        // Only ASCII bytes were decoded; the rest is the input's own text.
+        out.push_str(&String::from_utf8_lossy(segment));
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// How a route matches request paths. Paths are matched in their
+/// normalised form (see [`normalize_path`]), and patterns must be written
+/// in that form.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PathPattern {
     /// `/orders` matches `/orders` and `/orders/…`, not `/orders-archive`.
     /// `/` matches every path.
     Prefix(String),
     /// A glob: `*` matches within one segment, `**` matches anything,
-    /// e.g. `/api/*/submit` or `/forms/**`.
+    /// e.g. `/api/*/submit` or `/forms/**`. Matched in time linear in the
+    /// path's length (times the pattern's), whatever the pattern.
     Glob(String),
 }
 
 impl PathPattern {
     /// Parses `pattern`: a glob when it contains `*`, a prefix otherwise.
+    ///
+    /// Refused: a pattern that does not start with `/`; one that ends with
+    /// `/` (other than `/` itself: paths are matched without their
+    /// trailing slash, so `/orders/` would never match `/orders`); and one
+    /// that is not in normal form (`//`, `.` or `..` segments, `%`
+    /// escapes), which no normalised path could match.
     pub fn parse(pattern: &str) -> Result<Self, PolicyError> {
         if !pattern.starts_with('/') {
             return Err(invalid(
                 "path",
                 format!("`{pattern}` does not start with `/`"),
+            ));
+        }
+        if pattern.len() > 1 && pattern.ends_with('/') {
+            return Err(invalid(
+                "path",
+                format!(
+                    "`{pattern}` ends with `/`; write `{}`, which covers that path with or \
+                     without the slash and everything under it",
+                    pattern.trim_end_matches('/')
+                ),
+            ));
+        }
+        if pattern.contains('%')
+            || pattern.contains("//")
+            || pattern
+                .split('/')
+                .any(|segment| segment == "." || segment == "..")
+        {
+            return Err(invalid(
+                "path",
+                format!(
+                    "`{pattern}` is not a normalised path (no `//`, `.` or `..` segments, or \
+                     `%` escapes): requests are matched in that form"
+                ),
             ));
         }
         Ok(if pattern.contains('*') {
@@ -554,7 +724,7 @@ impl PathPattern {
         })
     }
 
-    /// Whether `path` (without query) matches.
+    /// Whether `path` (without query, already normalised) matches.
     pub fn matches(&self, path: &str) -> bool {
         match self {
             PathPattern::Prefix(prefix) => match path.strip_prefix(prefix.as_str()) {
@@ -564,20 +734,94 @@ impl PathPattern {
             PathPattern::Glob(glob) => glob_match(glob.as_bytes(), path.as_bytes()),
         }
     }
+
+    fn make_ascii_lowercase(&mut self) {
+        match self {
+            PathPattern::Prefix(p) | PathPattern::Glob(p) => p.make_ascii_lowercase(),
+        }
+    }
 }
 
-fn glob_match(pattern: &[u8], path: &[u8]) -> bool {
-    match pattern.split_first() {
-        None => path.is_empty(),
-        Some((b'*', rest)) => {
-            if let Some(rest) = rest.strip_prefix(b"*") {
-                (0..=path.len()).any(|i| glob_match(rest, &path[i..]))
+/// One step of a glob.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GlobToken {
+    Byte(u8),
+    /// `*`: any bytes but `/`.
+    Star,
+    /// `**`: any bytes.
+    AnyStar,
+}
+
+fn glob_tokens(pattern: &[u8]) -> Vec<GlobToken> {
+    let mut tokens = Vec::with_capacity(pattern.len());
+    let mut i = 0;
+    while i < pattern.len() {
+        if pattern[i] == b'*' {
+            if pattern.get(i + 1) == Some(&b'*') {
+                tokens.push(GlobToken::AnyStar);
+                i += 2;
             } else {
-                let segment_end = path.iter().position(|&b| b == b'/').unwrap_or(path.len());
-                (0..=segment_end).any(|i| glob_match(rest, &path[i..]))
+                tokens.push(GlobToken::Star);
+                i += 1;
             }
+        } else {
+            tokens.push(GlobToken::Byte(pattern[i]));
+            i += 1;
         }
-        Some((&c, rest)) => path.first() == Some(&c) && glob_match(rest, &path[1..]),
+    }
+    tokens
+}
+
+/// Glob matching as a simulation of the pattern's automaton: the set of
+/// pattern positions the path read so far can be at is carried along the
+/// path, one byte at a time. Each byte costs at most one step per pattern
+/// token, so a match costs O(path × pattern) steps whatever the input: no
+/// backtracking, however many `*` and `**` the pattern has.
+fn glob_match(pattern: &[u8], path: &[u8]) -> bool {
+    glob_match_counting(pattern, path, &mut 0)
+}
+
+/// [`glob_match`], adding the steps it takes to `steps`.
+fn glob_match_counting(pattern: &[u8], path: &[u8], steps: &mut u64) -> bool {
+    let tokens = glob_tokens(pattern);
+    let m = tokens.len();
+    // `now[i]`: the path read so far can end before token `i`.
+    let mut now = vec![false; m + 1];
+    let mut next = vec![false; m + 1];
+    now[0] = true;
+    close(&tokens, &mut now);
+    for &byte in path {
+        next.iter_mut().for_each(|state| *state = false);
+        let mut any = false;
+        for (i, token) in tokens.iter().enumerate() {
+            *steps += 1;
+            if !now[i] {
+                continue;
+            }
+            match *token {
+                GlobToken::Byte(expected) if expected == byte => next[i + 1] = true,
+                GlobToken::Star if byte != b'/' => next[i] = true,
+                GlobToken::AnyStar => next[i] = true,
+                _ => continue,
+            }
+            any = true;
+        }
+        if !any {
+            return false;
+        }
+        close(&tokens, &mut next);
+        std::mem::swap(&mut now, &mut next);
+    }
+    now[m]
+}
+
+/// Adds the positions reachable without reading: past any `*` or `**`
+/// (they may match nothing).
+fn close(tokens: &[GlobToken], states: &mut [bool]) {
+    for (i, token) in tokens.iter().enumerate() {
+        if states[i] && !matches!(token, GlobToken::Byte(_)) {
+            states[i + 1] = true;
+        }
     }
 }
 
@@ -591,11 +835,16 @@ pub struct Route {
     pub policy: Option<Arc<RoutePolicy>>,
 }
 
-/// An ordered route table: the first route whose pattern matches a path
-/// decides; a path no route matches is left alone.
+/// An ordered route table. A request is decided by the first route whose
+/// pattern matches its normalised path (see [`normalize_path`]) **and**
+/// that covers its method: an exclusion (any method), or a route whose
+/// policy lists the method. A route whose pattern matches but whose
+/// methods do not is skipped, so a later route can still cover the
+/// request. A request no route decides is left alone.
 #[derive(Clone, Debug, Default)]
 pub struct Routes {
     routes: Vec<Route>,
+    case_insensitive: bool,
 }
 
 impl Routes {
@@ -609,31 +858,82 @@ impl Routes {
         Routes::new().route("/", policy)
     }
 
+    /// Routes paths without regard to ASCII case (`/API/Pay` is `/api/pay`),
+    /// for backends that do the same (ASP.NET, IIS): the scope then uses
+    /// the lowercased path too, so both spellings share one key space.
+    /// Applies to every route, added before or after this call (their
+    /// patterns are kept lowercased from then on, so turning it off again
+    /// needs a new table). Default off.
+    pub fn case_insensitive(mut self, on: bool) -> Self {
+        self.case_insensitive = on;
+        for route in &mut self.routes {
+            if on {
+                route.path.make_ascii_lowercase();
+            }
+            if let Some(policy) = &mut route.policy {
+                Arc::make_mut(policy).case_insensitive_paths = on;
+            }
+        }
+        self
+    }
+
     /// Appends a route covering `pattern` with `policy`.
     pub fn route(mut self, pattern: &str, policy: Policy) -> Result<Self, PolicyError> {
+        let mut policy = policy.validate()?;
+        Arc::make_mut(&mut policy).case_insensitive_paths = self.case_insensitive;
+        let path = self.pattern(pattern)?;
         self.routes.push(Route {
-            path: PathPattern::parse(pattern)?,
-            policy: Some(policy.validate()?),
+            path,
+            policy: Some(policy),
         });
         Ok(self)
     }
 
-    /// Appends a route that leaves `pattern` alone (no idempotency).
+    fn pattern(&self, pattern: &str) -> Result<PathPattern, PolicyError> {
+        let mut path = PathPattern::parse(pattern)?;
+        if self.case_insensitive {
+            path.make_ascii_lowercase();
+        }
+        Ok(path)
+    }
+
+    /// Appends a route that leaves `pattern` alone (no idempotency), for
+    /// every method.
     pub fn exclude(mut self, pattern: &str) -> Result<Self, PolicyError> {
-        self.routes.push(Route {
-            path: PathPattern::parse(pattern)?,
-            policy: None,
-        });
+        let path = self.pattern(pattern)?;
+        self.routes.push(Route { path, policy: None });
         Ok(self)
     }
 
-    /// The policy that applies to `method` on `path`, if any.
+    /// The policy that applies to `method` on `path` (raw, as in the
+    /// request; it is normalised here), if any.
+    ///
+    /// A path with an encoded dot (`/api/pay/%2e%2e`) is read both ways, as
+    /// backends differ on it (some decode `%2e` and then remove dot
+    /// segments, others take it as text): it is covered when either reading
+    /// is, so neither kind of backend can be reached around a route. The
+    /// first reading (dots decoded) wins when both are covered.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        self.routes
-            .iter()
-            .find(|route| route.path.matches(path))
-            .and_then(|route| route.policy.as_ref())
-            .filter(|policy| policy.applies_to(method))
+        let decoded = self.decide(method, &normalize(path, self.case_insensitive, true));
+        if decoded.is_some() || !has_encoded_dot(path) {
+            return decoded;
+        }
+        self.decide(method, &normalize(path, self.case_insensitive, false))
+    }
+
+    /// The first route matching normalised `path` and `method` decides.
+    fn decide(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+        for route in &self.routes {
+            if !route.path.matches(path) {
+                continue;
+            }
+            match &route.policy {
+                None => return None,
+                Some(policy) if policy.applies_to(method) => return Some(policy),
+                Some(_) => {}
+            }
+        }
+        None
     }
 
     /// The routes, in order.
@@ -692,6 +992,168 @@ mod tests {
         assert!(routes.find(&Method::POST, "/orders").is_some());
         assert!(routes.find(&Method::GET, "/orders").is_none());
         assert!(routes.find(&Method::PUT, "/orders").is_none());
+    }
+
+    /// The old backtracking matcher: obviously right on short inputs, and
+    /// the reference for the automaton.
+    fn reference_glob(pattern: &[u8], path: &[u8]) -> bool {
+        match pattern.split_first() {
+            None => path.is_empty(),
+            Some((b'*', rest)) => {
+                if let Some(rest) = rest.strip_prefix(b"*") {
+                    (0..=path.len()).any(|i| reference_glob(rest, &path[i..]))
+                } else {
+                    let segment_end = path.iter().position(|&b| b == b'/').unwrap_or(path.len());
+                    (0..=segment_end).any(|i| reference_glob(rest, &path[i..]))
+                }
+            }
+            Some((&c, rest)) => path.first() == Some(&c) && reference_glob(rest, &path[1..]),
+        }
+    }
+
+    /// A 40 KB path of near-matches against `/a/**/b/**/c` (2.3 s of CPU
+    /// with the backtracking matcher) takes one step per path byte and
+    /// pattern token, and still matches right.
+    #[test]
+    fn a_long_path_costs_linear_steps() {
+        let pattern = b"/a/**/b/**/c";
+        let tokens = glob_tokens(pattern).len() as u64;
+        let long = format!("/a/{}", "b/".repeat(20_000));
+        let mut steps = 0;
+        assert!(!glob_match_counting(pattern, long.as_bytes(), &mut steps));
+        assert!(steps <= long.len() as u64 * tokens, "{steps} steps");
+        let matching = format!("{long}c");
+        let mut steps = 0;
+        assert!(glob_match_counting(
+            pattern,
+            matching.as_bytes(),
+            &mut steps
+        ));
+        assert!(steps <= matching.len() as u64 * tokens, "{steps} steps");
+        assert!(PathPattern::parse("/a/**/b/**/c")
+            .unwrap()
+            .matches(&matching));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4000))]
+
+        /// The automaton agrees with the backtracking reference.
+        #[test]
+        fn globs_agree_with_the_reference(
+            pattern in "[ab/*]{0,8}",
+            path in "[ab/]{0,10}",
+        ) {
+            proptest::prop_assert_eq!(
+                glob_match(pattern.as_bytes(), path.as_bytes()),
+                reference_glob(pattern.as_bytes(), path.as_bytes()),
+                "pattern {:?} path {:?}", pattern, path
+            );
+        }
+    }
+
+    #[test]
+    fn paths_are_normalised() {
+        for (raw, normal) in [
+            ("/api/pay", "/api/pay"),
+            ("//api/pay", "/api/pay"),
+            ("/./api/pay", "/api/pay"),
+            ("/%61pi/pay", "/api/pay"),
+            ("/api/pay/", "/api/pay"),
+            ("/api//pay//", "/api/pay"),
+            ("/x/../api/pay", "/api/pay"),
+            ("/../../api/pay", "/api/pay"),
+            ("/%2e%2E/api/./pay", "/api/pay"),
+            ("/a%2fb", "/a%2Fb"),
+            ("/a%2Fb", "/a%2Fb"),
+            ("/%7euser", "/~user"),
+            ("/", "/"),
+            ("", "/"),
+            ("//", "/"),
+            ("/.well-known/x", "/.well-known/x"),
+            ("/é/%zz", "/é/%zz"),
+        ] {
+            assert_eq!(normalize_path(raw, false), normal, "{raw}");
+        }
+        assert_eq!(normalize_path("/API/Pay/", true), "/api/pay");
+        assert_eq!(normalize_path("/API/Pay", false), "/API/Pay");
+    }
+
+    #[test]
+    fn the_first_route_matching_path_and_method_decides() {
+        let routes = Routes::new()
+            .route("/api/payments", Policy::default())
+            .unwrap()
+            .route(
+                "/api/**",
+                Policy {
+                    methods: vec!["PUT".into(), "DELETE".into()],
+                    ..Policy::default()
+                },
+            )
+            .unwrap();
+        assert!(routes.find(&Method::PUT, "/api/payments/7").is_some());
+        assert!(routes.find(&Method::POST, "/api/payments/7").is_some());
+        assert!(routes.find(&Method::PATCH, "/api/other").is_none());
+        // An exclusion decides for every method.
+        let routes = Routes::new()
+            .exclude("/health")
+            .unwrap()
+            .route("/", Policy::default())
+            .unwrap();
+        assert!(routes.find(&Method::POST, "/health").is_none());
+        assert!(routes.find(&Method::POST, "//health/").is_none());
+    }
+
+    /// `%2e%2e` is a `..` segment to some backends and text to others: a
+    /// path is covered when either reading is.
+    #[test]
+    fn encoded_dots_are_covered_either_way() {
+        let routes = Routes::new().route("/api/pay", Policy::default()).unwrap();
+        // Read as text: `/api/pay/%2E%2E` is under `/api/pay`.
+        assert!(routes.find(&Method::POST, "/api/pay/%2e%2e").is_some());
+        // Read as a dot segment: `/api/x/../pay` is `/api/pay`.
+        assert!(routes.find(&Method::POST, "/api/x/%2e%2e/pay").is_some());
+        assert!(routes.find(&Method::POST, "/api/x/%2E./pay").is_some());
+        assert!(routes.find(&Method::POST, "/api/other/%2e").is_none());
+        assert_eq!(normalize("/a/%2e%2e/b", false, false), "/a/%2E%2E/b");
+    }
+
+    #[test]
+    fn silent_gaps_are_refused_at_start() {
+        let empty = Policy {
+            methods: Vec::new(),
+            ..Policy::default()
+        };
+        assert_eq!(empty.validate().unwrap_err().field, "methods");
+        for pattern in [
+            "/orders/", "/api/*/", "//orders", "/a/./b", "/a/../b", "/%61pi",
+        ] {
+            assert_eq!(
+                Routes::new()
+                    .route(pattern, Policy::default())
+                    .unwrap_err()
+                    .field,
+                "path",
+                "{pattern}"
+            );
+        }
+        assert!(Routes::new().route("/", Policy::default()).is_ok());
+    }
+
+    #[test]
+    fn case_insensitive_routing() {
+        let routes = Routes::new()
+            .route("/Api/Pay", Policy::default().required(true))
+            .unwrap();
+        assert!(routes.find(&Method::POST, "/api/pay").is_none());
+        let routes = routes.case_insensitive(true);
+        assert!(routes.find(&Method::POST, "/API/pay").is_some());
+        let later = Routes::new()
+            .case_insensitive(true)
+            .route("/Api/**", Policy::default())
+            .unwrap();
+        assert!(later.find(&Method::POST, "/aPI/x").is_some());
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub enum ProblemKind {
     UpstreamUnavailable,
     /// The upstream did not answer in time; the key was released. 504.
     UpstreamTimeout,
+    /// The request body has a transfer coding other than `chunked` (such
+    /// as `gzip, chunked`), which the engine does not decode; refused
+    /// before anything is reserved. 501.
+    TransferCodingUnsupported,
 }
 
 impl ProblemKind {
@@ -57,6 +61,9 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "urn:tower-idempotency:store-unavailable",
             ProblemKind::UpstreamUnavailable => "urn:tower-idempotency:upstream-unavailable",
             ProblemKind::UpstreamTimeout => "urn:tower-idempotency:upstream-timeout",
+            ProblemKind::TransferCodingUnsupported => {
+                "urn:tower-idempotency:transfer-coding-unsupported"
+            }
         }
     }
 
@@ -72,6 +79,7 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::UpstreamUnavailable => "Upstream unavailable",
             ProblemKind::UpstreamTimeout => "Upstream timed out",
+            ProblemKind::TransferCodingUnsupported => "Transfer coding not implemented",
         }
     }
 
@@ -86,6 +94,7 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemKind::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ProblemKind::TransferCodingUnsupported => StatusCode::NOT_IMPLEMENTED,
         }
     }
 }

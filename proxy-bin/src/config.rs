@@ -9,7 +9,9 @@
 //!   `**`), `enabled` (alias `idempotency`; `false` leaves matching paths as
 //!   plain passthrough) and any policy key, overriding `[defaults]`.
 //!
-//! Routes are tried in file order; the first whose path matches decides.
+//! Routes are tried in file order; the first whose path and methods match
+//! decides (see [`Routes`]). A top-level `case_insensitive_paths = true`
+//! routes and scopes paths without regard to ASCII case.
 //! Without any `[[route]]`, `[defaults]` covers every path.
 //!
 //! The policy keys are exactly [`Policy`]'s fields: this module only merges
@@ -260,7 +262,7 @@ impl Config {
         }
         Ok(Config {
             proxy: file.proxy.unwrap_or_default(),
-            routes,
+            routes: routes.case_insensitive(file.case_insensitive_paths),
         })
     }
 }
@@ -274,6 +276,10 @@ type Entries = BTreeMap<String, Spanned<toml::Value>>;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
+    /// Route and scope paths without regard to ASCII case
+    /// ([`Routes::case_insensitive`]).
+    #[serde(default)]
+    case_insensitive_paths: bool,
     proxy: Option<ProxySettings>,
     defaults: Option<BTreeMap<Spanned<String>, Spanned<toml::Value>>>,
     #[serde(default)]
@@ -411,6 +417,15 @@ mismatch_status = 409
         for key in documented.as_table().unwrap().keys() {
             assert!(defaults.contains_key(key), "`{key}` is not in the example");
         }
+    }
+
+    #[test]
+    fn paths_may_be_routed_without_regard_to_case() {
+        let text = "[[route]]\npath = \"/Api/Pay\"\nrequired = true\n";
+        let exact = Config::parse(text).unwrap();
+        assert!(exact.routes.find(&Method::POST, "/api/PAY").is_none());
+        let folded = Config::parse(&format!("case_insensitive_paths = true\n{text}")).unwrap();
+        assert!(folded.routes.find(&Method::POST, "/api/PAY").is_some());
     }
 
     #[test]

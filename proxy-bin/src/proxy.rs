@@ -165,6 +165,12 @@ impl ProxyHttp for IdempotencyProxy {
             // body limit.
             return Ok(false);
         };
+        if let Some(refused) = self.engine.unsupported_transfer_coding(&request.headers) {
+            // Not forwarded, and the body is not read: nothing reserved.
+            session.set_keepalive(None);
+            write_response(session, refused).await?;
+            return Ok(true);
+        }
         let span =
             tracing::info_span!("request", method = %request.method, route = covered.label());
         let covered = ctx.covered.insert(covered);

@@ -270,9 +270,10 @@ async fn a_client_gone_mid_request_leaves_nothing_behind() {
     let backend = Backend::start().await;
     let proxy = start_proxy(backend.url(), "memory", None, "30s").await;
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    // The retry's host (the port is not part of the scope).
     stream
         .write_all(
-            b"POST /api/cut HTTP/1.1\r\nhost: x\r\nidempotency-key: cut-1\r\n\
+            b"POST /api/cut HTTP/1.1\r\nhost: 127.0.0.1\r\nidempotency-key: cut-1\r\n\
               content-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"half\":",
         )
         .await
@@ -294,7 +295,7 @@ async fn a_slow_trickle_gets_408_and_reserves_nothing() {
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
     stream
         .write_all(
-            b"POST /api/trickle HTTP/1.1\r\nhost: x\r\nidempotency-key: trickle-1\r\n\
+            b"POST /api/trickle HTTP/1.1\r\nhost: 127.0.0.1\r\nidempotency-key: trickle-1\r\n\
               content-type: application/json\r\ncontent-length: 100000\r\n\r\n",
         )
         .await
@@ -334,13 +335,13 @@ async fn a_client_gone_mid_response_still_gets_it_recorded() {
     let upstream = RawUpstream::start().await;
     let proxy = start_proxy(upstream.url(), "memory", None, "30s").await;
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
-    stream
-        .write_all(
-            b"POST /halves HTTP/1.1\r\nhost: x\r\nidempotency-key: halves-1\r\n\
-              content-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
-        )
-        .await
-        .unwrap();
+    // The same Host as the retry below: the host is part of the scope.
+    let request = format!(
+        "POST /halves HTTP/1.1\r\nhost: {}\r\nidempotency-key: halves-1\r\n\
+         content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}",
+        proxy.addr
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
     // Read the head and some of the body, then leave.
     let mut seen = Vec::new();
     while !seen.windows(4).any(|w| w == b"\r\n\r\n") || seen.len() < 1024 {

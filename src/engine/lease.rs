@@ -12,9 +12,22 @@
 //! runtime is driven: a reservation is renewed by the runtime its own
 //! request runs on, exactly as a heartbeat task spawned next to it would
 //! be. A renewer starts with its runtime's first reservation, starts again
-//! if its task ended, sleeps until the earliest renewal is due (woken early
-//! only by a reservation due earlier), is parked while it holds nothing,
-//! and is stopped when the engine is dropped (it holds the engine weakly).
+//! if its task ended, and is stopped when the engine is dropped (it holds
+//! the engine weakly).
+//!
+//! Renewal never depends on the worker thread of the request that asked
+//! for it. A request never wakes the renewer: the renewer wakes by its own
+//! timer, at the earliest renewal due and at least every sixth of the
+//! shortest lease of the engine's routes (so a new lease is seen within a
+//! sixth of it, and first renewed by half of it). Waking it from a request
+//! would schedule it in that worker's LIFO slot, which other workers
+//! cannot steal: a handler that then blocked its thread (CPU work, a
+//! blocking call before its first `.await`) would freeze every other
+//! request's renewal on that runtime, and a duplicate would take a live
+//! lease over. On a multi-thread runtime, the renewer's task is also
+//! spawned from a thread of its own, so it starts in the runtime's shared
+//! queue, where any worker picks it up. Timer wake-ups happen on a worker
+//! between tasks, and renewal tasks it spawns end right after.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -38,6 +51,8 @@ pub(super) struct Leases {
 #[derive(Debug)]
 struct Renewer {
     runtime: RuntimeId,
+    /// How often it looks at least: a sixth of the shortest lease.
+    tick: Duration,
     state: Mutex<State>,
     wake: Notify,
 }
@@ -46,9 +61,11 @@ struct Renewer {
 struct State {
     next_id: u64,
     held: HashMap<u64, Held>,
-    /// When the renewer looks next; `None` while it is parked.
+    /// When the renewer looks next.
     wake_at: Option<Instant>,
     task: Option<AbortHandle>,
+    /// Its task is being spawned from another thread.
+    starting: bool,
 }
 
 #[derive(Debug)]
@@ -97,8 +114,15 @@ impl Leases {
             match runtimes.iter().find(|r| r.runtime == runtime) {
                 Some(renewer) => renewer.clone(),
                 None => {
+                    let shortest = engine
+                        .routes
+                        .iter()
+                        .filter_map(|route| route.policy.as_ref())
+                        .map(|policy| policy.policy().lease)
+                        .fold(lease, Duration::min);
                     let renewer = Arc::new(Renewer {
                         runtime,
+                        tick: (shortest / 6).max(Duration::from_millis(1)),
                         state: Mutex::default(),
                         wake: Notify::new(),
                     });
@@ -175,13 +199,37 @@ impl Renewer {
                 settling: false,
             },
         );
-        if state.task.as_ref().is_none_or(AbortHandle::is_finished) {
+        // A running renewer is not woken (see the module docs): it looks
+        // within a tick.
+        if !state.starting && state.task.as_ref().is_none_or(AbortHandle::is_finished) {
             // The new renewer looks at once and then computes its own wake-up.
             state.wake_at = Some(now);
-            let task = tokio::spawn(renew(self.clone(), Arc::downgrade(engine)));
-            state.task = Some(task.abort_handle());
-        } else {
-            self.wake_by(&mut state, renew_at);
+            state.task = None;
+            let renewer = renew(self.clone(), Arc::downgrade(engine));
+            let handle = Handle::current();
+            if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
+                // One thread: nothing to steal from.
+                state.task = Some(tokio::spawn(renewer).abort_handle());
+            } else {
+                // Spawned from outside the runtime, it goes to the shared
+                // queue instead of this worker's LIFO slot.
+                state.starting = true;
+                let this = self.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("idempotency-renewer".into())
+                    .spawn(move || {
+                        let task = handle.spawn(renewer);
+                        let mut state = lock(&this.state);
+                        state.task = Some(task.abort_handle());
+                        state.starting = false;
+                    });
+                if spawned.is_err() {
+                    // No thread to be had: start it here rather than never.
+                    state.starting = false;
+                    let renewer = renew(self.clone(), Arc::downgrade(engine));
+                    state.task = Some(tokio::spawn(renewer).abort_handle());
+                }
+            }
         }
         id
     }
@@ -210,7 +258,9 @@ impl Renewer {
 
     fn is_idle_and_stopped(&self) -> bool {
         let state = lock(&self.state);
-        state.held.is_empty() && state.task.as_ref().is_none_or(AbortHandle::is_finished)
+        state.held.is_empty()
+            && !state.starting
+            && state.task.as_ref().is_none_or(AbortHandle::is_finished)
     }
 
     /// Takes the leases due at `now` (rescheduling each a third of its
@@ -218,15 +268,16 @@ impl Renewer {
     fn due(&self, now: Instant) -> Vec<(u64, ScopeKey, OwnerToken, Duration)> {
         let mut state = lock(&self.state);
         let mut due = Vec::new();
-        let mut next: Option<Instant> = None;
+        // At the latest a tick from now, to see leases taken meanwhile.
+        let mut next = now + self.tick;
         for (id, held) in state.held.iter_mut() {
             if held.renew_at <= now {
                 held.renew_at = now + held.lease / 3;
                 due.push((*id, held.key, held.owner, held.lease));
             }
-            next = Some(next.map_or(held.renew_at, |at| at.min(held.renew_at)));
+            next = next.min(held.renew_at);
         }
-        state.wake_at = next;
+        state.wake_at = Some(next);
         due
     }
 }
@@ -269,15 +320,13 @@ async fn renew(renewer: Arc<Renewer>, engine: Weak<Inner>) {
                 });
             }
         }
-        let wake_at = lock(&renewer.state).wake_at;
-        match wake_at {
-            Some(at) => {
-                tokio::select! {
-                    () = tokio::time::sleep_until(at) => {}
-                    () = renewer.wake.notified() => {}
-                }
-            }
-            None => renewer.wake.notified().await,
+        let wake_at = lock(&renewer.state)
+            .wake_at
+            .unwrap_or_else(|| Instant::now() + renewer.tick);
+        // Woken early only after a failed renewal (by its renewal task).
+        tokio::select! {
+            () = tokio::time::sleep_until(wake_at) => {}
+            () = renewer.wake.notified() => {}
         }
         if engine.strong_count() == 0 {
             return;

@@ -64,6 +64,28 @@ impl Engine {
         problem.into_response_for(request)
     }
 
+    /// The 501 answer for a covered request whose body has a transfer
+    /// coding other than `chunked` (`Transfer-Encoding: gzip, chunked`):
+    /// the engine could neither fingerprint nor key such a body, and must
+    /// not pretend the upstream failed. `None` when there is none. Asked
+    /// before the body is read; nothing is reserved.
+    pub fn unsupported_transfer_coding(&self, request: &HeaderMap) -> Option<Response<Bytes>> {
+        let unsupported = request
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+            .map(<[u8]>::trim_ascii)
+            .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"chunked"));
+        unsupported.then(|| {
+            Problem::new(
+                ProblemKind::TransferCodingUnsupported,
+                "The request's transfer coding is not implemented; send it unencoded or \
+                 only chunked. The request was not executed.",
+            )
+            .into_response_for(request)
+        })
+    }
+
     /// Counts `event`, logs it and answers with `problem`.
     pub(super) fn reject(
         &self,

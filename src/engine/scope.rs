@@ -7,15 +7,22 @@ use super::RequestHead;
 use crate::policy::RoutePolicy;
 use crate::store::ScopeKey;
 
-/// SHA-256 over (principal, scope headers, method, path, key), each
-/// length-prefixed.
+/// SHA-256 over (principal or its absence, scope headers, method,
+/// authority, normalised path, key), each length-prefixed.
 pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &[u8]) -> ScopeKey {
     let mut hasher = Sha256::new();
     let mut put = |bytes: &[u8]| {
         hasher.update((bytes.len() as u64).to_be_bytes());
         hasher.update(bytes);
     };
-    put(head.principal.unwrap_or(b""));
+    // "No principal" and an empty one are different callers.
+    match head.principal {
+        None => put(b"-"),
+        Some(principal) => {
+            put(b"+");
+            put(principal);
+        }
+    }
     for name in &policy.scope_headers {
         for value in head.headers.get_all(name) {
             put(name.as_str().as_bytes());
@@ -23,7 +30,7 @@ pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &
         }
     }
     put(head.method.as_str().as_bytes());
-    put(head.uri.path().as_bytes());
+    policy.scope_target(head.uri, head.headers, &mut put);
     put(raw_key);
     ScopeKey(hasher.finalize().into())
 }

@@ -1,14 +1,20 @@
 //! The canonical-JSON implementation as it was before the speed-up
-//! (commit 7f994e1), kept verbatim as the reference for the differential
-//! tests: stored fingerprints survive upgrades only if the output of
+//! (commit 7f994e1), kept as the reference for the differential tests:
+//! stored fingerprints survive upgrades only if the output of
 //! [`super::canonical_json`] stays byte-identical to this one.
+//!
+//! One change since: members are ordered by their *decoded* keys, here
+//! decoded into code points in the most direct way (independently of the
+//! fast path's byte-level decoder), because sorting raw escaped keys let
+//! `{"a":1,"\u0061":2}` and `{"\u0061":2,"a":1}` share a fingerprint
+//! although a last-wins parser reads them differently.
 
 use std::ops::Range;
 
 use super::MAX_JSON_DEPTH;
 
-/// The canonical form of a JSON document: members sorted by key (bytewise,
-/// stable), no insignificant whitespace, members at `exclude` pointers
+/// The canonical form of a JSON document: members sorted by decoded key
+/// (by code point, stable), no insignificant whitespace, members at `exclude` pointers
 /// removed. `None` when `input` is not JSON (which includes text that is
 /// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub(super) fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
@@ -45,20 +51,21 @@ struct Canonicalizer<'a, 'x> {
     exclude: &'x [Vec<String>],
     /// Where the value being read sits (tracked only when `exclude` is not
     /// empty).
-    path: Vec<Segment<'a>>,
+    path: Vec<Segment>,
 }
 
 /// A member written to the output.
 struct Member {
-    /// Its raw key in the input (without quotes, escapes as written).
-    key: Range<usize>,
+    /// Its key as a parser reads it: code points, surrogate pairs joined,
+    /// lone surrogates kept as they are.
+    key: Vec<u32>,
     /// Its bytes in the output: `"key":value`, without a comma.
     out: Range<usize>,
 }
 
 /// One step of the path to the value being read.
-enum Segment<'a> {
-    Key(&'a [u8]),
+enum Segment {
+    Key(Vec<u32>),
     Index(usize),
 }
 
@@ -143,7 +150,8 @@ impl<'a> Canonicalizer<'a, '_> {
                 self.skip_ws();
                 let quoted = self.pos;
                 self.string()?;
-                let key = quoted + 1..self.pos - 1;
+                let raw_key = quoted + 1..self.pos - 1;
+                let key = decode(&input[raw_key.clone()]);
                 if !self.eat(b':') {
                     return None;
                 }
@@ -152,13 +160,13 @@ impl<'a> Canonicalizer<'a, '_> {
                     self.out.push(b',');
                 }
                 let member = self.out.len();
-                self.out.extend_from_slice(&input[quoted..key.end]);
+                self.out.extend_from_slice(&input[quoted..raw_key.end]);
                 self.out.extend_from_slice(b"\":");
                 let excluded = if self.exclude.is_empty() {
                     self.value(depth + 1)?;
                     false
                 } else {
-                    self.path.push(Segment::Key(&input[key.clone()]));
+                    self.path.push(Segment::Key(key.clone()));
                     let excluded = is_excluded(self.exclude, &self.path);
                     self.value(depth + 1)?;
                     self.path.pop();
@@ -168,7 +176,7 @@ impl<'a> Canonicalizer<'a, '_> {
                     self.out.truncate(before_comma);
                 } else {
                     if let Some(previous) = self.members[first..].last() {
-                        sorted &= input[previous.key.clone()] <= input[key.clone()];
+                        sorted &= previous.key <= key;
                     }
                     let out = member..self.out.len();
                     self.members.push(Member { key, out });
@@ -193,9 +201,8 @@ impl<'a> Canonicalizer<'a, '_> {
     /// Rewrites the members from `first` on, which were written from
     /// `start`, in key order (stable: duplicate keys keep their order).
     fn sort_members(&mut self, first: usize, start: usize) {
-        let input = self.input;
         let members = &mut self.members[first..];
-        members.sort_by(|a, b| input[a.key.clone()].cmp(&input[b.key.clone()]));
+        members.sort_by(|a, b| a.key.cmp(&b.key));
         self.scratch.clear();
         self.scratch.extend_from_slice(&self.out[start..]);
         self.out.truncate(start);
@@ -309,14 +316,57 @@ fn find_special(bytes: &[u8]) -> Option<usize> {
         .map(|i| offset + i)
 }
 
-fn is_excluded(exclude: &[Vec<String>], path: &[Segment<'_>]) -> bool {
+/// The code points of a raw key (escapes checked already).
+fn decode(raw: &[u8]) -> Vec<u32> {
+    let text = std::str::from_utf8(raw).expect("checked as UTF-8");
+    let mut units = Vec::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            units.push(u32::from(c));
+            continue;
+        }
+        let unit = match chars.next().expect("checked escape") {
+            'b' => 8,
+            'f' => 12,
+            'n' => 10,
+            'r' => 13,
+            't' => 9,
+            'u' => {
+                let hex: String = chars.by_ref().take(4).collect();
+                u32::from_str_radix(&hex, 16).expect("checked hex")
+            }
+            other => u32::from(other),
+        };
+        units.push(unit);
+    }
+    // Join each high surrogate followed by a low one.
+    let mut points = Vec::with_capacity(units.len());
+    let mut i = 0;
+    while i < units.len() {
+        let unit = units[i];
+        match units.get(i + 1) {
+            Some(&low) if (0xd800..0xdc00).contains(&unit) && (0xdc00..0xe000).contains(&low) => {
+                points.push(0x10000 + ((unit - 0xd800) << 10) + (low - 0xdc00));
+                i += 2;
+            }
+            _ => {
+                points.push(unit);
+                i += 1;
+            }
+        }
+    }
+    points
+}
+
+fn is_excluded(exclude: &[Vec<String>], path: &[Segment]) -> bool {
     exclude.iter().any(|pointer| {
         pointer.len() == path.len()
             && pointer
                 .iter()
                 .zip(path)
                 .all(|(token, segment)| match segment {
-                    Segment::Key(key) => token.as_bytes() == *key,
+                    Segment::Key(key) => token.chars().map(u32::from).eq(key.iter().copied()),
                     Segment::Index(i) => token.parse() == Ok(*i),
                 })
     })

@@ -84,6 +84,9 @@ where
         let engine = self.engine.clone();
         ResponseFuture::engine(Box::pin(async move {
             let (parts, body) = request.into_parts();
+            if let Some(refused) = engine.unsupported_transfer_coding(&parts.headers) {
+                return Step::Done(Ok(refused.map(ResponseBody::full)));
+            }
             let body = match read_body(body, covered.max_body_bytes()).await {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
@@ -98,7 +101,7 @@ where
             let principal = parts.extensions.get::<Principal>().map(|p| p.0.clone());
             let head = RequestHead {
                 method: &parts.method,
-                uri: &parts.uri,
+                uri: original_uri(&parts),
                 headers: &parts.headers,
                 principal: principal.as_deref(),
             };
@@ -121,6 +124,19 @@ where
             }
         }))
     }
+}
+
+/// The URI the request arrived with: axum records it as `OriginalUri`
+/// before `Router::nest` strips a prefix, and the scope must tell
+/// `/shop-a/orders` from `/shop-b/orders` even where the layer sees
+/// `/orders` for both. (Routes are still matched on the path the layer
+/// sees, as they are written for where the layer sits.)
+fn original_uri(parts: &http::request::Parts) -> &http::Uri {
+    #[cfg(feature = "axum")]
+    if let Some(axum::extract::OriginalUri(uri)) = parts.extensions.get() {
+        return uri;
+    }
+    &parts.uri
 }
 
 enum ReadError {

@@ -1,0 +1,462 @@
+//! The guarantee under attack, through the tower layer: request sequences
+//! that once broke "executes once" or isolation (issue "Guarantee holes"),
+//! each answered here the way a user of the layer would notice it.
+
+mod support;
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use tower::ServiceExt;
+use tower_idempotency::fingerprint::{fingerprint, Exclusions};
+use tower_idempotency::layer::RequestBody;
+use tower_idempotency::{
+    Engine, Idempotency, IdempotencyLayer, InFlightPolicy, MemoryStore, Policy, Principal, Routes,
+};
+
+use support::{post_json, Harness, Reply};
+
+fn no_key(method: Method, uri: &str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(Full::new(Bytes::new()))
+        .unwrap()
+}
+
+fn with_key(method: Method, uri: &str, key: &str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::new()))
+        .unwrap()
+}
+
+/// A harness whose inner service answers `201 <path> <n>`, over `routes`.
+fn echo_path(routes: Routes) -> Harness {
+    Harness::with_response(Policy::default(), |n, parts| {
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Full::new(Bytes::from(format!("{} {n}", parts.uri))))
+            .unwrap()
+    })
+    .with_engine(Engine::new(MemoryStore::new(), routes))
+}
+
+// ---------------------------------------------------------------------------
+// Hole 1: escaped duplicate JSON keys
+
+/// `{"amount":10,"\u0061mount":1000}` charges 1000 with a last-wins parser,
+/// the reordered body 10: the second must never get the first's answer.
+#[tokio::test]
+async fn escaped_duplicate_keys_are_a_different_request() {
+    let h = Harness::new(Policy::default());
+    let first = h
+        .send(post_json(b"pay-1", r#"{"amount":10,"\u0061mount":1000}"#))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let second = h
+        .send(post_json(b"pay-1", r#"{"\u0061mount":1000,"amount":10}"#))
+        .await;
+    second.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-mismatch");
+    assert_eq!(h.calls(), 1);
+    // The same body again is still a replay.
+    let again = h
+        .send(post_json(b"pay-1", r#"{"amount":10,"\u0061mount":1000}"#))
+        .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+}
+
+mod oracle {
+    //! The fingerprint against serde_json, not against another copy of the
+    //! canonicaliser: two bodies a last-wins parser reads differently never
+    //! share a fingerprint.
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Keys whose spellings collide once decoded.
+    fn key() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "a",
+            "\\u0061",
+            "\\u0041",
+            "A",
+            "ab",
+            "a\\u0062",
+            "\\u0061b",
+            "é",
+            "\\u00e9",
+            "\\u00E9",
+            "\\ud83d\\ude00",
+            "😀",
+            "\\/",
+            "/",
+            "\\\\",
+            "",
+        ])
+    }
+
+    fn value() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            (0..3u8).prop_map(|n| n.to_string()),
+            Just("\"x\"".to_owned()),
+            Just("null".to_owned()),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop::collection::vec((key(), inner), 0..5).prop_map(|members| {
+                let members: Vec<String> = members
+                    .iter()
+                    .map(|(k, v)| format!("\"{k}\":{v}"))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            })
+        })
+    }
+
+    /// An object and a reordering of its members (`order` picks which
+    /// member goes next).
+    fn object_and_shuffle() -> impl Strategy<Value = (String, String)> {
+        (
+            prop::collection::vec((key(), value()), 0..6),
+            prop::collection::vec(any::<prop::sample::Index>(), 6),
+        )
+            .prop_map(|(members, order)| {
+                let write = |members: &[(&str, String)]| {
+                    let members: Vec<String> = members
+                        .iter()
+                        .map(|(k, v)| format!("\"{k}\":{v}"))
+                        .collect();
+                    format!("{{{}}}", members.join(","))
+                };
+                let mut rest = members.clone();
+                let mut shuffled = Vec::new();
+                for index in &order {
+                    if rest.is_empty() {
+                        break;
+                    }
+                    shuffled.push(rest.remove(index.index(rest.len())));
+                }
+                (write(&members), write(&shuffled))
+            })
+    }
+
+    fn fp(body: &str) -> tower_idempotency::store::Fingerprint {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            "application/json".parse().unwrap(),
+        );
+        fingerprint(
+            &Method::POST,
+            &"/pay".parse().unwrap(),
+            &headers,
+            &[],
+            body.as_bytes(),
+            Exclusions::default(),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        #[test]
+        fn bodies_read_differently_never_share_a_fingerprint(
+            (a, b) in object_and_shuffle()
+        ) {
+            let parsed_a: serde_json::Value = serde_json::from_str(&a).unwrap();
+            let parsed_b: serde_json::Value = serde_json::from_str(&b).unwrap();
+            if parsed_a != parsed_b {
+                prop_assert_ne!(fp(&a), fp(&b), "{} / {}", a, b);
+            }
+        }
+    }
+
+    /// Reordering members with different keys keeps the fingerprint (the
+    /// canonical form still sorts), escaped or not.
+    #[test]
+    fn reordering_distinct_keys_keeps_the_fingerprint() {
+        assert_eq!(fp(r#"{"b":1,"\u0061":2}"#), fp(r#"{"\u0061":2,"b":1}"#));
+        assert_eq!(fp(r#"{"b":1,"a":2}"#), fp(r#"{"a":2,"b":1}"#));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Hole 13: the first route matching path and method decides
+
+#[tokio::test]
+async fn a_later_route_covering_the_method_is_not_skipped() {
+    let routes = Routes::new()
+        .route("/api/payments", Policy::default())
+        .unwrap()
+        .route(
+            "/api/**",
+            Policy {
+                methods: vec!["PUT".into(), "DELETE".into()],
+                required: true,
+                ..Policy::default()
+            },
+        )
+        .unwrap();
+    let h = echo_path(routes);
+    let reply = h.send(no_key(Method::PUT, "/api/payments/7")).await;
+    reply.assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    assert_eq!(
+        h.calls(),
+        0,
+        "the unprotected PUT never reached the service"
+    );
+    let first = h.send(with_key(Method::PUT, "/api/payments/7", "k")).await;
+    let second = h.send(with_key(Method::PUT, "/api/payments/7", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(second.replayed());
+    assert_eq!(h.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 7: path spellings
+
+#[tokio::test]
+async fn path_spellings_neither_bypass_a_route_nor_split_a_scope() {
+    let routes = Routes::new()
+        .route("/api/pay", Policy::default().required(true))
+        .unwrap();
+    let h = echo_path(routes);
+    for spelling in [
+        "//api/pay",
+        "/./api/pay",
+        "/%61pi/pay",
+        "/api/pay/",
+        "/x/../api/pay",
+    ] {
+        let reply = h.send(no_key(Method::POST, spelling)).await;
+        reply.assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    }
+    assert_eq!(h.calls(), 0);
+    // One scope for every spelling; the request is forwarded as it came.
+    let first = h.send(with_key(Method::POST, "//api/pay/", "k")).await;
+    assert_eq!(first.text(), "//api/pay/ 1");
+    for spelling in ["/api/pay", "/api/pay/", "/%61pi/pay", "/./api//pay"] {
+        let reply = h.send(with_key(Method::POST, spelling, "k")).await;
+        assert!(reply.replayed(), "{spelling}: {reply:?}");
+        assert_eq!(reply.text(), "//api/pay/ 1");
+    }
+    assert_eq!(h.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 14: glob backtracking
+
+/// A 40 KB path of near-matches against `/a/**/b/**/c`: answered, and
+/// matched right (the backtracking matcher took quadratic time on it).
+#[tokio::test]
+async fn a_long_path_against_a_double_glob_is_matched_right() {
+    let routes = Routes::new()
+        .route("/a/**/b/**/c", Policy::default().required(true))
+        .unwrap();
+    let h = echo_path(routes);
+    let near = format!("/a/{}", "b/".repeat(20_000));
+    let reply = h.send(no_key(Method::POST, &near)).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::CREATED,
+        "not covered: passed through"
+    );
+    let covered = format!("{near}c");
+    let reply = h.send(no_key(Method::POST, &covered)).await;
+    reply.assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    assert_eq!(h.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 4: mount prefix and host
+
+fn shop(engine: &Engine, name: &'static str, calls: Arc<AtomicUsize>) -> Router {
+    Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = calls.fetch_add(1, SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("{name} order {n}")) }
+            }),
+        )
+        .layer(IdempotencyLayer::new(engine.clone()))
+}
+
+async fn call(app: &Router, request: Request<axum::body::Body>) -> Reply {
+    Reply::read(app.clone().oneshot(request).await.unwrap()).await
+}
+
+fn order(uri: &str, host: &str, key: &str) -> Request<axum::body::Body> {
+    Request::post(uri)
+        .header("host", host)
+        .header("idempotency-key", key)
+        .body(axum::body::Body::empty())
+        .unwrap()
+}
+
+#[tokio::test]
+async fn nested_routers_sharing_an_engine_never_share_a_response() {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .nest("/shop-a", shop(&engine, "shop-a", calls.clone()))
+        .nest("/shop-b", shop(&engine, "shop-b", calls.clone()));
+    let a = call(&app, order("/shop-a/orders", "shop.example", "order-1001")).await;
+    let b = call(&app, order("/shop-b/orders", "shop.example", "order-1001")).await;
+    assert_eq!(a.text(), "shop-a order 1");
+    assert!(!b.replayed(), "shop B got shop A's response: {b:?}");
+    assert_eq!(b.text(), "shop-b order 2");
+    let again = call(&app, order("/shop-a/orders", "shop.example", "order-1001")).await;
+    assert!(again.replayed());
+    assert_eq!(again.text(), "shop-a order 1");
+}
+
+#[tokio::test]
+async fn two_hosts_never_share_a_response() {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = shop(&engine, "shop", calls.clone());
+    let a = call(&app, order("/orders", "tenant-a.example", "order-1001")).await;
+    let b = call(&app, order("/orders", "tenant-b.example", "order-1001")).await;
+    assert!(!b.replayed(), "tenant B got tenant A's response: {b:?}");
+    assert_eq!(
+        (a.text(), b.text()),
+        ("shop order 1".into(), "shop order 2".into())
+    );
+    // Host names are case-insensitive, and the port names no tenant: the
+    // same tenant replays.
+    for same in [
+        "TENANT-A.example",
+        "tenant-a.example:443",
+        "tenant-a.example.",
+    ] {
+        let again = call(&app, order("/orders", same, "order-1001")).await;
+        assert!(again.replayed(), "{same}: {again:?}");
+        assert_eq!(again.text(), "shop order 1");
+    }
+    // The option turns it off: one key space for every host name.
+    let engine = Engine::new(
+        MemoryStore::new(),
+        Routes::all(Policy {
+            scope_authority: false,
+            ..Policy::default()
+        })
+        .unwrap(),
+    );
+    let app = shop(&engine, "shop", calls.clone());
+    call(&app, order("/orders", "a.example", "k")).await;
+    assert!(call(&app, order("/orders", "b.example", "k"))
+        .await
+        .replayed());
+}
+
+// ---------------------------------------------------------------------------
+// Hole 9: an empty principal is a principal
+
+#[tokio::test]
+async fn an_empty_principal_is_not_the_absence_of_one() {
+    let h = Harness::new(Policy::default());
+    let anonymous = h.send(post_json(b"k", "{}")).await;
+    let mut request = post_json(b"k", "{}");
+    request.extensions_mut().insert(Principal::new(""));
+    let empty = h.send(request).await;
+    assert_eq!(anonymous.text(), "order 1");
+    assert!(!empty.replayed(), "{empty:?}");
+    assert_eq!(h.calls(), 2);
+}
+
+#[tokio::test]
+async fn a_transfer_coding_the_engine_does_not_implement_is_refused() {
+    let h = Harness::new(Policy::default());
+    let mut request = post_json(b"k", "{}");
+    request
+        .headers_mut()
+        .insert("transfer-encoding", "gzip, chunked".parse().unwrap());
+    let reply = h.send(request).await;
+    reply.assert_problem(StatusCode::NOT_IMPLEMENTED, "transfer-coding-unsupported");
+    assert_eq!(h.calls(), 0);
+    // Nothing was reserved: the same key with a plain body executes.
+    let reply = h.send(post_json(b"k", "{}")).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let mut chunked = post_json(b"k2", "{}");
+    chunked
+        .headers_mut()
+        .insert("transfer-encoding", "Chunked".parse().unwrap());
+    assert_eq!(h.send(chunked).await.status, StatusCode::CREATED);
+}
+
+// ---------------------------------------------------------------------------
+// Hole 10: a blocked worker must not stop other requests' lease renewal
+
+/// One request with a 300 ms lease runs (awaiting) for 1.5 s; meanwhile
+/// another handler blocks its worker thread for 1 s right after taking its
+/// own key. A duplicate of the first, sent while the worker is blocked,
+/// must find it in flight: the first one's backend ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blocked_worker_does_not_stop_other_leases_from_being_renewed() {
+    let policy = |lease_ms| Policy {
+        lease: Duration::from_millis(lease_ms),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/slow", policy(300))
+        .unwrap()
+        .route("/block", policy(30))
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let slow_calls = Arc::new(AtomicUsize::new(0));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let inner = tower::service_fn({
+        let (slow_calls, started) = (slow_calls.clone(), started.clone());
+        move |request: Request<RequestBody<Full<Bytes>>>| {
+            let (slow_calls, started) = (slow_calls.clone(), started.clone());
+            let blocking = request.uri().path() == "/block";
+            if blocking {
+                // Blocks its worker before its first await.
+                std::thread::sleep(Duration::from_secs(1));
+            } else {
+                slow_calls.fetch_add(1, SeqCst);
+                started.notify_one();
+            }
+            async move {
+                if !blocking {
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                }
+                let _ = request.into_body().collect().await;
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(StatusCode::CREATED)
+                        .body(Full::new(Bytes::from_static(b"done")))
+                        .unwrap(),
+                )
+            }
+        }
+    });
+    let service = Idempotency::new(inner, engine);
+    let send = |uri: &str, key: &str| {
+        let service = service.clone();
+        let request = with_key(Method::POST, uri, key);
+        tokio::spawn(async move { Reply::read(service.oneshot(request).await.unwrap()).await })
+    };
+    let first = send("/slow", "a");
+    started.notified().await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let blocker = send("/block", "b");
+    // Well past the first lease, while the worker is still blocked.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let duplicate = send("/slow", "a").await.unwrap();
+    duplicate.assert_problem(StatusCode::CONFLICT, "in-flight");
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(blocker.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(slow_calls.load(SeqCst), 1, "the first request ran twice");
+}
