@@ -152,7 +152,12 @@ impl Engine {
     /// Renders the engine's and the store's metrics in Prometheus text.
     pub fn render_metrics(&self) -> String {
         let mut out = String::new();
-        let extra = self.inner.store.counters();
+        let extra = self
+            .inner
+            .store
+            .maintenance()
+            .map(|store| store.counters())
+            .unwrap_or_default();
         self.inner.metrics.render_prometheus(&extra, &mut out);
         out
     }
@@ -163,7 +168,9 @@ impl Engine {
     }
 
     /// Deletes expired records every `every`, at most `batch` per call,
-    /// until the returned handle is aborted.
+    /// until the returned handle is aborted. A store without a
+    /// [`Maintenance`](crate::store::Maintenance) side has nothing to sweep:
+    /// the task ends at once.
     pub fn spawn_sweeper(&self, every: Duration, batch: usize) -> tokio::task::JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
@@ -173,7 +180,10 @@ impl Engine {
                 ticker.tick().await;
                 // Keep sweeping while full batches come back.
                 loop {
-                    match engine.store_call(engine.inner.store.sweep(batch)).await {
+                    let Some(store) = engine.inner.store.maintenance() else {
+                        return;
+                    };
+                    match engine.store_call(store.sweep(batch)).await {
                         Ok(n) if n as usize >= batch => continue,
                         Ok(n) => {
                             tracing::debug!(swept = n, "idempotency sweep");
@@ -261,6 +271,59 @@ impl Engine {
         result
     }
 
+    /// Reserves `key` for an owner token drawn here, bounded by
+    /// `store_timeout` like every store call.
+    ///
+    /// A reservation whose answer is lost (the call failed, or outlived
+    /// `store_timeout`) may have been written all the same. The engine
+    /// knows its token, so it releases it in the background, independently
+    /// of what the request does next (503, or forwarding on a fail-open
+    /// route): once at once, and — when the call was abandoned still
+    /// running — again after that call ends (waited for at most the lease).
+    /// Each release is bounded by `store_timeout` and owner-checked, so it
+    /// never touches anyone else's record. A retry therefore finds the key
+    /// free instead of in flight for a whole lease.
+    async fn reserve(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<(OwnerToken, Claim), StoreError> {
+        let owner = OwnerToken::random();
+        let store = self.inner.store.clone();
+        let mut call =
+            Box::pin(async move { store.reserve(&key, &fingerprint, &owner, lease, ttl).await });
+        let started = std::time::Instant::now();
+        let limit = self.inner.config.store_timeout;
+        // A store that answers at once (the memory store) needs no timer.
+        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+        let (result, abandoned) = match first {
+            Poll::Ready(result) => (result, None),
+            Poll::Pending => match tokio::time::timeout(limit, &mut call).await {
+                Ok(result) => (result, None),
+                Err(_) => (Err(StoreError::Timeout), Some(call)),
+            },
+        };
+        self.inner.metrics.observe_store(started.elapsed());
+        let error = match result {
+            Ok(claim) => return Ok((owner, claim)),
+            Err(error) => error,
+        };
+        let store = self.inner.store.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let release = || tokio::time::timeout(limit, store.release(&key, &owner));
+                let _ = release().await;
+                if let Some(call) = abandoned {
+                    let _ = tokio::time::timeout(lease, call).await;
+                    let _ = release().await;
+                }
+            });
+        }
+        Err(error)
+    }
+
     /// Decides what to do with a covered request whose whole body is
     /// `body` (at most the policy's limit).
     pub async fn begin(
@@ -343,26 +406,25 @@ impl Engine {
             } else {
                 None
             };
-            let claim = match live {
-                Some(record) => Ok(Claim::Existing(record)),
-                None => {
-                    self.store_call(store.reserve(&key, &fingerprint, settings.lease, settings.ttl))
-                        .await
-                }
-            };
-            let record = match claim {
-                Err(error) => return self.store_failed(policy, &error),
-                Ok(Claim::Acquired { owner, takeover }) => {
-                    self.inner.metrics.record(Event::Executed);
-                    tracing::debug!(takeover, "idempotency key reserved");
-                    return Decision::Proceed(Reservation::new(
-                        self.clone(),
-                        policy.clone(),
-                        key,
-                        owner,
-                    ));
-                }
-                Ok(Claim::Existing(record)) => record,
+            let record = match live {
+                Some(record) => record,
+                None => match self
+                    .reserve(key, fingerprint, settings.lease, settings.ttl)
+                    .await
+                {
+                    Err(error) => return self.store_failed(policy, &error),
+                    Ok((owner, Claim::Acquired { takeover })) => {
+                        self.inner.metrics.record(Event::Executed);
+                        tracing::debug!(takeover, "idempotency key reserved");
+                        return Decision::Proceed(Reservation::new(
+                            self.clone(),
+                            policy.clone(),
+                            key,
+                            owner,
+                        ));
+                    }
+                    Ok((_, Claim::Existing(record))) => record,
+                },
             };
             if record.fingerprint != fingerprint {
                 return Decision::Respond(
@@ -850,9 +912,7 @@ impl RoutePolicy {
 mod tests {
     use super::*;
     use crate::policy::Policy;
-    use crate::store::{MemoryStore, Record};
-    use async_trait::async_trait;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use crate::store::{Fault, Faults, FaultyStore, MemoryStore, Op};
 
     fn engine(policy: Policy) -> (Engine, MemoryStore, Arc<RoutePolicy>) {
         let store = MemoryStore::new();
@@ -1040,7 +1100,7 @@ mod tests {
         });
         let first = proceed(begin(&engine, &policy, "k").await);
         tokio::time::sleep(Duration::from_secs(1)).await;
-        assert_eq!(store.sweep(10).await.unwrap(), 0);
+        assert_eq!(store.maintenance().unwrap().sweep(10).await.unwrap(), 0);
         assert_eq!(
             problem_type(begin(&engine, &policy, "k").await).1,
             "urn:tower-idempotency:in-flight"
@@ -1172,81 +1232,18 @@ mod tests {
         );
     }
 
-    /// The memory store, with `complete` failing while `outage` is above 0
-    /// (each failure counts it down): a store that is briefly unreachable.
-    #[derive(Debug, Default)]
-    struct Flaky {
-        store: MemoryStore,
-        outage: AtomicUsize,
-        /// Like `outage`, for `renew`.
-        renew_outage: AtomicUsize,
-        reserves: AtomicUsize,
-    }
-
-    /// Fails (counting `outage` down) while it is above 0.
-    fn fail_while(outage: &AtomicUsize) -> Result<(), StoreError> {
-        match outage.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
-            Ok(_) => Err(StoreError::Unavailable("down".into())),
-            Err(_) => Ok(()),
-        }
-    }
-
-    #[async_trait]
-    impl Store for Flaky {
-        async fn reserve(
-            &self,
-            key: &ScopeKey,
-            fingerprint: &Fingerprint,
-            lease: Duration,
-            ttl: Duration,
-        ) -> Result<Claim, StoreError> {
-            self.reserves.fetch_add(1, Ordering::SeqCst);
-            self.store.reserve(key, fingerprint, lease, ttl).await
-        }
-
-        async fn complete(
-            &self,
-            key: &ScopeKey,
-            owner: &OwnerToken,
-            outcome: &Outcome,
-            ttl: Duration,
-        ) -> Result<bool, StoreError> {
-            fail_while(&self.outage)?;
-            self.store.complete(key, owner, outcome, ttl).await
-        }
-
-        async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
-            self.store.release(key, owner).await
-        }
-
-        async fn renew(
-            &self,
-            key: &ScopeKey,
-            owner: &OwnerToken,
-            lease: Duration,
-        ) -> Result<bool, StoreError> {
-            fail_while(&self.renew_outage)?;
-            self.store.renew(key, owner, lease).await
-        }
-
-        async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
-            self.store.get(key).await
-        }
-
-        async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
-            self.store.sweep(batch).await
-        }
-
-        async fn ping(&self) -> Result<(), StoreError> {
-            Ok(())
-        }
+    /// The memory store behind the fault injector, and its handle.
+    fn faulty() -> (Arc<FaultyStore<MemoryStore>>, Faults) {
+        let store = FaultyStore::new(MemoryStore::new());
+        let faults = store.faults();
+        (Arc::new(store), faults)
     }
 
     /// A waiter polls (this store has no wake-ups) with reads only: it
     /// tried to reserve once, on arrival, and replays the first answer.
     #[tokio::test(start_paused = true)]
     async fn a_waiter_polls_with_reads_not_reservations() {
-        let store = Arc::new(Flaky::default());
+        let (store, faults) = faulty();
         let engine = Engine::with_config(
             store.clone(),
             Routes::all(Policy::default()).unwrap(),
@@ -1267,7 +1264,7 @@ mod tests {
         };
         assert_eq!(replay.status(), StatusCode::CREATED);
         assert!(replay.headers().contains_key(REPLAYED_HEADER));
-        assert_eq!(store.reserves.load(Ordering::SeqCst), 2);
+        assert_eq!(faults.calls(Op::Reserve), 2);
     }
 
     /// Renewals that fail (a store restarting, broken pooled connections)
@@ -1275,8 +1272,8 @@ mod tests {
     /// renewals in a row do not let a live request's lease run out.
     #[tokio::test(start_paused = true)]
     async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
-        let store = Arc::new(Flaky::default());
-        store.renew_outage.store(3, Ordering::SeqCst);
+        let (store, faults) = faulty();
+        faults.set_next(Op::Renew, Fault::Down, 3);
         let policy = Policy {
             lease: Duration::from_millis(300),
             in_flight: InFlightPolicy::Reject,
@@ -1298,13 +1295,13 @@ mod tests {
                 "the lease was renewed, not taken over"
             );
         }
-        assert_eq!(store.renew_outage.load(Ordering::SeqCst), 0, "all failed");
+        assert_eq!(faults.remaining(Op::Renew), 0, "all failed");
         held.release().await;
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
-        let store = Arc::new(Flaky::default());
+        let (store, faults) = faulty();
         let policy = Policy {
             lease: Duration::from_secs(2),
             ..Policy::default()
@@ -1329,16 +1326,12 @@ mod tests {
         };
         // The store is down for a while (well under the lease) when the
         // upstream's answer arrives.
-        store.outage.store(10, Ordering::SeqCst);
+        faults.set_next(Op::Complete, Fault::Down, 10);
         let capture = reservation.capture(StatusCode::CREATED, &HeaderMap::new());
         reservation.finish(capture).await;
         // Long after the lease, a retry is a replay, not a second execution.
         tokio::time::sleep(Duration::from_secs(5)).await;
-        assert_eq!(
-            store.outage.load(Ordering::SeqCst),
-            0,
-            "storing was retried"
-        );
+        assert_eq!(faults.remaining(Op::Complete), 0, "storing was retried");
         match engine.begin(&policy, head, b"").await {
             Decision::Respond(response) => {
                 assert_eq!(response.status(), StatusCode::CREATED);
@@ -1346,5 +1339,103 @@ mod tests {
             }
             other => panic!("the retry executed again: {other:?}"),
         }
+    }
+
+    /// An engine over `store` with a short `store_timeout`, rejecting
+    /// duplicates in flight at once (so "in flight" shows as 409).
+    fn over(store: Arc<dyn Store>, fail_mode: FailMode) -> (Engine, Arc<RoutePolicy>) {
+        let policy = Policy {
+            in_flight: InFlightPolicy::Reject,
+            fail_mode,
+            ..Policy::default()
+        };
+        let config = EngineConfig {
+            store_timeout: Duration::from_millis(100),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::with_config(store, Routes::all(policy).unwrap(), config);
+        let policy = engine.route(&Method::POST, "/orders").unwrap();
+        (engine, policy)
+    }
+
+    /// A reservation written but answered with an error (or too late): the
+    /// client gets 503, and the engine releases the reservation with its
+    /// token, so the retry executes instead of meeting 409 for a lease.
+    /// (Before the engine drew the token, the retry got 409 `in-flight`.)
+    #[tokio::test(start_paused = true)]
+    async fn a_reservation_committed_but_unanswered_is_released() {
+        for fault in [
+            Fault::CommitThenFail,
+            Fault::CommitThenStall(Duration::from_secs(10)),
+        ] {
+            let (store, faults) = faulty();
+            let (engine, policy) = over(store.clone(), FailMode::Closed);
+            faults.set_next(Op::Reserve, fault, 1);
+            assert_eq!(
+                problem_type(begin(&engine, &policy, "k").await),
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "urn:tower-idempotency:store-unavailable".to_owned()
+                ),
+                "{fault:?}"
+            );
+            assert_eq!(faults.inner_calls(Op::Reserve), 1, "it was written");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let retry = proceed(begin(&engine, &policy, "k").await);
+            // The late answer's second release leaves the retry's record be.
+            tokio::time::sleep(Duration::from_secs(11)).await;
+            assert_eq!(
+                problem_type(begin(&engine, &policy, "k").await).1,
+                "urn:tower-idempotency:in-flight",
+                "{fault:?}"
+            );
+            let capture = retry.capture(StatusCode::CREATED, &HeaderMap::new());
+            retry.finish(capture).await;
+            assert!(matches!(
+                begin(&engine, &policy, "k").await,
+                Decision::Respond(response) if response.headers().contains_key(REPLAYED_HEADER)
+            ));
+        }
+    }
+
+    /// A reservation abandoned before it reached the store, which then
+    /// writes it late (after the 503): released when the late call ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_reservation_written_after_its_timeout_is_released() {
+        let (store, faults) = faulty();
+        let (engine, policy) = over(store.clone(), FailMode::Closed);
+        faults.set_next(Op::Reserve, Fault::Stall(Duration::from_secs(3)), 1);
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await).0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(faults.inner_calls(Op::Reserve), 0, "not written yet");
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(faults.inner_calls(Op::Reserve), 1, "written late");
+        assert!(store.inner().is_empty(), "and released");
+        proceed(begin(&engine, &policy, "k").await).release().await;
+    }
+
+    /// Fail-open: the request whose reservation was lost runs unprotected
+    /// (one execution); the reservation is released at once, independently
+    /// of that request, so the retry is reserved normally (the second
+    /// execution, as documented for fail-open) and later ones replay it.
+    #[tokio::test(start_paused = true)]
+    async fn fail_open_releases_the_lost_reservation_before_the_retry() {
+        let (store, faults) = faulty();
+        let (engine, policy) = over(store.clone(), FailMode::Open);
+        faults.set_next(Op::Reserve, Fault::CommitThenFail, 1);
+        assert!(matches!(
+            begin(&engine, &policy, "k").await,
+            Decision::Forward
+        ));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let retry = proceed(begin(&engine, &policy, "k").await);
+        let capture = retry.capture(StatusCode::CREATED, &HeaderMap::new());
+        retry.finish(capture).await;
+        assert!(matches!(
+            begin(&engine, &policy, "k").await,
+            Decision::Respond(response) if response.headers().contains_key(REPLAYED_HEADER)
+        ));
     }
 }
