@@ -259,3 +259,58 @@ async fn an_undecodable_record_is_an_error_not_a_panic_or_a_replay() {
         Err(StoreError::Corrupt(_))
     ));
 }
+
+/// Two deployments with separate databases (staging and production) that
+/// share one Redis under the same key prefix: neither ever replays the
+/// other's response, because the cache's namespace carries the id kept in
+/// each database. (Before, the second deployment's request was answered
+/// from the first one's cached response and never executed.)
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_databases_sharing_one_redis_never_replay_each_others_responses() {
+    use tower_idempotency::{RedisCache, RedisCacheConfig};
+
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    // One prefix for both, as two deployments left at the default would.
+    let prefix = format!("test:shared:{}:", uuid::Uuid::new_v4().simple());
+    let cache = |store: PostgresStore| {
+        RedisCache::new(
+            store,
+            RedisCacheConfig::new(url.clone()).prefix(prefix.clone()),
+        )
+        .unwrap()
+    };
+    let (staging, production) = (cache(postgres_store().await), cache(postgres_store().await));
+    let policy = Policy::default();
+    let base = Harness::new(policy.clone());
+    let deployments = [
+        base.with_engine(Engine::new(staging.clone(), routes(&policy))),
+        base.with_engine(Engine::new(production.clone(), routes(&policy))),
+    ];
+
+    for (i, deployment) in deployments.iter().enumerate() {
+        let first = deployment
+            .send(post_json(b"order-1001", r#"{"amount": 5}"#))
+            .await;
+        assert_eq!(first.status, http::StatusCode::CREATED);
+        assert!(
+            !first.replayed(),
+            "deployment {i} replayed another's response"
+        );
+        assert_eq!(first.text(), format!("order {}", i + 1));
+        staging.settled().await;
+        production.settled().await;
+    }
+    assert_eq!(base.calls(), 2);
+    // Each replays its own, from Redis.
+    for (i, deployment) in deployments.iter().enumerate() {
+        let again = deployment
+            .send(post_json(b"order-1001", r#"{"amount": 5}"#))
+            .await;
+        assert!(again.replayed());
+        assert_eq!(again.text(), format!("order {}", i + 1));
+    }
+    assert_eq!(base.calls(), 2);
+    assert_ne!(staging.namespace(), production.namespace());
+    assert!(staging.namespace().unwrap().starts_with(&prefix));
+}
