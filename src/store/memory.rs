@@ -125,12 +125,11 @@ impl Table {
     /// Inserts or replaces `key`'s record, keeping the byte count and the
     /// expiry index.
     fn put(&mut self, key: ScopeKey, entry: Entry) {
+        // The old item first: the new one may have the same retention.
+        self.remove(&key);
         self.bytes += entry.size();
         self.expiry.insert((entry.expires_at, key));
-        if let Some(old) = self.records.insert(key, entry) {
-            self.bytes -= old.size();
-            self.expiry.remove(&(old.expires_at, key));
-        }
+        self.records.insert(key, entry);
     }
 
     fn remove(&mut self, key: &ScopeKey) {
@@ -503,5 +502,56 @@ mod tests {
         assert!(store.release(&key, &owner).await.unwrap());
         waiter.await.unwrap().unwrap();
         assert_eq!(waiter_entries(&store), 0);
+    }
+
+    /// The expiry index and the byte count stay in step with the map
+    /// through every kind of write, and expiry removes exactly the records
+    /// whose retention ran out.
+    #[tokio::test(start_paused = true)]
+    async fn the_expiry_index_and_byte_count_follow_every_write() {
+        let store = MemoryStore::new();
+        let check = |store: &MemoryStore| {
+            let table = store.table();
+            assert_eq!(table.expiry.len(), table.records.len());
+            for (key, entry) in &table.records {
+                assert!(table.expiry.contains(&(entry.expires_at, *key)));
+            }
+            let bytes: usize = table.records.values().map(Entry::size).sum();
+            assert_eq!(table.bytes, bytes);
+        };
+        let short = Duration::from_millis(100);
+        let long = Duration::from_secs(60);
+        let outcome = Outcome::Stored(crate::store::StoredResponse {
+            status: http::StatusCode::OK,
+            headers: vec![(http::header::ETAG, http::HeaderValue::from_static("x"))],
+            body: bytes::Bytes::from_static(b"a response body"),
+        });
+        let mut owners = Vec::new();
+        for i in 0..40u8 {
+            let key = ScopeKey([i; 32]);
+            let owner = OwnerToken::random();
+            let ttl = if i % 2 == 0 { short } else { long };
+            let claim = store.reserve(&key, &Fingerprint([1; 32]), &owner, short, ttl);
+            assert!(matches!(claim.await.unwrap(), Claim::Acquired { .. }));
+            match i % 4 {
+                0 | 1 => assert!(store.complete(&key, &owner, &outcome, ttl).await.unwrap()),
+                2 => assert!(store.release(&key, &owner).await.unwrap()),
+                _ => assert!(store.renew(&key, &owner, long * 2).await.unwrap()),
+            }
+            owners.push(owner);
+            check(&store);
+        }
+        tokio::time::sleep(short * 2).await;
+        // The even keys (short retention, completed or released) are due;
+        // every other survives, however many writes and sweeps come.
+        store.get(&ScopeKey([0; 32])).await.unwrap();
+        check(&store);
+        let swept = store.sweep(1000).await.unwrap();
+        check(&store);
+        assert_eq!(store.len(), 20, "swept {swept}");
+        for i in (1..40u8).step_by(2) {
+            assert!(store.get(&ScopeKey([i; 32])).await.unwrap().is_some());
+        }
+        assert_eq!(store.sweep(1000).await.unwrap(), 0);
     }
 }

@@ -6,9 +6,9 @@
 //! lets exactly one caller take over a lease that expired. Everything else —
 //! fingerprints, replays, waiting, HTTP — is the [engine](crate::Engine)'s.
 //!
-//! The same conformance suite ([`store_conformance!`](crate::store_conformance),
-//! exported with the `test-util` feature) runs against every backend, so a
-//! store that passes it can be swapped for any other. [`FaultyStore`] (also
+//! The same conformance suite (`store_conformance!`, exported with the
+//! `test-util` feature) runs against every backend, so a
+//! store that passes it can be swapped for any other. `FaultyStore` (also
 //! `test-util`) wraps any store to inject outages, slowness and lost
 //! answers.
 
@@ -356,7 +356,7 @@ pub enum StoreError {
 ///
 /// Every implementation must pass the conformance suite (with the
 /// `test-util` feature, one line runs it against your store:
-/// [`store_conformance!`](crate::store_conformance)). In short:
+/// `tower_idempotency::store_conformance!`). In short:
 ///
 /// * [`reserve`](Store::reserve) is **atomic**: of any number of concurrent
 ///   callers for one key, exactly one gets [`Claim::Acquired`]. A record
