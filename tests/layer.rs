@@ -18,7 +18,6 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::body::Body;
 use bytes::Bytes;
 use http::{header, Request, Response, StatusCode};
@@ -26,10 +25,10 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_idempotency::engine::{Coverage, Decision, RequestHead};
-use tower_idempotency::store::{Claim, Fingerprint, Outcome, OwnerToken, Record, ScopeKey};
+use tower_idempotency::store::{Fault, FaultyStore};
 use tower_idempotency::{
     Engine, Event, FailMode, IdempotencyLayer, InFlightPolicy, KeySource, MemoryStore, Policy,
-    Routes, Store, StoreError,
+    Routes,
 };
 
 use contact_form::Contacts;
@@ -873,53 +872,15 @@ async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
 // Store failures
 
 /// A store whose backend is down: every call fails.
-#[derive(Debug)]
-struct DownStore;
-
-fn down() -> StoreError {
-    StoreError::Unavailable("connection refused".into())
-}
-
-#[async_trait]
-impl Store for DownStore {
-    async fn reserve(
-        &self,
-        _: &ScopeKey,
-        _: &Fingerprint,
-        _: Duration,
-        _: Duration,
-    ) -> Result<Claim, StoreError> {
-        Err(down())
-    }
-    async fn complete(
-        &self,
-        _: &ScopeKey,
-        _: &OwnerToken,
-        _: &Outcome,
-        _: Duration,
-    ) -> Result<bool, StoreError> {
-        Err(down())
-    }
-    async fn release(&self, _: &ScopeKey, _: &OwnerToken) -> Result<bool, StoreError> {
-        Err(down())
-    }
-    async fn renew(&self, _: &ScopeKey, _: &OwnerToken, _: Duration) -> Result<bool, StoreError> {
-        Err(down())
-    }
-    async fn get(&self, _: &ScopeKey) -> Result<Option<Record>, StoreError> {
-        Err(down())
-    }
-    async fn sweep(&self, _: usize) -> Result<u64, StoreError> {
-        Err(down())
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        Err(down())
-    }
+fn down_store() -> FaultyStore<MemoryStore> {
+    let store = FaultyStore::new(MemoryStore::new());
+    store.faults().set_all(Fault::Down);
+    store
 }
 
 #[tokio::test]
 async fn a_failing_store_fails_closed_unless_the_route_opts_in() {
-    let closed = Engine::new(DownStore, Routes::all(Policy::default()).unwrap());
+    let closed = Engine::new(down_store(), Routes::all(Policy::default()).unwrap());
     let upstream = layered(&closed, |_, _| async { reply(StatusCode::CREATED, "done") });
     let answer = upstream.send(order("k", "{}")).await;
     answer.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
@@ -930,7 +891,7 @@ async fn a_failing_store_fails_closed_unless_the_route_opts_in() {
         fail_mode: FailMode::Open,
         ..Policy::default()
     };
-    let open = Engine::new(DownStore, Routes::all(open).unwrap());
+    let open = Engine::new(down_store(), Routes::all(open).unwrap());
     let upstream = layered(&open, |_, _| async { reply(StatusCode::CREATED, "done") });
     for _ in 0..2 {
         let answer = upstream.send(order("k", "{}")).await;

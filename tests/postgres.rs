@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use tower_idempotency::store::{Claim, Outcome, StoredResponse};
+use tower_idempotency::store::{Claim, Outcome, OwnerToken, StoredResponse};
 use tower_idempotency::{Engine, Policy, PostgresStore, Routes, Store, StoreError};
 
 use fixtures::{
@@ -50,20 +50,12 @@ async fn fifty_connections_reserving_one_key_let_exactly_one_proceed() {
     let claims = reserve_at_once(shared(&stores), random_key(), LONG).await;
     let acquired = claims
         .iter()
-        .filter(|claim| {
-            matches!(
-                claim,
-                Claim::Acquired {
-                    takeover: false,
-                    ..
-                }
-            )
-        })
+        .filter(|(_, claim)| matches!(claim, Claim::Acquired { takeover: false }))
         .count();
     assert_eq!(acquired, 1, "{claims:?}");
     assert!(claims
         .iter()
-        .all(|claim| matches!(claim, Claim::Acquired { .. } | Claim::Existing(_))));
+        .all(|(_, claim)| matches!(claim, Claim::Acquired { .. } | Claim::Existing(_))));
     join_all(stores.iter().map(PostgresStore::close)).await;
 }
 
@@ -109,21 +101,28 @@ async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
     .await;
     stores[0].migrate().await.unwrap();
     let key = random_key();
-    let crashed = match stores[0]
-        .reserve(&key, &fingerprint(1), Duration::from_millis(100), LONG)
+    let crashed = OwnerToken::random();
+    match stores[0]
+        .reserve(
+            &key,
+            &fingerprint(1),
+            &crashed,
+            Duration::from_millis(100),
+            LONG,
+        )
         .await
         .unwrap()
     {
-        Claim::Acquired { owner, .. } => owner,
+        Claim::Acquired { .. } => {}
         other => panic!("{other:?}"),
-    };
+    }
     tokio::time::sleep(Duration::from_millis(250)).await;
 
     let claims = reserve_at_once(shared(&stores), key, LONG).await;
     let successors: Vec<_> = claims
         .iter()
-        .filter_map(|claim| match claim {
-            Claim::Acquired { owner, takeover } => {
+        .filter_map(|(owner, claim)| match claim {
+            Claim::Acquired { takeover } => {
                 assert!(takeover);
                 Some(*owner)
             }
@@ -197,8 +196,9 @@ async fn the_sweeper_removes_only_expired_records() {
     for i in 0..8 {
         let key = random_key();
         let ttl = if i < 5 { short } else { LONG };
-        let Claim::Acquired { owner, .. } = store
-            .reserve(&key, &fingerprint(1), LONG, ttl)
+        let owner = OwnerToken::random();
+        let Claim::Acquired { .. } = store
+            .reserve(&key, &fingerprint(1), &owner, LONG, ttl)
             .await
             .unwrap()
         else {
@@ -254,7 +254,64 @@ async fn an_undecodable_record_is_an_error_not_a_panic_or_a_replay() {
 
     assert!(matches!(store.get(&key).await, Err(StoreError::Corrupt(_))));
     assert!(matches!(
-        store.reserve(&key, &fingerprint(1), LONG, LONG).await,
+        store
+            .reserve(&key, &fingerprint(1), &OwnerToken::random(), LONG, LONG)
+            .await,
         Err(StoreError::Corrupt(_))
     ));
+}
+
+/// Two deployments with separate databases (staging and production) that
+/// share one Redis under the same key prefix: neither ever replays the
+/// other's response, because the cache's namespace carries the id kept in
+/// each database. (Before, the second deployment's request was answered
+/// from the first one's cached response and never executed.)
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_databases_sharing_one_redis_never_replay_each_others_responses() {
+    use tower_idempotency::{RedisCache, RedisCacheConfig};
+
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    // One prefix for both, as two deployments left at the default would.
+    let prefix = format!("test:shared:{}:", uuid::Uuid::new_v4().simple());
+    let cache = |store: PostgresStore| {
+        RedisCache::new(
+            store,
+            RedisCacheConfig::new(url.clone()).prefix(prefix.clone()),
+        )
+        .unwrap()
+    };
+    let (staging, production) = (cache(postgres_store().await), cache(postgres_store().await));
+    let policy = Policy::default();
+    let base = Harness::new(policy.clone());
+    let deployments = [
+        base.with_engine(Engine::new(staging.clone(), routes(&policy))),
+        base.with_engine(Engine::new(production.clone(), routes(&policy))),
+    ];
+
+    for (i, deployment) in deployments.iter().enumerate() {
+        let first = deployment
+            .send(post_json(b"order-1001", r#"{"amount": 5}"#))
+            .await;
+        assert_eq!(first.status, http::StatusCode::CREATED);
+        assert!(
+            !first.replayed(),
+            "deployment {i} replayed another's response"
+        );
+        assert_eq!(first.text(), format!("order {}", i + 1));
+        staging.settled().await;
+        production.settled().await;
+    }
+    assert_eq!(base.calls(), 2);
+    // Each replays its own, from Redis.
+    for (i, deployment) in deployments.iter().enumerate() {
+        let again = deployment
+            .send(post_json(b"order-1001", r#"{"amount": 5}"#))
+            .await;
+        assert!(again.replayed());
+        assert_eq!(again.text(), format!("order {}", i + 1));
+    }
+    assert_eq!(base.calls(), 2);
+    assert_ne!(staging.namespace(), production.namespace());
+    assert!(staging.namespace().unwrap().starts_with(&prefix));
 }

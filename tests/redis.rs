@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use fixtures::{fingerprint, random_key};
 use http::{Response, StatusCode};
@@ -22,11 +21,11 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use support::{layered, Inbound};
 use tower_idempotency::store::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoredResponse,
+    Claim, Fault, Faults, FaultyStore, Fingerprint, Op, Outcome, OwnerToken, Record, RecordState,
+    ScopeKey, StoredResponse,
 };
 use tower_idempotency::{
     Engine, EngineConfig, MemoryStore, Policy, RedisCache, RedisCacheConfig, Routes, Store,
-    StoreError,
 };
 
 const LEASE: Duration = Duration::from_millis(300);
@@ -63,6 +62,8 @@ fn outcome(body: &'static str) -> Outcome {
 
 fn counter(store: &impl Store, name: &str) -> u64 {
     store
+        .maintenance()
+        .expect("the cache has a maintenance side")
         .counters()
         .into_iter()
         .find(|(n, _, _)| *n == name)
@@ -86,94 +87,38 @@ async fn redis(url: &str) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
-/// Counts the lookups that reach the store it wraps, and fails the next
-/// `failing_completes` completions.
-#[derive(Clone, Debug, Default)]
-struct Counting<S> {
-    inner: S,
-    reserves: Arc<AtomicUsize>,
-    gets: Arc<AtomicUsize>,
-    failing_completes: Arc<AtomicUsize>,
+/// `inner` behind the fault injector (its handle counts the lookups that
+/// reach it).
+fn counting<S: Store>(inner: S) -> (FaultyStore<S>, Faults) {
+    let store = FaultyStore::new(inner);
+    let faults = store.faults();
+    (store, faults)
 }
 
-impl<S> Counting<S> {
-    fn new(inner: S) -> Self {
-        Counting {
-            inner,
-            reserves: Arc::default(),
-            gets: Arc::default(),
-            failing_completes: Arc::default(),
-        }
-    }
-
-    fn lookups(&self) -> usize {
-        self.reserves.load(SeqCst) + self.gets.load(SeqCst)
-    }
-}
-
-#[async_trait]
-impl<S: Store> Store for Counting<S> {
-    async fn reserve(
-        &self,
-        key: &ScopeKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.reserves.fetch_add(1, SeqCst);
-        self.inner.reserve(key, fingerprint, lease, ttl).await
-    }
-    async fn complete(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        outcome: &Outcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        let fail = self
-            .failing_completes
-            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if fail {
-            return Err(StoreError::Timeout);
-        }
-        self.inner.complete(key, owner, outcome, ttl).await
-    }
-    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
-        self.inner.release(key, owner).await
-    }
-    async fn renew(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(key, owner, lease).await
-    }
-    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
-        self.gets.fetch_add(1, SeqCst);
-        self.inner.get(key).await
-    }
-    async fn wait(&self, key: &ScopeKey, max: Duration, attempt: u32) -> Result<(), StoreError> {
-        self.inner.wait(key, max, attempt).await
-    }
-    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
-        self.inner.sweep(batch).await
-    }
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.inner.ping().await
-    }
+/// The lookups (reservations and reads) that reached the inner store.
+fn lookups(faults: &Faults) -> usize {
+    faults.calls(Op::Reserve) + faults.calls(Op::Get)
 }
 
 async fn acquire(store: &impl Store, key: &ScopeKey, fingerprint: &Fingerprint) -> OwnerToken {
-    match store.reserve(key, fingerprint, LEASE, TTL).await.unwrap() {
-        Claim::Acquired { owner, .. } => owner,
+    let owner = OwnerToken::random();
+    match store
+        .reserve(key, fingerprint, &owner, LEASE, TTL)
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { .. } => owner,
         other => panic!("expected Acquired, got {other:?}"),
     }
 }
 
 async fn existing(store: &impl Store, key: &ScopeKey, fingerprint: &Fingerprint) -> Record {
-    match store.reserve(key, fingerprint, LEASE, TTL).await.unwrap() {
+    let owner = OwnerToken::random();
+    match store
+        .reserve(key, fingerprint, &owner, LEASE, TTL)
+        .await
+        .unwrap()
+    {
         Claim::Existing(record) => record,
         other => panic!("expected Existing, got {other:?}"),
     }
@@ -191,7 +136,7 @@ async fn replays_from_redis_make_no_postgres_query() {
 }
 
 async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone) {
-    let inner = Counting::new(store);
+    let (inner, faults) = counting(store);
     let cache = RedisCache::new(inner.clone(), config(&shared_url(), "replay")).unwrap();
     let (k, fp, other) = (random_key(), fingerprint(1), fingerprint(2));
 
@@ -201,7 +146,7 @@ async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone)
         .await
         .unwrap());
     cache.settled().await;
-    let before = inner.lookups();
+    let before = lookups(&faults);
 
     for _ in 0..5 {
         let record = existing(&cache, &k, &fp).await;
@@ -213,18 +158,18 @@ async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone)
     let got = cache.get(&k).await.unwrap().expect("cached record");
     assert_eq!(got.state, RecordState::Completed(outcome("done")));
 
-    assert_eq!(inner.lookups(), before, "a replay reached the inner store");
+    assert_eq!(lookups(&faults), before, "a replay reached the inner store");
     assert_eq!(hits(&cache), 7);
     assert_eq!(errors(&cache), 0);
 }
 
 #[tokio::test]
 async fn a_completion_retried_after_an_inner_failure_is_cached() {
-    let inner = Counting::new(MemoryStore::new());
+    let (inner, faults) = counting(MemoryStore::new());
     let cache = RedisCache::new(inner.clone(), config(&shared_url(), "retry")).unwrap();
     let (k, fp) = (random_key(), fingerprint(8));
     let owner = acquire(&cache, &k, &fp).await;
-    inner.failing_completes.store(1, SeqCst);
+    faults.set_next(Op::Complete, Fault::Down, 1);
     assert!(cache
         .complete(&k, &owner, &outcome("r"), TTL)
         .await
@@ -234,11 +179,11 @@ async fn a_completion_retried_after_an_inner_failure_is_cached() {
         .await
         .unwrap());
     cache.settled().await;
-    let before = inner.lookups();
+    let before = lookups(&faults);
     let record = existing(&cache, &k, &fp).await;
     assert_eq!(record.state, RecordState::Completed(outcome("r")));
     assert_eq!(
-        inner.lookups(),
+        lookups(&faults),
         before,
         "the retried completion was not cached"
     );
@@ -247,7 +192,7 @@ async fn a_completion_retried_after_an_inner_failure_is_cached() {
 #[tokio::test]
 async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
     let url = shared_url();
-    let inner = Counting::new(MemoryStore::new());
+    let (inner, faults) = counting(MemoryStore::new());
     let config = config(&url, "fill");
     let prefix = config.prefix.clone();
     let cache = RedisCache::new(inner.clone(), config).unwrap();
@@ -260,17 +205,17 @@ async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
         .await
         .unwrap());
 
-    let before = inner.lookups();
+    let before = lookups(&faults);
     let record = existing(&cache, &k, &fp).await;
     assert_eq!(record.state, RecordState::Completed(outcome("x")));
     assert_eq!(
-        inner.lookups(),
+        lookups(&faults),
         before + 1,
         "the miss asked the inner store"
     );
     cache.settled().await;
     existing(&cache, &k, &fp).await;
-    assert_eq!(inner.lookups(), before + 1, "the fill answered the second");
+    assert_eq!(lookups(&faults), before + 1, "the fill answered the second");
 
     let mut conn = redis(&url).await;
     let keys: Vec<String> = redis::cmd("KEYS")
@@ -278,7 +223,10 @@ async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(keys, vec![format!("{prefix}{}", k.to_hex())]);
+    // Under the prefix and the inner store's id: hashes only.
+    let id = cache.inner().identity().await.unwrap().unwrap();
+    assert_eq!(cache.namespace(), Some(format!("{prefix}{id}:").as_str()));
+    assert_eq!(keys, vec![format!("{prefix}{id}:{}", k.to_hex())]);
     let pttl: i64 = redis::cmd("PTTL")
         .arg(&keys[0])
         .query_async(&mut conn)
@@ -295,8 +243,10 @@ async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
 async fn a_corrupt_entry_is_a_counted_miss_and_loses_nothing() {
     let url = shared_url();
     let config = config(&url, "corrupt");
-    let redis_key = |k: &ScopeKey| format!("{}{}", config.prefix, k.to_hex());
-    let cache = RedisCache::new(MemoryStore::new(), config.clone()).unwrap();
+    let store = MemoryStore::new();
+    let id = store.identity().await.unwrap().unwrap();
+    let redis_key = |k: &ScopeKey| format!("{}{id}:{}", config.prefix, k.to_hex());
+    let cache = RedisCache::new(store, config.clone()).unwrap();
     let (k, fp) = (random_key(), fingerprint(4));
     let mut conn = redis(&url).await;
     let _: () = redis::cmd("SET")
@@ -345,14 +295,18 @@ async fn redis_never_decides_ownership() {
     let (k, fp) = (random_key(), fingerprint(6));
 
     // Many concurrent reservations: exactly one owner.
+    let tokens: Vec<OwnerToken> = (0..50).map(|_| OwnerToken::random()).collect();
     let claims = futures::future::join_all(
-        (0..50).map(|_| cache.reserve(&k, &fp, Duration::from_millis(100), TTL)),
+        tokens
+            .iter()
+            .map(|owner| cache.reserve(&k, &fp, owner, Duration::from_millis(100), TTL)),
     )
     .await;
     let owners: Vec<OwnerToken> = claims
         .into_iter()
-        .filter_map(|claim| match claim.unwrap() {
-            Claim::Acquired { owner, .. } => Some(owner),
+        .zip(&tokens)
+        .filter_map(|(claim, owner)| match claim.unwrap() {
+            Claim::Acquired { .. } => Some(*owner),
             Claim::Existing(_) => None,
         })
         .collect();
@@ -366,13 +320,15 @@ async fn redis_never_decides_ownership() {
     // never reaches Redis; the successor's does.
     let slow = acquire(&cache, &k, &fp).await;
     tokio::time::sleep(LEASE + Duration::from_millis(50)).await;
-    let successor = match cache.reserve(&k, &fp, LEASE, TTL).await.unwrap() {
-        Claim::Acquired {
-            owner,
-            takeover: true,
-        } => owner,
+    let successor = OwnerToken::random();
+    match cache
+        .reserve(&k, &fp, &successor, LEASE, TTL)
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { takeover: true } => {}
         other => panic!("expected a takeover, got {other:?}"),
-    };
+    }
     assert!(!cache
         .complete(&k, &slow, &outcome("slow"), TTL)
         .await
@@ -662,7 +618,7 @@ async fn postgres_for_a_crowd() -> tower_idempotency::PostgresStore {
 async fn killed_midway_and_restarted(inner: impl Store + Clone) {
     let redis = Arc::new(Mutex::new(PrivateRedis::start()));
     let url = redis.lock().unwrap().url();
-    let cache = RedisCache::new(inner, config(&url, "kill")).unwrap();
+    let cache = RedisCache::new(inner.clone(), config(&url, "kill")).unwrap();
     let app = Arc::new(App::start(cache.clone()).await);
 
     let killer = redis.clone();
@@ -703,7 +659,7 @@ async fn redis_flushed_midway_over_postgres_changes_no_outcome() {
 
 async fn flushed_midway(inner: impl Store + Clone) {
     let redis = Arc::new(PrivateRedis::start());
-    let cache = RedisCache::new(inner, config(&redis.url(), "flush")).unwrap();
+    let cache = RedisCache::new(inner.clone(), config(&redis.url(), "flush")).unwrap();
     let app = Arc::new(App::start(cache.clone()).await);
 
     let flusher = redis.clone();
@@ -761,7 +717,7 @@ async fn replays_need_no_postgres_but_reservations_do() {
         fixtures::pool(switch.route(&options), 5).await,
     );
     inner.migrate().await.unwrap();
-    let cache = RedisCache::new(inner, config(&shared_url(), "pg-down")).unwrap();
+    let cache = RedisCache::new(inner.clone(), config(&shared_url(), "pg-down")).unwrap();
     let app = App::start(cache.clone()).await;
     let first = app.post("u", "paid", "42 EUR").await;
     assert_eq!(first, (StatusCode::CREATED, "u/paid|42 EUR|1".to_owned()));

@@ -33,3 +33,20 @@ async fn a_completed_key_still_replays_after_the_store_is_reopened() {
     assert_eq!(again.body, first.body);
     assert_eq!(base.calls(), 1);
 }
+
+/// The store's id lives in the file: the same after reopening, another for
+/// another file (what keeps two deployments apart in a shared Redis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_id_is_kept_in_the_file() {
+    use tower_idempotency::Store;
+
+    let path = fixtures::sqlite_path();
+    let path = path.to_str().unwrap();
+    let store = SqliteStore::connect(path).await.unwrap();
+    let id = store.identity().await.unwrap().expect("an id");
+    store.close().await;
+    let reopened = SqliteStore::connect(path).await.unwrap();
+    assert_eq!(reopened.identity().await.unwrap(), Some(id.clone()));
+    let other = fixtures::sqlite_store().await;
+    assert_ne!(other.identity().await.unwrap(), Some(id));
+}

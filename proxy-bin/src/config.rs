@@ -41,6 +41,9 @@ pub struct ProxySettings {
     pub store: Option<String>,
     /// A Redis front cache, `redis://URL` (`--redis`).
     pub redis: Option<String>,
+    /// Prepended to every Redis key, before the store's own id
+    /// (`--redis-prefix`; default `idem:`).
+    pub redis_prefix: Option<String>,
     /// The admin listener for `/healthz` and `/metrics` (`--admin`).
     pub admin: Option<String>,
     /// How long connecting to the upstream may take (502 after it).
@@ -85,6 +88,8 @@ pub struct Resolved {
     pub store: String,
     /// The Redis URL, if any.
     pub redis: Option<String>,
+    /// The Redis key prefix, if not the default.
+    pub redis_prefix: Option<String>,
     /// The admin address, if any.
     pub admin: Option<String>,
     /// Upstream connect timeout (default 5 s).
@@ -118,6 +123,7 @@ impl ProxySettings {
             upstream: over.upstream.or(self.upstream),
             store: over.store.or(self.store),
             redis: over.redis.or(self.redis),
+            redis_prefix: over.redis_prefix.or(self.redis_prefix),
             admin: over.admin.or(self.admin),
             connect_timeout: over.connect_timeout.or(self.connect_timeout),
             read_timeout: over.read_timeout.or(self.read_timeout),
@@ -139,6 +145,7 @@ impl ProxySettings {
             upstream: self.upstream,
             store: self.store.unwrap_or_else(|| DEFAULT_STORE.into()),
             redis: self.redis,
+            redis_prefix: self.redis_prefix,
             admin: self.admin,
             connect_timeout: self.connect_timeout.unwrap_or(secs(5)),
             read_timeout: self.read_timeout.unwrap_or(secs(60)),
@@ -346,6 +353,7 @@ mod tests {
 [proxy]
 upstream = "http://127.0.0.1:3000"
 read_timeout = "2s"
+redis_prefix = "staging:"
 
 [defaults]
 required = true
@@ -367,6 +375,7 @@ mismatch_status = 409
         )
         .unwrap();
         assert_eq!(config.proxy.read_timeout, Some(Duration::from_secs(2)));
+        assert_eq!(config.proxy.redis_prefix.as_deref(), Some("staging:"));
         let routes = &config.routes;
         assert!(routes.find(&Method::POST, "/health").is_none());
         let contact = routes.find(&Method::POST, "/contact").unwrap();

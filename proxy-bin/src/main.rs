@@ -64,6 +64,12 @@ struct Cli {
     #[arg(long, value_name = "URL")]
     redis: Option<String>,
 
+    /// Prepended to every Redis key, before the store's own id (so two
+    /// deployments with separate stores never share entries) [default:
+    /// idem:].
+    #[arg(long, value_name = "PREFIX")]
+    redis_prefix: Option<String>,
+
     /// A TOML file with the [proxy] settings, [defaults] and [[route]]
     /// policies. A bad file is refused at start with its line and key.
     #[arg(long, value_name = "FILE")]
@@ -96,6 +102,7 @@ impl Cli {
             }),
             store: self.store.clone(),
             redis: self.redis.clone(),
+            redis_prefix: self.redis_prefix.clone(),
             admin: self.admin.clone(),
             ..ProxySettings::default()
         }
@@ -158,7 +165,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         .thread_name("idempotency-store")
         .enable_all()
         .build()?;
-    let store = runtime.block_on(store::open(&settings.store, settings.redis.as_deref()))?;
+    let store = runtime.block_on(store::open(
+        &settings.store,
+        settings.redis.as_deref(),
+        settings.redis_prefix.as_deref(),
+    ))?;
     let engine = Engine::with_config(
         store,
         config.routes.clone(),

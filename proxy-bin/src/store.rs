@@ -8,7 +8,8 @@ use tower_idempotency::{
 };
 
 /// Opens the store `spec` names (`memory`, `sqlite://PATH`,
-/// `postgres://URL`), with a Redis front cache when `redis` is set.
+/// `postgres://URL`), with a Redis front cache when `redis` is set, its
+/// keys under `prefix` (default `idem:`) and the store's own id.
 ///
 /// An SQLite file that cannot be opened is an error. An unreachable
 /// PostgreSQL is not: the proxy starts, answers 503 (fail closed) and
@@ -18,7 +19,12 @@ use tower_idempotency::{
 /// Must run inside the Tokio runtime that stays alive for the whole process
 /// (connection pools are bound to it). Errors never repeat a URL (it may
 /// hold a password).
-pub async fn open(spec: &str, redis: Option<&str>) -> Result<Arc<dyn Store>, String> {
+pub async fn open(
+    spec: &str,
+    redis: Option<&str>,
+    prefix: Option<&str>,
+) -> Result<Arc<dyn Store>, String> {
+    let redis = redis.map(|url| (url, prefix));
     if spec == "memory" {
         with_cache(MemoryStore::new(), redis)
     } else if spec.starts_with("sqlite:") {
@@ -57,12 +63,20 @@ async fn postgres(url: &str) -> Result<PostgresStore, String> {
     Ok(store)
 }
 
-/// `inner`, behind a Redis front cache when `redis` names one.
-fn with_cache<S: Store>(inner: S, redis: Option<&str>) -> Result<Arc<dyn Store>, String> {
-    let Some(url) = redis else {
+/// `inner`, behind a Redis front cache when `redis` names one (URL, and a
+/// key prefix if not the default).
+fn with_cache<S: Store>(
+    inner: S,
+    redis: Option<(&str, Option<&str>)>,
+) -> Result<Arc<dyn Store>, String> {
+    let Some((url, prefix)) = redis else {
         return Ok(Arc::new(inner));
     };
-    let cache = RedisCache::new(inner, RedisCacheConfig::new(url))
-        .map_err(|error| format!("bad `--redis` URL: {error}"))?;
+    let mut config = RedisCacheConfig::new(url);
+    if let Some(prefix) = prefix {
+        config = config.prefix(prefix);
+    }
+    let cache =
+        RedisCache::new(inner, config).map_err(|error| format!("bad `--redis` URL: {error}"))?;
     Ok(Arc::new(cache))
 }

@@ -1,7 +1,9 @@
 //! The decision for a covered request: read and check its key, fingerprint
 //! it, then reserve the key, replay, wait for the first request, or refuse.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -17,7 +19,9 @@ use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
 use crate::policy::{FailMode, InFlightPolicy, MismatchPolicy, RoutePolicy};
-use crate::store::{Claim, Fingerprint, Outcome, Record, RecordState, ScopeKey, StoreError};
+use crate::store::{
+    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoreError,
+};
 
 /// The engine's answer to [`Engine::begin`].
 #[derive(Debug)]
@@ -42,6 +46,14 @@ enum KeyRead {
     Absent,
     /// The answer for a missing or malformed key.
     Refused(Response<Bytes>),
+}
+
+/// What [`Engine::claim`] found: the key is ours now, or its record.
+enum Claimed {
+    /// Reserved under `owner` (taking an expired lease over: `takeover`).
+    Acquired { owner: OwnerToken, takeover: bool },
+    /// Another request's record.
+    Existing(Record),
 }
 
 /// Where a duplicate stands while the first request holds the key.
@@ -125,7 +137,7 @@ impl Engine {
         loop {
             let record = match self.claim(policy, &key, &fingerprint, waiting.waited).await {
                 Err(error) => return self.store_failed(policy, head, &error),
-                Ok(Claim::Acquired { owner, takeover }) => {
+                Ok(Claimed::Acquired { owner, takeover }) => {
                     self.inner.metrics.record(Event::Executed);
                     tracing::debug!(takeover, "idempotency key reserved");
                     return Decision::Proceed(Reservation::new(
@@ -136,7 +148,7 @@ impl Engine {
                         head.uri.path(),
                     ));
                 }
-                Ok(Claim::Existing(record)) => record,
+                Ok(Claimed::Existing(record)) => record,
             };
             // A form route may answer a changed request under a consumed
             // key with the key's own outcome (`mismatch = "replay"`).
@@ -176,20 +188,77 @@ impl Engine {
         key: &ScopeKey,
         fingerprint: &Fingerprint,
         waited: bool,
-    ) -> Result<Claim, StoreError> {
-        let store = &self.inner.store;
+    ) -> Result<Claimed, StoreError> {
         if waited {
             let live = self
-                .store_call(store.get(key))
+                .store_call(self.inner.store.get(key))
                 .await?
                 .filter(|record: &Record| !record.lease_expired());
             if let Some(record) = live {
-                return Ok(Claim::Existing(record));
+                return Ok(Claimed::Existing(record));
             }
         }
         let settings = policy.policy();
-        self.store_call(store.reserve(key, fingerprint, settings.lease, settings.ttl))
-            .await
+        let (owner, claim) = self
+            .reserve(*key, fingerprint.clone(), settings.lease, settings.ttl)
+            .await?;
+        Ok(match claim {
+            Claim::Acquired { takeover } => Claimed::Acquired { owner, takeover },
+            Claim::Existing(record) => Claimed::Existing(record),
+        })
+    }
+
+    /// Reserves `key` for an owner token drawn here, bounded by
+    /// `store_timeout` like every store call.
+    ///
+    /// A reservation whose answer is lost (the call failed, or outlived
+    /// `store_timeout`) may have been written all the same. The engine
+    /// knows its token, so it releases it in the background, independently
+    /// of what the request does next (503, or forwarding on a fail-open
+    /// route): once at once, and — when the call was abandoned still
+    /// running — again after that call ends (waited for at most the lease).
+    /// Each release is bounded by `store_timeout` and owner-checked, so it
+    /// never touches anyone else's record. A retry therefore finds the key
+    /// free instead of in flight for a whole lease.
+    async fn reserve(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<(OwnerToken, Claim), StoreError> {
+        let owner = OwnerToken::random();
+        let store = self.inner.store.clone();
+        let mut call =
+            Box::pin(async move { store.reserve(&key, &fingerprint, &owner, lease, ttl).await });
+        let started = std::time::Instant::now();
+        let limit = self.inner.config.store_timeout;
+        // A store that answers at once (the memory store) needs no timer.
+        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+        let (result, abandoned) = match first {
+            Poll::Ready(result) => (result, None),
+            Poll::Pending => match tokio::time::timeout(limit, &mut call).await {
+                Ok(result) => (result, None),
+                Err(_) => (Err(StoreError::Timeout), Some(call)),
+            },
+        };
+        self.inner.metrics.observe_store(started.elapsed());
+        let error = match result {
+            Ok(claim) => return Ok((owner, claim)),
+            Err(error) => error,
+        };
+        let store = self.inner.store.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let release = || tokio::time::timeout(limit, store.release(&key, &owner));
+                let _ = release().await;
+                if let Some(call) = abandoned {
+                    let _ = tokio::time::timeout(lease, call).await;
+                    let _ = release().await;
+                }
+            });
+        }
+        Err(error)
     }
 
     /// The answer for a key whose request completed: its stored response

@@ -10,7 +10,12 @@ impl Engine {
     /// Renders the engine's and the store's metrics in Prometheus text.
     pub fn render_metrics(&self) -> String {
         let mut out = String::new();
-        let extra = self.inner.store.counters();
+        let extra = self
+            .inner
+            .store
+            .maintenance()
+            .map(|store| store.counters())
+            .unwrap_or_default();
         self.inner.metrics.render_prometheus(&extra, &mut out);
         out
     }
@@ -21,7 +26,9 @@ impl Engine {
     }
 
     /// Deletes expired records every `every`, at most `batch` per call,
-    /// until the returned handle is aborted.
+    /// until the returned handle is aborted. A store without a
+    /// [`Maintenance`](crate::store::Maintenance) side has nothing to sweep:
+    /// the task ends at once.
     pub fn spawn_sweeper(&self, every: Duration, batch: usize) -> tokio::task::JoinHandle<()> {
         let engine = self.clone();
         tokio::spawn(async move {
@@ -31,7 +38,10 @@ impl Engine {
                 ticker.tick().await;
                 // Keep sweeping while full batches come back.
                 loop {
-                    match engine.store_call(engine.inner.store.sweep(batch)).await {
+                    let Some(store) = engine.inner.store.maintenance() else {
+                        return;
+                    };
+                    match engine.store_call(store.sweep(batch)).await {
                         Ok(n) if n as usize >= batch => continue,
                         Ok(n) => {
                             tracing::debug!(swept = n, "idempotency sweep");

@@ -1,20 +1,17 @@
-//! The engine's unit tests, against the memory store (and a flaky wrapper
-//! of it for outages).
+//! The engine's unit tests, against the memory store (and the fault
+//! injector in front of it for outages).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 
 use super::scope::scope_key;
 use super::*;
+use crate::policy::FailMode;
 use crate::policy::{InFlightPolicy, Policy, Routes};
-use crate::store::{
-    Claim, Fingerprint, MemoryStore, Outcome, OwnerToken, Record, ScopeKey, Store, StoreError,
-};
+use crate::store::{Fault, Faults, FaultyStore, MemoryStore, Op, Store};
 
 /// The route covering `POST path` on `engine` (for a request with a key).
 fn covered(engine: &Engine, path: &'static str) -> Covered {
@@ -225,7 +222,7 @@ async fn a_renewed_reservation_outlives_its_retention() {
     });
     let first = proceed(begin(&engine, &policy, "k").await);
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(store.sweep(10).await.unwrap(), 0);
+    assert_eq!(store.maintenance().unwrap().sweep(10).await.unwrap(), 0);
     assert_eq!(
         problem_type(begin(&engine, &policy, "k").await).1,
         "urn:tower-idempotency:in-flight"
@@ -360,81 +357,18 @@ fn every_part_of_the_scope_changes_the_key() {
     );
 }
 
-/// The memory store, with `complete` failing while `outage` is above 0
-/// (each failure counts it down): a store that is briefly unreachable.
-#[derive(Debug, Default)]
-struct Flaky {
-    store: MemoryStore,
-    outage: AtomicUsize,
-    /// Like `outage`, for `renew`.
-    renew_outage: AtomicUsize,
-    reserves: AtomicUsize,
-}
-
-/// Fails (counting `outage` down) while it is above 0.
-fn fail_while(outage: &AtomicUsize) -> Result<(), StoreError> {
-    match outage.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
-        Ok(_) => Err(StoreError::Unavailable("down".into())),
-        Err(_) => Ok(()),
-    }
-}
-
-#[async_trait]
-impl Store for Flaky {
-    async fn reserve(
-        &self,
-        key: &ScopeKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.reserves.fetch_add(1, Ordering::SeqCst);
-        self.store.reserve(key, fingerprint, lease, ttl).await
-    }
-
-    async fn complete(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        outcome: &Outcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        fail_while(&self.outage)?;
-        self.store.complete(key, owner, outcome, ttl).await
-    }
-
-    async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
-        self.store.release(key, owner).await
-    }
-
-    async fn renew(
-        &self,
-        key: &ScopeKey,
-        owner: &OwnerToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        fail_while(&self.renew_outage)?;
-        self.store.renew(key, owner, lease).await
-    }
-
-    async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
-        self.store.get(key).await
-    }
-
-    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
-        self.store.sweep(batch).await
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
+/// The memory store behind the fault injector, and its handle.
+fn faulty() -> (Arc<FaultyStore<MemoryStore>>, Faults) {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    (Arc::new(store), faults)
 }
 
 /// A waiter polls (this store has no wake-ups) with reads only: it
 /// tried to reserve once, on arrival, and replays the first answer.
 #[tokio::test(start_paused = true)]
 async fn a_waiter_polls_with_reads_not_reservations() {
-    let store = Arc::new(Flaky::default());
+    let (store, faults) = faulty();
     let engine = Engine::with_config(
         store.clone(),
         Routes::all(Policy::default()).unwrap(),
@@ -458,7 +392,7 @@ async fn a_waiter_polls_with_reads_not_reservations() {
     };
     assert_eq!(replay.status(), StatusCode::CREATED);
     assert!(replay.headers().contains_key(REPLAYED_HEADER));
-    assert_eq!(store.reserves.load(Ordering::SeqCst), 2);
+    assert_eq!(faults.calls(Op::Reserve), 2);
 }
 
 /// Renewals that fail (a store restarting, broken pooled connections)
@@ -466,8 +400,8 @@ async fn a_waiter_polls_with_reads_not_reservations() {
 /// renewals in a row do not let a live request's lease run out.
 #[tokio::test(start_paused = true)]
 async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
-    let store = Arc::new(Flaky::default());
-    store.renew_outage.store(3, Ordering::SeqCst);
+    let (store, faults) = faulty();
+    faults.set_next(Op::Renew, Fault::Down, 3);
     let policy = Policy {
         lease: Duration::from_millis(300),
         in_flight: InFlightPolicy::Reject,
@@ -489,13 +423,13 @@ async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
             "the lease was renewed, not taken over"
         );
     }
-    assert_eq!(store.renew_outage.load(Ordering::SeqCst), 0, "all failed");
+    assert_eq!(faults.remaining(Op::Renew), 0, "all failed");
     held.release().await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
-    let store = Arc::new(Flaky::default());
+    let (store, faults) = faulty();
     let policy = Policy {
         lease: Duration::from_secs(2),
         ..Policy::default()
@@ -520,7 +454,7 @@ async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
     };
     // The store is down for a while (well under the lease) when the
     // upstream's answer arrives.
-    store.outage.store(10, Ordering::SeqCst);
+    faults.set_next(Op::Complete, Fault::Down, 10);
     let _ = reservation
         .record(StatusCode::CREATED, &HeaderMap::new())
         .await
@@ -528,11 +462,7 @@ async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
         .await;
     // Long after the lease, a retry is a replay, not a second execution.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    assert_eq!(
-        store.outage.load(Ordering::SeqCst),
-        0,
-        "storing was retried"
-    );
+    assert_eq!(faults.remaining(Op::Complete), 0, "storing was retried");
     match engine.begin(&policy, head, b"").await {
         Decision::Respond(response) => {
             assert_eq!(response.status(), StatusCode::CREATED);
@@ -540,4 +470,108 @@ async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
         }
         other => panic!("the retry executed again: {other:?}"),
     }
+}
+
+/// An engine over `store` with a short `store_timeout`, rejecting
+/// duplicates in flight at once (so "in flight" shows as 409).
+fn over(store: Arc<dyn Store>, fail_mode: FailMode) -> (Engine, Covered) {
+    let policy = Policy {
+        in_flight: InFlightPolicy::Reject,
+        fail_mode,
+        ..Policy::default()
+    };
+    let config = EngineConfig {
+        store_timeout: Duration::from_millis(100),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::with_config(store, Routes::all(policy).unwrap(), config);
+    let policy = covered(&engine, "/orders");
+    (engine, policy)
+}
+
+/// Stores `reservation`'s answer: 201 with an empty body.
+async fn created(reservation: Reservation) {
+    let _ = reservation
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+}
+
+/// A reservation written but answered with an error (or too late): the
+/// client gets 503, and the engine releases the reservation with its
+/// token, so the retry executes instead of meeting 409 for a lease.
+/// (Before the engine drew the token, the retry got 409 `in-flight`.)
+#[tokio::test(start_paused = true)]
+async fn a_reservation_committed_but_unanswered_is_released() {
+    for fault in [
+        Fault::CommitThenFail,
+        Fault::CommitThenStall(Duration::from_secs(10)),
+    ] {
+        let (store, faults) = faulty();
+        let (engine, policy) = over(store.clone(), FailMode::Closed);
+        faults.set_next(Op::Reserve, fault, 1);
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "urn:tower-idempotency:store-unavailable".to_owned()
+            ),
+            "{fault:?}"
+        );
+        assert_eq!(faults.inner_calls(Op::Reserve), 1, "it was written");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let retry = proceed(begin(&engine, &policy, "k").await);
+        // The late answer's second release leaves the retry's record be.
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await).1,
+            "urn:tower-idempotency:in-flight",
+            "{fault:?}"
+        );
+        created(retry).await;
+        assert!(matches!(
+            begin(&engine, &policy, "k").await,
+            Decision::Respond(response) if response.headers().contains_key(REPLAYED_HEADER)
+        ));
+    }
+}
+
+/// A reservation abandoned before it reached the store, which then
+/// writes it late (after the 503): released when the late call ends.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_written_after_its_timeout_is_released() {
+    let (store, faults) = faulty();
+    let (engine, policy) = over(store.clone(), FailMode::Closed);
+    faults.set_next(Op::Reserve, Fault::Stall(Duration::from_secs(3)), 1);
+    assert_eq!(
+        problem_type(begin(&engine, &policy, "k").await).0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(faults.inner_calls(Op::Reserve), 0, "not written yet");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(faults.inner_calls(Op::Reserve), 1, "written late");
+    assert!(store.inner().is_empty(), "and released");
+    proceed(begin(&engine, &policy, "k").await).release().await;
+}
+
+/// Fail-open: the request whose reservation was lost runs unprotected
+/// (one execution); the reservation is released at once, independently
+/// of that request, so the retry is reserved normally (the second
+/// execution, as documented for fail-open) and later ones replay it.
+#[tokio::test(start_paused = true)]
+async fn fail_open_releases_the_lost_reservation_before_the_retry() {
+    let (store, faults) = faulty();
+    let (engine, policy) = over(store.clone(), FailMode::Open);
+    faults.set_next(Op::Reserve, Fault::CommitThenFail, 1);
+    assert!(matches!(
+        begin(&engine, &policy, "k").await,
+        Decision::Forward
+    ));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    created(proceed(begin(&engine, &policy, "k").await)).await;
+    assert!(matches!(
+        begin(&engine, &policy, "k").await,
+        Decision::Respond(response) if response.headers().contains_key(REPLAYED_HEADER)
+    ));
 }

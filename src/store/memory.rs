@@ -1,6 +1,6 @@
 //! An in-process store: for tests, development and single-process services.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -9,7 +9,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store, StoreError,
+    Claim, Fingerprint, Maintenance, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
+    StoreError,
 };
 
 /// Keeps records in a mutex-guarded map inside the process.
@@ -19,16 +20,49 @@ use super::{
 /// vanish with the process: use the SQLite or PostgreSQL store where a
 /// restart or a second instance must not execute a request again.
 ///
+/// * **Expiry needs no sweeper.** An expired record is removed when it is
+///   next looked at, and every write also removes up to
+///   [`EXPIRE_PER_WRITE`](MemoryStore::EXPIRE_PER_WRITE) records whose
+///   retention ran out, oldest first, from an index ordered by expiry: a bounded amount
+///   of work under the lock, never a scan of the whole map. An engine
+///   sweeper still works ([`Maintenance::sweep`] takes from the same index).
+/// * **Bounded memory.** At [`max_records`](MemoryStore::max_records)
+///   records, or [`max_bytes`](MemoryStore::max_bytes) bytes of stored
+///   responses and bookkeeping, [`Store::reserve`] refuses a new key with
+///   [`StoreError::Full`] (the engine answers 503, or forwards on a
+///   fail-open route) instead of growing. A completion is never refused
+///   (the request already ran), so the bytes may exceed the ceiling by the
+///   responses of reservations granted before it was reached.
+///
 /// Clones share the same records.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug, Default)]
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::with_limits(Self::DEFAULT_MAX_RECORDS, Self::DEFAULT_MAX_BYTES)
+    }
+}
+
+#[derive(Debug)]
 struct Inner {
-    records: Mutex<HashMap<ScopeKey, Entry>>,
+    table: Mutex<Table>,
     waiters: Mutex<HashMap<ScopeKey, Arc<Notify>>>,
+    max_records: usize,
+    max_bytes: usize,
+    id: String,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    records: HashMap<ScopeKey, Entry>,
+    /// `(expires_at, key)` of every record, soonest first: exactly one item
+    /// per record, kept in step by [`Table::put`] and [`Table::remove`].
+    expiry: BTreeSet<(Instant, ScopeKey)>,
+    /// The sum of [`Entry::size`] over `records`.
+    bytes: usize,
 }
 
 #[derive(Debug)]
@@ -47,6 +81,10 @@ enum State {
     Completed(Outcome),
 }
 
+/// What one record costs besides its response: the map slot, the entry and
+/// its expiry items (an estimate).
+const ENTRY_OVERHEAD: usize = 192;
+
 impl Entry {
     fn record(&self, now: Instant) -> Record {
         let state = match &self.state {
@@ -64,17 +102,111 @@ impl Entry {
     fn owned_by(&self, owner: &OwnerToken) -> bool {
         matches!(&self.state, State::InFlight { owner: o, .. } if o == owner)
     }
+
+    /// The bytes it accounts for against [`MemoryStore::max_bytes`].
+    fn size(&self) -> usize {
+        ENTRY_OVERHEAD
+            + match &self.state {
+                State::InFlight { .. } => 0,
+                State::Completed(Outcome::Stored(response)) => {
+                    response.body.len()
+                        + response
+                            .headers
+                            .iter()
+                            .map(|(name, value)| name.as_str().len() + value.len() + 16)
+                            .sum::<usize>()
+                }
+                State::Completed(Outcome::TooLarge { .. }) => 0,
+            }
+    }
+}
+
+impl Table {
+    /// Inserts or replaces `key`'s record, keeping the byte count and the
+    /// expiry index.
+    fn put(&mut self, key: ScopeKey, entry: Entry) {
+        // The old item first: the new one may have the same retention.
+        self.remove(&key);
+        self.bytes += entry.size();
+        self.expiry.insert((entry.expires_at, key));
+        self.records.insert(key, entry);
+    }
+
+    fn remove(&mut self, key: &ScopeKey) {
+        if let Some(old) = self.records.remove(key) {
+            self.bytes -= old.size();
+            self.expiry.remove(&(old.expires_at, *key));
+        }
+    }
+
+    /// Moves `key`'s retention to `expires_at`.
+    fn retain_until(&mut self, key: &ScopeKey, expires_at: Instant) {
+        if let Some(entry) = self.records.get_mut(key) {
+            self.expiry.remove(&(entry.expires_at, *key));
+            entry.expires_at = expires_at;
+            self.expiry.insert((expires_at, *key));
+        }
+    }
+
+    /// Removes up to `limit` records whose retention ran out, soonest
+    /// first, through the expiry index (no scan); returns how many.
+    fn expire(&mut self, now: Instant, limit: usize) -> usize {
+        let mut removed = 0;
+        while removed < limit {
+            match self.expiry.first() {
+                Some(&(at, key)) if at <= now => self.remove(&key),
+                _ => break,
+            }
+            removed += 1;
+        }
+        removed
+    }
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// Records removed (if expired) on each write, besides the one written.
+    pub const EXPIRE_PER_WRITE: usize = 8;
+    /// The default [`max_records`](MemoryStore::max_records): 100,000.
+    pub const DEFAULT_MAX_RECORDS: usize = 100_000;
+    /// The default [`max_bytes`](MemoryStore::max_bytes): 256 MiB.
+    pub const DEFAULT_MAX_BYTES: usize = 256 << 20;
+
+    /// An empty store with the default ceilings
+    /// ([`DEFAULT_MAX_RECORDS`](MemoryStore::DEFAULT_MAX_RECORDS),
+    /// [`DEFAULT_MAX_BYTES`](MemoryStore::DEFAULT_MAX_BYTES)).
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// How many records (live or expired but not yet swept) it holds.
+    /// An empty store that refuses new reservations (with
+    /// [`StoreError::Full`]) once it holds `max_records` live records or
+    /// `max_bytes` bytes of responses and bookkeeping.
+    pub fn with_limits(max_records: usize, max_bytes: usize) -> Self {
+        MemoryStore {
+            inner: Arc::new(Inner {
+                table: Mutex::default(),
+                waiters: Mutex::default(),
+                max_records,
+                max_bytes,
+                id: hex::encode(rand::random::<[u8; 16]>()),
+            }),
+        }
+    }
+
+    /// The most records it holds before refusing new keys.
+    pub fn max_records(&self) -> usize {
+        self.inner.max_records
+    }
+
+    /// The most bytes (responses plus about 200 bytes per record) it holds
+    /// before refusing new keys.
+    pub fn max_bytes(&self) -> usize {
+        self.inner.max_bytes
+    }
+
+    /// How many records (live, or expired but not yet removed) it holds.
     pub fn len(&self) -> usize {
-        self.records().len()
+        self.table().records.len()
     }
 
     /// Whether it holds no record at all.
@@ -82,12 +214,17 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn records(&self) -> MutexGuard<'_, HashMap<ScopeKey, Entry>> {
+    /// The bytes its records account for (see [`max_bytes`](MemoryStore::max_bytes)).
+    pub fn bytes(&self) -> usize {
+        self.table().bytes
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
         // A panic while holding the lock cannot leave a half-written entry
-        // (every mutation is a single insert/remove/assign), so poisoning is
-        // safe to ignore.
+        // (every mutation completes before anything can panic), so
+        // poisoning is safe to ignore.
         self.inner
-            .records
+            .table
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -146,12 +283,14 @@ impl Store for MemoryStore {
         &self,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
+        owner: &OwnerToken,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
-        let mut records = self.records();
-        let takeover = match records.get(key) {
+        let mut table = self.table();
+        table.expire(now, Self::EXPIRE_PER_WRITE);
+        let takeover = match table.records.get(key) {
             None => false,
             Some(entry) if entry.expires_at <= now => false,
             Some(entry) => match &entry.state {
@@ -163,19 +302,38 @@ impl Store for MemoryStore {
                 _ => return Ok(Claim::Existing(entry.record(now))),
             },
         };
-        let owner = OwnerToken::random();
-        records.insert(
+        // A new key must fit under the ceilings (a takeover or an expired
+        // record's slot replaces one already counted).
+        if !table.records.contains_key(key) {
+            if table.records.len() >= self.inner.max_records
+                || table.bytes + ENTRY_OVERHEAD > self.inner.max_bytes
+            {
+                // Make room from expired records first (still bounded).
+                table.expire(now, 32 * Self::EXPIRE_PER_WRITE);
+            }
+            let full = if table.records.len() >= self.inner.max_records {
+                Some(format!("{} records", table.records.len()))
+            } else if table.bytes + ENTRY_OVERHEAD > self.inner.max_bytes {
+                Some(format!("{} bytes", table.bytes))
+            } else {
+                None
+            };
+            if let Some(what) = full {
+                return Err(StoreError::Full(format!("the memory store holds {what}")));
+            }
+        }
+        table.put(
             *key,
             Entry {
                 fingerprint: *fingerprint,
                 expires_at: now + ttl,
                 state: State::InFlight {
-                    owner,
+                    owner: *owner,
                     lease_until: now + lease,
                 },
             },
         );
-        Ok(Claim::Acquired { owner, takeover })
+        Ok(Claim::Acquired { takeover })
     }
 
     async fn complete(
@@ -186,11 +344,17 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let done = {
-            let mut records = self.records();
-            match records.get_mut(key) {
+            let now = Instant::now();
+            let mut table = self.table();
+            table.expire(now, Self::EXPIRE_PER_WRITE);
+            match table.records.get(key) {
                 Some(entry) if entry.owned_by(owner) => {
-                    entry.state = State::Completed(outcome.clone());
-                    entry.expires_at = Instant::now() + ttl;
+                    let entry = Entry {
+                        fingerprint: entry.fingerprint,
+                        expires_at: now + ttl,
+                        state: State::Completed(outcome.clone()),
+                    };
+                    table.put(*key, entry);
                     true
                 }
                 _ => false,
@@ -204,10 +368,11 @@ impl Store for MemoryStore {
 
     async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
         let done = {
-            let mut records = self.records();
-            match records.get(key) {
+            let mut table = self.table();
+            table.expire(Instant::now(), Self::EXPIRE_PER_WRITE);
+            match table.records.get(key) {
                 Some(entry) if entry.owned_by(owner) => {
-                    records.remove(key);
+                    table.remove(key);
                     true
                 }
                 _ => false,
@@ -225,8 +390,9 @@ impl Store for MemoryStore {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let mut records = self.records();
-        match records.get_mut(key) {
+        let mut table = self.table();
+        let now = Instant::now();
+        let extended = match table.records.get_mut(key) {
             Some(Entry {
                 state:
                     State::InFlight {
@@ -236,24 +402,31 @@ impl Store for MemoryStore {
                 expires_at,
                 ..
             }) if o == owner => {
-                let now = Instant::now();
                 *lease_until = now + lease;
                 // A live reservation never expires under its owner, however
                 // long the call runs past its retention.
-                *expires_at = (*expires_at).max(*lease_until);
-                Ok(true)
+                (*lease_until > *expires_at).then_some(*lease_until)
             }
-            _ => Ok(false),
+            _ => return Ok(false),
+        };
+        if let Some(at) = extended {
+            table.retain_until(key, at);
         }
+        Ok(true)
     }
 
     async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
         let now = Instant::now();
-        Ok(self
-            .records()
-            .get(key)
-            .filter(|entry| entry.expires_at > now)
-            .map(|entry| entry.record(now)))
+        let mut table = self.table();
+        match table.records.get(key) {
+            Some(entry) if entry.expires_at > now => Ok(Some(entry.record(now))),
+            Some(_) => {
+                // Expired: removed as it is looked at.
+                table.remove(key);
+                Ok(None)
+            }
+            None => Ok(None),
+        }
     }
 
     async fn wait(&self, key: &ScopeKey, max: Duration, _attempt: u32) -> Result<(), StoreError> {
@@ -264,7 +437,7 @@ impl Store for MemoryStore {
         // await still wakes us.
         notified.as_mut().enable();
         let still_in_flight = matches!(
-            self.records().get(key).map(|entry| &entry.state),
+            self.table().records.get(key).map(|entry| &entry.state),
             Some(State::InFlight { .. })
         );
         if still_in_flight {
@@ -273,23 +446,25 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
-        let now = Instant::now();
-        let mut records = self.records();
-        let expired: Vec<ScopeKey> = records
-            .iter()
-            .filter(|(_, entry)| entry.expires_at <= now)
-            .map(|(key, _)| *key)
-            .take(batch)
-            .collect();
-        for key in &expired {
-            records.remove(key);
-        }
-        Ok(expired.len() as u64)
-    }
-
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    async fn identity(&self) -> Result<Option<String>, StoreError> {
+        Ok(Some(self.inner.id.clone()))
+    }
+
+    fn maintenance(&self) -> Option<&dyn Maintenance> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl Maintenance for MemoryStore {
+    /// Removes up to `batch` expired records through the expiry index (the
+    /// store also does this a little on every write).
+    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
+        Ok(self.table().expire(Instant::now(), batch) as u64)
     }
 }
 
@@ -308,8 +483,9 @@ mod tests {
         let store = MemoryStore::new();
         let key = ScopeKey([7; 32]);
         let lease = Duration::from_secs(30);
-        let claim = store.reserve(&key, &Fingerprint([1; 32]), lease, lease);
-        let Claim::Acquired { owner, .. } = claim.await.unwrap() else {
+        let owner = OwnerToken::random();
+        let claim = store.reserve(&key, &Fingerprint([1; 32]), &owner, lease, lease);
+        let Claim::Acquired { .. } = claim.await.unwrap() else {
             panic!("a fresh key is acquired");
         };
         let cancelled = tokio::time::timeout(Duration::from_millis(10), store.wait(&key, lease, 0));
@@ -326,5 +502,56 @@ mod tests {
         assert!(store.release(&key, &owner).await.unwrap());
         waiter.await.unwrap().unwrap();
         assert_eq!(waiter_entries(&store), 0);
+    }
+
+    /// The expiry index and the byte count stay in step with the map
+    /// through every kind of write, and expiry removes exactly the records
+    /// whose retention ran out.
+    #[tokio::test(start_paused = true)]
+    async fn the_expiry_index_and_byte_count_follow_every_write() {
+        let store = MemoryStore::new();
+        let check = |store: &MemoryStore| {
+            let table = store.table();
+            assert_eq!(table.expiry.len(), table.records.len());
+            for (key, entry) in &table.records {
+                assert!(table.expiry.contains(&(entry.expires_at, *key)));
+            }
+            let bytes: usize = table.records.values().map(Entry::size).sum();
+            assert_eq!(table.bytes, bytes);
+        };
+        let short = Duration::from_millis(100);
+        let long = Duration::from_secs(60);
+        let outcome = Outcome::Stored(crate::store::StoredResponse {
+            status: http::StatusCode::OK,
+            headers: vec![(http::header::ETAG, http::HeaderValue::from_static("x"))],
+            body: bytes::Bytes::from_static(b"a response body"),
+        });
+        let mut owners = Vec::new();
+        for i in 0..40u8 {
+            let key = ScopeKey([i; 32]);
+            let owner = OwnerToken::random();
+            let ttl = if i % 2 == 0 { short } else { long };
+            let claim = store.reserve(&key, &Fingerprint([1; 32]), &owner, short, ttl);
+            assert!(matches!(claim.await.unwrap(), Claim::Acquired { .. }));
+            match i % 4 {
+                0 | 1 => assert!(store.complete(&key, &owner, &outcome, ttl).await.unwrap()),
+                2 => assert!(store.release(&key, &owner).await.unwrap()),
+                _ => assert!(store.renew(&key, &owner, long * 2).await.unwrap()),
+            }
+            owners.push(owner);
+            check(&store);
+        }
+        tokio::time::sleep(short * 2).await;
+        // The even keys (short retention, completed or released) are due;
+        // every other survives, however many writes and sweeps come.
+        store.get(&ScopeKey([0; 32])).await.unwrap();
+        check(&store);
+        let swept = store.sweep(1000).await.unwrap();
+        check(&store);
+        assert_eq!(store.len(), 20, "swept {swept}");
+        for i in (1..40u8).step_by(2) {
+            assert!(store.get(&ScopeKey([i; 32])).await.unwrap().is_some());
+        }
+        assert_eq!(store.sweep(1000).await.unwrap(), 0);
     }
 }

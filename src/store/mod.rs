@@ -6,8 +6,11 @@
 //! lets exactly one caller take over a lease that expired. Everything else —
 //! fingerprints, replays, waiting, HTTP — is the [engine](crate::Engine)'s.
 //!
-//! The same conformance suite (`tests/conformance.rs`) runs against every
-//! backend, so a store that passes it can be swapped for any other.
+//! The same conformance suite (`store_conformance!`, exported with the
+//! `test-util` feature) runs against every backend, so a
+//! store that passes it can be swapped for any other. `FaultyStore` (also
+//! `test-util`) wraps any store to inject outages, slowness and lost
+//! answers.
 
 use std::fmt;
 use std::time::Duration;
@@ -16,6 +19,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
+#[cfg(feature = "test-util")]
+pub mod conformance;
+#[cfg(any(test, feature = "test-util"))]
+mod faulty;
+#[cfg(any(test, feature = "test-util"))]
+pub use faulty::{Fault, Faults, FaultyStore, Op};
 mod memory;
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
@@ -105,7 +114,8 @@ impl fmt::Debug for Fingerprint {
 
 /// A random token naming the one worker that holds a reservation.
 ///
-/// Every write after [`Store::reserve`] carries it; a store refuses a write
+/// The caller draws it and passes it to [`Store::reserve`]; every later
+/// write carries it, and a store refuses a write
 /// whose token no longer owns the record (the lease was taken over), so a
 /// slow worker can never overwrite its successor.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -307,10 +317,8 @@ impl Record {
 /// The answer of [`Store::reserve`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Claim {
-    /// The caller now owns the key and must complete or release it.
+    /// The caller's token now owns the key: it must complete or release it.
     Acquired {
-        /// The token to present on every later write.
-        owner: OwnerToken,
         /// `true` when an expired lease was taken over (a previous worker
         /// crashed or stalled), `false` for a fresh key.
         takeover: bool,
@@ -334,20 +342,30 @@ pub enum StoreError {
     /// A stored record could not be decoded.
     #[error("corrupt record: {0}")]
     Corrupt(String),
+    /// The store is at its configured ceiling (records or bytes) and
+    /// refuses new reservations rather than grow.
+    #[error("store full: {0}")]
+    Full(String),
 }
 
-/// A backend for idempotency records.
+/// A backend for idempotency records: the operations the engine needs to
+/// decide and record one request. Deleting expired records and reporting
+/// backend counters are apart, in [`Maintenance`].
 ///
 /// # Contract
 ///
-/// Every implementation must pass the conformance suite in
-/// `tests/conformance.rs`. In short:
+/// Every implementation must pass the conformance suite (with the
+/// `test-util` feature, one line runs it against your store:
+/// `tower_idempotency::store_conformance!`). In short:
 ///
 /// * [`reserve`](Store::reserve) is **atomic**: of any number of concurrent
 ///   callers for one key, exactly one gets [`Claim::Acquired`]. A record
 ///   whose retention (`ttl`) ran out counts as absent. An in-flight record
 ///   whose lease ran out is taken over by exactly one caller — and only by a
 ///   caller with the *same* fingerprint; others see the record as it is.
+/// * The caller draws the [`OwnerToken`] and passes it to `reserve`, so it
+///   can release a reservation whose answer it never received (a timeout
+///   after the row was committed).
 /// * [`complete`](Store::complete), [`release`](Store::release) and
 ///   [`renew`](Store::renew) change the record only while `owner` still owns
 ///   it, and return whether they did.
@@ -357,13 +375,17 @@ pub enum StoreError {
 ///   principal or request body ever reaches a store.
 #[async_trait]
 pub trait Store: fmt::Debug + Send + Sync + 'static {
-    /// Atomically reserves `key` for a new owner with a lease of `lease`, or
+    /// Atomically reserves `key` for `owner` with a lease of `lease`, or
     /// takes over an expired lease with the same fingerprint, or returns the
-    /// live record that stands in the way.
+    /// live record that stands in the way (and writes nothing).
+    ///
+    /// `owner` is a fresh [`OwnerToken::random`] per call; the store keeps
+    /// it with the record and checks it on every later write.
     async fn reserve(
         &self,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
+        owner: &OwnerToken,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError>;
@@ -409,12 +431,46 @@ pub trait Store: fmt::Debug + Send + Sync + 'static {
         Ok(())
     }
 
+    /// Checks that the backend answers (for health checks). The default
+    /// reads a key nobody uses with [`get`](Store::get).
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.get(&ScopeKey([0; 32])).await.map(drop)
+    }
+
+    /// A stable name of the records this store holds: the same for every
+    /// connection to the same records (every instance on one database),
+    /// different for another database. A cache in front of the store
+    /// ([`RedisCache`](crate::RedisCache)) puts it into its key namespace,
+    /// so two deployments that share a cache never see each other's
+    /// records. `None` (the default) means the store has no such name: the
+    /// cache's configured prefix alone must then keep deployments apart.
+    ///
+    /// The built-in stores keep it in the store itself: a one-row table
+    /// created by the migrations (PostgreSQL, SQLite), a random id per
+    /// [`MemoryStore`] (shared by its clones).
+    async fn identity(&self) -> Result<Option<String>, StoreError> {
+        Ok(None)
+    }
+
+    /// The store's [`Maintenance`] side, if it has one. A store that
+    /// implements [`Maintenance`] returns `Some(self)` here, so the engine's
+    /// sweeper and metrics use it; `None` (the default) means expired
+    /// records are removed by the store itself (or never) and it has no
+    /// counters.
+    fn maintenance(&self) -> Option<&dyn Maintenance> {
+        None
+    }
+}
+
+/// The housekeeping side of a store, apart from the core operations (as
+/// tower-sessions keeps `ExpiredDeletion` apart from `SessionStore`): the
+/// engine's sweeper and its metrics endpoint reach it through
+/// [`Store::maintenance`].
+#[async_trait]
+pub trait Maintenance: Send + Sync {
     /// Deletes at most `batch` records whose retention ran out and returns
     /// how many it deleted. Live records are never touched.
     async fn sweep(&self, batch: usize) -> Result<u64, StoreError>;
-
-    /// Checks that the backend answers (for health checks).
-    async fn ping(&self) -> Result<(), StoreError>;
 
     /// Backend-specific counters (name, help, value) for the metrics
     /// endpoint, such as cache hits. Empty by default.

@@ -1,6 +1,7 @@
 //! The PostgreSQL store: the source of truth when several instances share
 //! the work.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
@@ -78,6 +79,9 @@ WHERE key IN (SELECT key FROM idempotency_records
               FOR UPDATE SKIP LOCKED)
   AND expires_at <= now()";
 
+/// The id every instance on this database shares (see the migration).
+const IDENTITY: &str = "SELECT id FROM idempotency_store";
+
 /// Keeps records in a PostgreSQL table, `idempotency_records` (see
 /// `migrations/`), shared by every instance that connects to it.
 ///
@@ -105,6 +109,8 @@ WHERE key IN (SELECT key FROM idempotency_records
 #[derive(Clone, Debug)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// The store's id, read once.
+    id: Arc<OnceLock<String>>,
 }
 
 impl PostgresStore {
@@ -157,7 +163,10 @@ impl PostgresStore {
     /// [`migrate`](PostgresStore::migrate), or apply
     /// [`MIGRATOR`](PostgresStore::MIGRATOR) or the SQL files yourself.
     pub fn from_pool(pool: PgPool) -> Self {
-        PostgresStore { pool }
+        PostgresStore {
+            pool,
+            id: Arc::default(),
+        }
     }
 
     /// Creates or upgrades the table. Safe to run from several instances at
@@ -181,4 +190,16 @@ impl PostgresStore {
     }
 }
 
-super::sql::sql_store!(PostgresStore);
+super::sql::sql_store!(
+    PostgresStore,
+    sql::Statements {
+        insert: INSERT,
+        take_over: TAKE_OVER,
+        select_live: SELECT_LIVE,
+        complete: COMPLETE,
+        release: RELEASE,
+        renew: RENEW,
+        sweep: SWEEP,
+        identity: IDENTITY,
+    }
+);

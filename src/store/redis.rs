@@ -15,7 +15,8 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store, StoreError,
+    Claim, Fingerprint, Maintenance, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
+    StoreError,
 };
 
 /// How [`RedisCache`] reaches Redis.
@@ -25,7 +26,10 @@ pub struct RedisCacheConfig {
     /// `redis://:password@host:6379/2`.
     pub url: String,
     /// Prepended to every key (default `idem:`), to share a Redis with
-    /// other applications.
+    /// other applications. The inner store's
+    /// [`identity`](Store::identity) follows it, so deployments with
+    /// different stores of record never share entries even under one
+    /// prefix.
     pub prefix: String,
     /// The longest a single Redis call may take before the inner store
     /// answers instead (default 100 ms).
@@ -156,8 +160,15 @@ fn redact(url: &str) -> String {
 /// `redis` crate's connection manager reconnects after a restart. A flushed
 /// or evicted Redis is just a cold cache.
 ///
-/// Redis keys are `prefix + hex(scope key)`: hashes only, no raw key,
-/// principal or body. Values are the fingerprint and [`Outcome::encode`].
+/// Redis keys are `prefix + store id + ":" + hex(scope key)`: hashes only,
+/// no raw key, principal or body. The store id is the inner store's
+/// [`Store::identity`] (kept in the database itself for PostgreSQL and
+/// SQLite, random per [`MemoryStore`](crate::MemoryStore)), read once on
+/// first use: two deployments with separate databases sharing one Redis
+/// (staging and production, two regions) never read each other's entries,
+/// whatever their prefixes. Until the id has been read (the inner store is
+/// down at start), Redis is not used at all. An inner store without an
+/// identity leaves the prefix alone to separate deployments. Values are the fingerprint and [`Outcome::encode`].
 /// Run Redis with a `maxmemory` and a `volatile-*` eviction policy: every
 /// entry has a TTL, and an evicted entry is a miss.
 ///
@@ -196,6 +207,7 @@ impl<S: Store> RedisCache<S> {
                 pending: Mutex::default(),
                 writing: AtomicUsize::new(0),
                 written: Notify::new(),
+                namespace: OnceLock::new(),
             }),
         })
     }
@@ -203,6 +215,36 @@ impl<S: Store> RedisCache<S> {
     /// The store of record.
     pub fn inner(&self) -> &S {
         &self.inner
+    }
+
+    /// The Redis key prefix in use: the configured prefix, the inner
+    /// store's identity and `:`; `None` until the identity has been read.
+    pub fn namespace(&self) -> Option<&str> {
+        self.redis.namespace.get().map(String::as_str)
+    }
+
+    /// Whether Redis may be used: the namespace is known, reading the inner
+    /// store's identity first if needed (a failure is logged like a Redis
+    /// failure, and the call goes to the inner store alone).
+    async fn named(&self) -> bool {
+        if self.redis.namespace.get().is_some() {
+            return true;
+        }
+        match self.inner.identity().await {
+            Ok(id) => {
+                let namespace = match id {
+                    Some(id) => format!("{}{id}:", self.redis.config.prefix),
+                    None => self.redis.config.prefix.clone(),
+                };
+                let _ = self.redis.namespace.set(namespace);
+                true
+            }
+            Err(error) => {
+                self.redis
+                    .failed(&format!("the store's identity is unknown: {error}"));
+                false
+            }
+        }
     }
 
     /// Waits until every Redis write issued so far has ended (written,
@@ -228,15 +270,25 @@ impl<S: Store> Store for RedisCache<S> {
         &self,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
+        owner: &OwnerToken,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
+        if !self.named().await {
+            return self
+                .inner
+                .reserve(key, fingerprint, owner, lease, ttl)
+                .await;
+        }
         if let Some(record) = self.redis.lookup(key).await {
             return Ok(Claim::Existing(record));
         }
-        let claim = self.inner.reserve(key, fingerprint, lease, ttl).await?;
+        let claim = self
+            .inner
+            .reserve(key, fingerprint, owner, lease, ttl)
+            .await?;
         match &claim {
-            Claim::Acquired { owner, .. } => self.redis.remember(*owner, *fingerprint),
+            Claim::Acquired { .. } => self.redis.remember(*owner, *fingerprint),
             Claim::Existing(record) => {
                 let ttl = ttl.min(self.redis.config.fill_ttl);
                 self.redis.fill(key, record, ttl);
@@ -283,6 +335,9 @@ impl<S: Store> Store for RedisCache<S> {
     }
 
     async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
+        if !self.named().await {
+            return self.inner.get(key).await;
+        }
         if let Some(record) = self.redis.lookup(key).await {
             return Ok(Some(record));
         }
@@ -297,13 +352,29 @@ impl<S: Store> Store for RedisCache<S> {
         self.inner.wait(key, max, attempt).await
     }
 
-    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
-        self.inner.sweep(batch).await
-    }
-
     /// The inner store's health only: Redis down is not a failure.
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.ping().await
+    }
+
+    async fn identity(&self) -> Result<Option<String>, StoreError> {
+        self.inner.identity().await
+    }
+
+    fn maintenance(&self) -> Option<&dyn Maintenance> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl<S: Store> Maintenance for RedisCache<S> {
+    /// The inner store's sweep (nothing when it has no maintenance side):
+    /// Redis entries expire by their own TTL.
+    async fn sweep(&self, batch: usize) -> Result<u64, StoreError> {
+        match self.inner.maintenance() {
+            Some(inner) => inner.sweep(batch).await,
+            None => Ok(0),
+        }
     }
 
     fn counters(&self) -> Vec<(&'static str, &'static str, u64)> {
@@ -330,7 +401,9 @@ impl<S: Store> Store for RedisCache<S> {
                 redis.skipped.load(Relaxed),
             ),
         ];
-        counters.extend(self.inner.counters());
+        if let Some(inner) = self.inner.maintenance() {
+            counters.extend(inner.counters());
+        }
         counters
     }
 }
@@ -391,6 +464,8 @@ struct Link {
     /// Background writes under way, and their end.
     writing: AtomicUsize,
     written: Notify,
+    /// `prefix + store id + ":"`, once the inner store's identity is known.
+    namespace: OnceLock<String>,
 }
 
 /// The fingerprint of every reservation this cache granted and that is not
@@ -413,8 +488,10 @@ const PENDING_MAX_AGE: Duration = Duration::from_secs(60 * 60);
 const WARN_EVERY_MS: u64 = 10_000;
 
 impl Link {
-    fn key(&self, key: &ScopeKey) -> String {
-        format!("{}{}", self.config.prefix, key.to_hex())
+    /// The Redis key of `key`; `None` while the namespace is unknown.
+    fn key(&self, key: &ScopeKey) -> Option<String> {
+        let namespace = self.namespace.get()?;
+        Some(format!("{namespace}{}", key.to_hex()))
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
@@ -444,7 +521,7 @@ impl Link {
     /// The cached completed record for `key`, or `None` (miss, failure,
     /// cooling down, undecodable entry) to ask the inner store.
     async fn lookup(self: &Arc<Self>, key: &ScopeKey) -> Option<Record> {
-        let value: Option<Vec<u8>> = self.call(::redis::cmd("GET").arg(self.key(key))).await?;
+        let value: Option<Vec<u8>> = self.call(::redis::cmd("GET").arg(self.key(key)?)).await?;
         let Some(value) = value else {
             self.misses.fetch_add(1, Relaxed);
             return None;
@@ -509,11 +586,11 @@ impl Link {
 
     async fn write(self: &Arc<Self>, key: &ScopeKey, value: Vec<u8>, ttl: Duration, mode: Write) {
         let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
-        if ms == 0 {
+        let Some(key) = self.key(key).filter(|_| ms > 0) else {
             return;
-        }
+        };
         let mut cmd = ::redis::cmd("SET");
-        cmd.arg(self.key(key)).arg(value).arg("PX").arg(ms);
+        cmd.arg(key).arg(value).arg("PX").arg(ms);
         if mode == Write::IfAbsent {
             cmd.arg("NX");
         }

@@ -12,9 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 
-use super::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, StoreError, StoredResponse,
-};
+use super::{Claim, Fingerprint, Outcome, Record, RecordState, StoreError, StoredResponse};
 
 /// The `state` column of a record still held by its owner.
 pub(super) const IN_FLIGHT: &str = "in_flight";
@@ -106,11 +104,11 @@ pub(super) fn micros(duration: Duration) -> i64 {
 
 /// The reserve protocol shared by the SQL stores.
 ///
-/// `insert(owner)` writes a new record unless one stands (`Some` when it
+/// `insert()` writes a new record (for the caller's owner token) unless one stands (`Some` when it
 /// wrote). Otherwise `existing()` reads the record that stands, which is
 /// the answer — unless it is gone, past its retention, or an in-flight
 /// record of the same fingerprint whose lease ran out. Only then does
-/// `take_over(owner)` run: one atomic `UPDATE` whose own condition decides
+/// `take_over()` run: one atomic `UPDATE` whose own condition decides
 /// which of several concurrent callers wins; a caller that loses it gets
 /// the record it read. If the record vanished in between (released or
 /// expired), the round repeats; under any real contention the second round
@@ -119,8 +117,8 @@ pub(super) fn micros(duration: Duration) -> i64 {
 /// A first execution costs one statement, a replay two, a takeover three.
 pub(super) async fn reserve<I, T, E>(
     fingerprint: &Fingerprint,
-    mut insert: impl FnMut(OwnerToken) -> I,
-    mut take_over: impl FnMut(OwnerToken) -> T,
+    mut insert: impl FnMut() -> I,
+    mut take_over: impl FnMut() -> T,
     mut existing: impl FnMut() -> E,
 ) -> Result<Claim, StoreError>
 where
@@ -130,9 +128,8 @@ where
 {
     const ROUNDS: usize = 8;
     for _ in 0..ROUNDS {
-        let owner = OwnerToken::random();
-        if let Some(takeover) = insert(owner).await.map_err(store_error)? {
-            return Ok(Claim::Acquired { owner, takeover });
+        if let Some(takeover) = insert().await.map_err(store_error)? {
+            return Ok(Claim::Acquired { takeover });
         }
         let record = existing()
             .await
@@ -145,8 +142,8 @@ where
             }
             candidate => candidate,
         };
-        if let Some(takeover) = take_over(owner).await.map_err(store_error)? {
-            return Ok(Claim::Acquired { owner, takeover });
+        if let Some(takeover) = take_over().await.map_err(store_error)? {
+            return Ok(Claim::Acquired { takeover });
         }
         // Another caller took the expired lease over first (or the two
         // statements' clocks disagree by a hair): the record read stands,
@@ -183,35 +180,61 @@ pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
     }
 }
 
-/// Implements [`Store`](super::Store) for a SQL store: a type with a `pool`
-/// field, in a module that defines the statements `INSERT`, `TAKE_OVER`,
-/// `SELECT_LIVE`, `COMPLETE`, `RELEASE`, `RENEW` and `SWEEP`.
-///
-/// A reservation is `INSERT … ON CONFLICT DO NOTHING`, then (on a conflict)
-/// `SELECT`, then (only when that record may be taken over) `UPDATE …
-/// WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
-/// live record writes nothing: replays and polling waiters take no row lock
-/// and cost no commit flush.
+/// The statements of one SQL dialect. Every field must be given, so a
+/// dialect that lacks a statement is a compile error naming it.
 ///
 /// Both dialects take the same parameters in the same order and keep time
 /// by the database's own clock, so the Rust side is written once:
 ///
 /// | statement | parameters |
 /// |---|---|
-/// | `INSERT`, `TAKE_OVER` | key, fingerprint, owner, lease µs, ttl µs → `takeover` |
-/// | `SELECT_LIVE` | key → [`RecordRow`] |
-/// | `COMPLETE` | key, owner, state, status, headers, body, ttl µs |
-/// | `RELEASE` | key, owner |
-/// | `RENEW` | key, owner, lease µs |
-/// | `SWEEP` | batch |
+/// | `insert`, `take_over` | key, fingerprint, owner, lease µs, ttl µs → `takeover` |
+/// | `select_live` | key → [`RecordRow`] |
+/// | `complete` | key, owner, state, status, headers, body, ttl µs |
+/// | `release` | key, owner |
+/// | `renew` | key, owner, lease µs |
+/// | `sweep` | batch |
+/// | `identity` | → the store's id (text) |
+pub(super) struct Statements {
+    /// A new record, unless one stands; returns `takeover` (false).
+    pub(super) insert: &'static str,
+    /// Overwrites an expired record, or an expired lease of the same
+    /// fingerprint; returns `takeover`.
+    pub(super) take_over: &'static str,
+    /// The live record of a key.
+    pub(super) select_live: &'static str,
+    /// Completes a record the owner still holds.
+    pub(super) complete: &'static str,
+    /// Deletes an in-flight record the owner still holds.
+    pub(super) release: &'static str,
+    /// Extends the lease (and retention) of a record the owner still holds.
+    pub(super) renew: &'static str,
+    /// Deletes at most `batch` expired records.
+    pub(super) sweep: &'static str,
+    /// The id kept in the store's one-row metadata table.
+    pub(super) identity: &'static str,
+}
+
+/// Implements [`Store`](super::Store) and [`Maintenance`](super::Maintenance)
+/// for a SQL store: a type with a `pool` field and an `id` field (an
+/// `Arc<OnceLock<String>>` caching [`Statements::identity`]), given its
+/// dialect's [`Statements`].
+///
+/// A reservation is `INSERT … ON CONFLICT DO NOTHING`, then (on a conflict)
+/// `SELECT`, then (only when that record may be taken over) `UPDATE …
+/// WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
+/// live record writes nothing: replays and polling waiters take no row lock
+/// and cost no commit flush.
 macro_rules! sql_store {
-    ($store:ty) => {
+    ($store:ty, $statements:expr) => {
         impl $store {
+            const STATEMENTS: $crate::store::sql::Statements = $statements;
+
             async fn select_live(
                 &self,
                 key: &$crate::store::ScopeKey,
             ) -> Result<Option<$crate::store::sql::RecordRow>, sqlx::Error> {
-                sqlx::query_as(SELECT_LIVE)
+                sqlx::query_as(Self::STATEMENTS.select_live)
                     .bind(key.as_bytes().as_slice())
                     .fetch_optional(&self.pool)
                     .await
@@ -224,10 +247,11 @@ macro_rules! sql_store {
                 &self,
                 key: &$crate::store::ScopeKey,
                 fingerprint: &$crate::store::Fingerprint,
+                owner: &$crate::store::OwnerToken,
                 lease: std::time::Duration,
                 ttl: std::time::Duration,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
-                let write = |statement: &'static str, owner: $crate::store::OwnerToken| async move {
+                let write = |statement: &'static str| async move {
                     sqlx::query_scalar::<_, bool>(statement)
                         .bind(key.as_bytes().as_slice())
                         .bind(fingerprint.as_bytes().as_slice())
@@ -239,8 +263,8 @@ macro_rules! sql_store {
                 };
                 $crate::store::sql::reserve(
                     fingerprint,
-                    |owner| write(INSERT, owner),
-                    |owner| write(TAKE_OVER, owner),
+                    || write(Self::STATEMENTS.insert),
+                    || write(Self::STATEMENTS.take_over),
                     || self.select_live(key),
                 )
                 .await
@@ -254,7 +278,7 @@ macro_rules! sql_store {
                 ttl: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
                 let columns = $crate::store::sql::OutcomeColumns::from(outcome);
-                let done = sqlx::query(COMPLETE)
+                let done = sqlx::query(Self::STATEMENTS.complete)
                     .bind(key.as_bytes().as_slice())
                     .bind(owner.as_bytes().as_slice())
                     .bind(columns.state)
@@ -273,7 +297,7 @@ macro_rules! sql_store {
                 key: &$crate::store::ScopeKey,
                 owner: &$crate::store::OwnerToken,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(RELEASE)
+                let done = sqlx::query(Self::STATEMENTS.release)
                     .bind(key.as_bytes().as_slice())
                     .bind(owner.as_bytes().as_slice())
                     .execute(&self.pool)
@@ -288,7 +312,7 @@ macro_rules! sql_store {
                 owner: &$crate::store::OwnerToken,
                 lease: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(RENEW)
+                let done = sqlx::query(Self::STATEMENTS.renew)
                     .bind(key.as_bytes().as_slice())
                     .bind(owner.as_bytes().as_slice())
                     .bind($crate::store::sql::micros(lease))
@@ -309,21 +333,34 @@ macro_rules! sql_store {
                     .transpose()
             }
 
+            async fn identity(&self) -> Result<Option<String>, $crate::store::StoreError> {
+                if let Some(id) = self.id.get() {
+                    return Ok(Some(id.clone()));
+                }
+                let id: String = sqlx::query_scalar(Self::STATEMENTS.identity)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?
+                    .ok_or_else(|| {
+                        $crate::store::StoreError::Corrupt("the store has no id row".into())
+                    })?;
+                Ok(Some(self.id.get_or_init(|| id).clone()))
+            }
+
+            fn maintenance(&self) -> Option<&dyn $crate::store::Maintenance> {
+                Some(self)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::store::Maintenance for $store {
             async fn sweep(&self, batch: usize) -> Result<u64, $crate::store::StoreError> {
-                let done = sqlx::query(SWEEP)
+                let done = sqlx::query(Self::STATEMENTS.sweep)
                     .bind(i64::try_from(batch).unwrap_or(i64::MAX))
                     .execute(&self.pool)
                     .await
                     .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected())
-            }
-
-            async fn ping(&self) -> Result<(), $crate::store::StoreError> {
-                sqlx::query("SELECT 1")
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
-                Ok(())
             }
         }
     };

@@ -1,6 +1,7 @@
 //! The SQLite store: durable records on one node, nothing to install.
 
 use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
@@ -75,6 +76,9 @@ WHERE key IN (SELECT key FROM idempotency_records
               ORDER BY expires_at
               LIMIT ?1)";
 
+/// The id kept in the file (see the migration).
+const IDENTITY: &str = "SELECT id FROM idempotency_store";
+
 /// Keeps records in one SQLite file (WAL mode), so a single node keeps its
 /// guarantee across restarts. The proxy's default store.
 ///
@@ -93,6 +97,8 @@ WHERE key IN (SELECT key FROM idempotency_records
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    /// The store's id, read once.
+    id: Arc<OnceLock<String>>,
 }
 
 impl SqliteStore {
@@ -137,7 +143,10 @@ impl SqliteStore {
             .connect_with(options)
             .await
             .map_err(store_error)?;
-        Ok(SqliteStore { pool })
+        Ok(SqliteStore {
+            pool,
+            id: Arc::default(),
+        })
     }
 
     /// Creates or upgrades the table; safe on every start.
@@ -160,4 +169,16 @@ impl SqliteStore {
     }
 }
 
-super::sql::sql_store!(SqliteStore);
+super::sql::sql_store!(
+    SqliteStore,
+    sql::Statements {
+        insert: INSERT,
+        take_over: TAKE_OVER,
+        select_live: SELECT_LIVE,
+        complete: COMPLETE,
+        release: RELEASE,
+        renew: RENEW,
+        sweep: SWEEP,
+        identity: IDENTITY,
+    }
+);
