@@ -200,7 +200,7 @@ impl Engine {
         }
         let settings = policy.policy();
         let (owner, claim) = self
-            .reserve(*key, fingerprint.clone(), settings.lease, settings.ttl)
+            .reserve(*key, *fingerprint, settings.lease, settings.ttl)
             .await?;
         Ok(match claim {
             Claim::Acquired { takeover } => Claimed::Acquired { owner, takeover },
