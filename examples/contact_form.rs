@@ -11,6 +11,7 @@
 //!   redirects (303) to `/thanks`. Double clicks, a reload of the POST or a
 //!   second tab with the same form store nothing twice: the layer replays
 //!   the first 303.
+//! * `GET /stats` shows how many requests were stored and notifications sent.
 //! * A validation error re-renders the form with status 422 and the *same*
 //!   token (Laravel's `old()`). The layer does not store 4xx answers, so the
 //!   corrected resubmission with that token goes through.
@@ -86,6 +87,7 @@ pub fn app(engine: Engine, contacts: Arc<Contacts>) -> Router {
         .route("/", get(show_form))
         .route("/contact", post(submit))
         .route("/thanks", get(thanks))
+        .route("/stats", get(stats))
         .with_state(contacts)
         .layer(IdempotencyLayer::new(engine))
 }
@@ -130,6 +132,21 @@ async fn submit(State(contacts): State<Arc<Contacts>>, Form(form): Form<ContactF
     // Stands in for queueing the notification mail.
     contacts.notifications.fetch_add(1, Ordering::SeqCst);
     Redirect::to("/thanks").into_response()
+}
+
+/// How many requests were stored and notifications sent, as JSON: the
+/// numbers that show a double click ran once.
+async fn stats(State(contacts): State<Arc<Contacts>>) -> Response {
+    let body = format!(
+        r#"{{"contact_requests":{},"notifications":{}}}"#,
+        contacts.requests().len(),
+        contacts.notifications()
+    );
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
 }
 
 async fn thanks() -> Html<&'static str> {
@@ -182,9 +199,9 @@ fn render_form(form: &ContactForm, errors: &[&str]) -> String {
             "<!doctype html><title>Contact</title><h1>Contact us</h1>{errors}",
             "<form method=\"post\" action=\"/contact\">",
             "<input type=\"hidden\" name=\"{field}\" value=\"{token}\">",
-            "<label>Email <input type=\"email\" name=\"email\" value=\"{email}\" required></label>",
-            "<label>Message <textarea name=\"message\" required>{message}</textarea></label>",
-            "<button type=\"submit\">Send</button></form>"
+            "<label>Email <input type=\"email\" id=\"email\" name=\"email\" value=\"{email}\" required></label>",
+            "<label>Message <textarea id=\"message\" name=\"message\" required>{message}</textarea></label>",
+            "<button type=\"submit\" id=\"send\">Send</button></form>"
         ),
         errors = errors,
         field = TOKEN_FIELD,

@@ -212,6 +212,11 @@ async fn browsers_get_problems_as_html_and_api_clients_as_json() {
         "urn:tower-idempotency:key-missing"
     );
     assert!(page.text().contains("<h1>"), "{}", page.text());
+    assert!(
+        page.text().contains("form field `submission_token`"),
+        "the problem says where the key goes: {}",
+        page.text()
+    );
     let api = app
         .send(
             Request::post("/contact")
@@ -255,7 +260,8 @@ async fn the_in_flight_status_is_the_routes_own() {
     started.notified().await;
     let duplicate = app.send(request()).await;
     duplicate.assert_problem(StatusCode::from_u16(425).unwrap(), "in-flight");
-    assert!(duplicate.headers.contains_key(header::RETRY_AFTER));
+    // A rejecting route answers at once; its hint is not `wait_timeout`.
+    assert_eq!(duplicate.headers[header::RETRY_AFTER], "1");
     release.notify_one();
     assert_eq!(first.await.unwrap().status, StatusCode::OK);
     assert_eq!(app.calls(), 1);

@@ -199,8 +199,21 @@ impl Config {
     /// where one is known.
     pub fn parse(text: &str) -> Result<Self, (Option<usize>, String)> {
         let file: File = toml::from_str(text).map_err(|error| {
-            let line = error.span().map(|span| line_of(text, span.start));
-            (line, error.message().to_owned())
+            let message = explain(error.message().trim());
+            match error.span() {
+                // Name the key on the line at fault, as policy errors do.
+                Some(span) => {
+                    let line = line_of(text, span.start);
+                    let message = match key_on_line(text, line) {
+                        Some(key) if !message.contains(&format!("`{key}`")) => {
+                            format!("`{key}`: {message}")
+                        }
+                        _ => message,
+                    };
+                    (Some(line), message)
+                }
+                None => (None, message),
+            }
         })?;
         let at = |span: &Range<usize>, message: String| (Some(line_of(text, span.start)), message);
 
@@ -300,7 +313,8 @@ fn policy_of(entries: &Entries) -> Result<Policy, (Range<usize>, String)> {
         let mut single = toml::Table::new();
         single.insert(key.clone(), value.get_ref().clone());
         if let Err(error) = toml::Value::Table(single).try_into::<Policy>() {
-            return Err((value.span(), format!("`{key}`: {}", error.message().trim())));
+            let message = explain(error.message().trim());
+            return Err((value.span(), format!("`{key}`: {message}")));
         }
     }
     let table: toml::Table = entries
@@ -314,6 +328,38 @@ fn policy_of(entries: &Entries) -> Result<Policy, (Range<usize>, String)> {
 
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// The key assigned on `line` (1-based), if the line is `key = value`.
+fn key_on_line(text: &str, line: usize) -> Option<&str> {
+    let (key, _) = text.lines().nth(line.checked_sub(1)?)?.split_once('=')?;
+    let key = key.trim().trim_matches('"');
+    (!key.is_empty() && !key.starts_with('[') && !key.contains(char::is_whitespace)).then_some(key)
+}
+
+/// A deserializer's message with what the value should look like, where
+/// the message alone leaves a newcomer guessing.
+fn explain(message: &str) -> String {
+    let hint = if message.contains("expected a duration") || message.contains("duration") {
+        Some("write a quoted duration with its unit, e.g. \"30s\", \"500ms\", \"10m\"")
+    } else if message.contains("variant") && message.contains("header") {
+        Some(
+            "a key source is a table: key = { header = \"Idempotency-Key\" }, \
+             { form_field = \"…\" }, { json_pointer = \"/…\" } or { query = \"…\" }",
+        )
+    } else if message.contains("invalid type: string")
+        && ["integer", "usize", "u16", "u32", "u64", "i64"]
+            .iter()
+            .any(|number| message.contains(&format!("expected {number}")))
+    {
+        Some("write the number without quotes")
+    } else {
+        None
+    };
+    match hint {
+        Some(hint) => format!("{message} ({hint})"),
+        None => message.to_owned(),
+    }
 }
 
 /// A configuration file that was refused: where, and why.
@@ -344,6 +390,30 @@ mod tests {
 
     fn error(text: &str) -> (Option<usize>, String) {
         Config::parse(text).expect_err("the config should be refused")
+    }
+
+    #[test]
+    fn a_bad_value_names_its_key_and_what_is_expected() {
+        let (line, message) = error("[proxy]\nupstream = \"http://a:1\"\nread_timeout = 30\n");
+        assert_eq!(line, Some(3));
+        assert!(message.contains("`read_timeout`"), "{message}");
+        assert!(message.contains("\"30s\""), "{message}");
+        let (line, message) = error("[proxy]\nthreads = \"4\"\n");
+        assert_eq!(line, Some(2));
+        assert!(message.contains("`threads`"), "{message}");
+        assert!(message.contains("without quotes"), "{message}");
+        let (line, message) = error("[[route]]\npath = \"/a\"\nkey = \"Idempotency-Key\"\n");
+        assert_eq!(line, Some(3));
+        assert!(message.contains("`key`"), "{message}");
+        assert!(
+            message.contains("{ header = \"Idempotency-Key\" }"),
+            "{message}"
+        );
+        let (_, message) = error("[defaults]\nlease = 30\n");
+        assert!(
+            message.contains("`lease`") && message.contains("\"30s\""),
+            "{message}"
+        );
     }
 
     #[test]

@@ -6,12 +6,36 @@
 //!   `submission_token` (a fresh UUID);
 //! * `POST /contact`: counts a submission and redirects (303) to
 //!   `/contact/thanks`; without an email it answers 422 and shows the form
-//!   again with the same token (Laravel's `old()`);
+//!   again with the same token and what was typed (Laravel's `old()`);
 //! * `POST /api/orders`: counts an order and answers 201 with JSON;
 //! * `GET /stats`: how many times each ran.
 //!
 //! Every POST takes half a second, so a double click arrives while the
 //! first is still running.
+//!
+//! Started without `--config`, the proxy protects the demo with
+//! [`CONFIG`]: the form keyed on its hidden token, the JSON API on the
+//! `Idempotency-Key` header.
+
+/// The routes the one-flag demo (`--demo-backend` without `--config`)
+/// runs with: what `idempotency.example.toml` says for the same paths.
+pub const CONFIG: &str = r#"
+[[route]]
+path = "/contact"
+methods = ["POST"]
+key = { form_field = "submission_token" }
+required = true
+uuid_only = true
+store_statuses = ["3xx"]
+success_redirects = ["/contact/thanks"]
+mismatch = "replay"
+
+[[route]]
+path = "/api/**"
+required = true
+scope_headers = ["Authorization"]
+mismatch_status = 409
+"#;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -41,7 +65,7 @@ impl ServeHttp for DemoBackend {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         match (method, path.as_str()) {
-            (Method::GET, "/" | "/contact") => html(StatusCode::OK, &form(&uuid(), "")),
+            (Method::GET, "/" | "/contact") => html(StatusCode::OK, &form(&uuid(), "", "", "")),
             (Method::POST, "/contact") => {
                 let field = |name: &str| {
                     form_urlencoded::parse(&body)
@@ -51,7 +75,12 @@ impl ServeHttp for DemoBackend {
                 };
                 let token = field("submission_token");
                 if field("email").trim().is_empty() {
-                    let page = form(&token, "<p class=error>The email field is required.</p>");
+                    let page = form(
+                        &token,
+                        "<p class=error>The email field is required.</p>",
+                        &field("email"),
+                        &field("message"),
+                    );
                     return html(StatusCode::UNPROCESSABLE_ENTITY, &page);
                 }
                 let n = self.contacts.fetch_add(1, Ordering::SeqCst) + 1;
@@ -93,15 +122,25 @@ fn uuid() -> String {
     uuid::Uuid::new_v4().to_string()
 }
 
-fn form(token: &str, error: &str) -> String {
+/// The contact form; `email` and `message` are what the user typed
+/// (escaped), kept after a validation error as Laravel's `old()` does.
+fn form(token: &str, error: &str, email: &str, message: &str) -> String {
+    let (token, email, message) = (escape(token), escape(email), escape(message));
     format!(
         "<!doctype html><title>Contact</title><h1>Contact</h1>{error}\
          <form method=post action=/contact>\
          <input type=hidden name=submission_token value=\"{token}\">\
-         <p><input type=email name=email placeholder=Email></p>\
-         <p><textarea name=message placeholder=Message></textarea></p>\
-         <p><button type=submit>Send</button> (double-click it)</p></form>"
+         <p><input type=email id=email name=email placeholder=Email value=\"{email}\"></p>\
+         <p><textarea id=message name=message placeholder=Message>{message}</textarea></p>\
+         <p><button type=submit id=send>Send</button> (double-click it)</p></form>"
     )
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 fn respond(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {

@@ -82,7 +82,8 @@ struct Cli {
 
     /// Also run the bundled demo backend (a contact form and a JSON orders
     /// endpoint that count their executions) on ADDR, and use it as the
-    /// upstream unless --upstream is given. For trying the proxy out.
+    /// upstream unless --upstream is given. Without --config, the proxy
+    /// then protects the demo's form and API routes. For trying it out.
     #[arg(
         long,
         value_name = "ADDR",
@@ -129,9 +130,11 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
-    let config = match &cli.config {
-        Some(path) => Config::load(path)?,
-        None => Config::builtin(),
+    let config = match (&cli.config, &cli.demo_backend) {
+        (Some(path), _) => Config::load(path)?,
+        // The one-flag demo protects its own routes.
+        (None, Some(_)) => Config::parse(demo::CONFIG).expect("the demo configuration is valid"),
+        (None, None) => Config::builtin(),
     };
     let settings = config.proxy.clone().overridden_by(cli.settings()).resolve();
     let upstream_url = settings

@@ -11,6 +11,7 @@
 
 mod common;
 #[path = "frameworks/harness.rs"]
+#[allow(dead_code)]
 mod harness;
 
 use bytes::Bytes;

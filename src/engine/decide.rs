@@ -114,7 +114,7 @@ impl Engine {
         match found {
             Ok(Some(key)) => KeyRead::Found(key),
             Ok(None) if !settings.required => KeyRead::Absent,
-            Ok(None) => KeyRead::Refused(self.key_missing(head.headers)),
+            Ok(None) => KeyRead::Refused(self.key_missing(&settings.key, head.headers)),
             Err(error) => KeyRead::Refused(self.invalid_key(error, head.headers)),
         }
     }
@@ -305,7 +305,15 @@ impl Engine {
         let settings = policy.policy();
         let now = Instant::now();
         if settings.in_flight == InFlightPolicy::Reject || now >= waiting.deadline {
-            let retry = lease_remaining.min(settings.wait_timeout).as_secs() + 1;
+            // A rejecting route answers at once: the first request may end
+            // any moment, so a second later is worth a try. A waiter that
+            // waited out `wait_timeout` is told when the lease ends at the
+            // latest.
+            let retry = if settings.in_flight == InFlightPolicy::Reject {
+                1
+            } else {
+                lease_remaining.min(settings.wait_timeout).as_secs() + 1
+            };
             return Err(Decision::Respond(self.in_flight(
                 policy,
                 retry,

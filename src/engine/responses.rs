@@ -7,7 +7,7 @@ use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use super::Engine;
 use crate::key::KeyError;
 use crate::metrics::Event;
-use crate::policy::RoutePolicy;
+use crate::policy::{KeySource, RoutePolicy};
 use crate::problem::{Problem, ProblemKind};
 use crate::store::StoredResponse;
 
@@ -99,13 +99,19 @@ impl Engine {
     }
 
     /// 400: a required key is missing.
-    pub(super) fn key_missing(&self, request: &HeaderMap) -> Response<Bytes> {
+    pub(super) fn key_missing(&self, source: &KeySource, request: &HeaderMap) -> Response<Bytes> {
+        let place = match source {
+            KeySource::Header(name) => format!("in the `{name}` header"),
+            KeySource::FormField(name) => format!("in the form field `{name}`"),
+            KeySource::JsonPointer(pointer) => format!("in the JSON body at `{pointer}`"),
+            KeySource::Query(name) => format!("in the query parameter `{name}`"),
+        };
         self.reject(
             request,
             Event::InvalidKey,
             Problem::new(
                 ProblemKind::KeyMissing,
-                "This endpoint requires an idempotency key.",
+                format!("This endpoint requires an idempotency key {place}."),
             ),
         )
     }

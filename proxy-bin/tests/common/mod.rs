@@ -326,9 +326,12 @@ impl Proxy {
                 .args(["--upstream", &args.upstream])
                 .args(["--store", &args.store])
                 .args(&args.extra)
-                .args(["--admin", &admin.to_string()])
-                .arg("--config")
-                .arg(&config_path)
+                .args(["--admin", &admin.to_string()]);
+            // An empty configuration text: started without `--config`.
+            if !args.config.is_empty() {
+                command.arg("--config").arg(&config_path);
+            }
+            command
                 .env(
                     "RUST_LOG",
                     std::env::var("PROXY_LOG").unwrap_or_else(|_| "warn".into()),

@@ -420,6 +420,9 @@ impl Browser {
             json!({}),
         )
         .await;
+        if text.is_empty() {
+            return;
+        }
         self.call(
             "POST",
             &self.session_path(&format!("/element/{element}/value")),
@@ -451,6 +454,44 @@ impl Browser {
         .await;
     }
 
+    /// Clicks the element `css` once.
+    pub async fn click(&self, css: &str) {
+        let element = self.element(css).await;
+        self.call(
+            "POST",
+            &self.session_path(&format!("/element/{element}/click")),
+            json!({}),
+        )
+        .await;
+    }
+
+    /// The browser's Back button.
+    pub async fn back(&self) {
+        self.call("POST", &self.session_path("/back"), json!({}))
+            .await;
+    }
+
+    /// The page's HTML as the browser holds it now.
+    pub async fn source(&self) -> String {
+        let value = self
+            .call("GET", &self.session_path("/source"), Value::Null)
+            .await;
+        value["value"].as_str().unwrap_or_default().to_owned()
+    }
+
+    /// The value of the form field `css` as the browser holds it.
+    pub async fn value(&self, css: &str) -> String {
+        let element = self.element(css).await;
+        let value = self
+            .call(
+                "GET",
+                &self.session_path(&format!("/element/{element}/property/value")),
+                Value::Null,
+            )
+            .await;
+        value["value"].as_str().unwrap_or_default().to_owned()
+    }
+
     /// Waits (up to 20 s) until the page's URL ends with `suffix`; the URL.
     pub async fn wait_for_url(&self, suffix: &str) -> String {
         let mut url = String::new();
@@ -465,21 +506,72 @@ impl Browser {
     }
 }
 
+impl Browser {
+    /// One blocking WebDriver call (for `Drop`, which cannot await): the
+    /// response body.
+    fn call_blocking(&self, method: &str, path: &str) -> Option<Vec<u8>> {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(self.base).ok()?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .ok()?;
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.base
+        );
+        stream.write_all(request.as_bytes()).ok()?;
+        let mut response = Vec::new();
+        let _ = stream.read_to_end(&mut response);
+        let start = response.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+        Some(response[start..].to_vec())
+    }
+
+    /// Saves what the browser shows to `target/browser-screenshots/` (for
+    /// a failed test); the file's path.
+    fn save_screenshot(&self) -> Option<PathBuf> {
+        use base64::Engine as _;
+        let body = self.call_blocking("GET", &self.session_path("/screenshot"))?;
+        let value: Value = serde_json::from_slice(strip_chunking(&body)).ok()?;
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(value["value"].as_str()?)
+            .ok()?;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/browser-screenshots");
+        std::fs::create_dir_all(&dir).ok()?;
+        let name = std::thread::current()
+            .name()
+            .unwrap_or("browser")
+            .replace("::", "-");
+        let path = dir.join(format!("{name}.png"));
+        std::fs::write(&path, png).ok()?;
+        Some(path)
+    }
+}
+
+/// A chunked HTTP/1.1 body's payload when it is one chunk (ChromeDriver's
+/// way), else the body as it is.
+fn strip_chunking(body: &[u8]) -> &[u8] {
+    let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") else {
+        return body;
+    };
+    let Ok(size) = usize::from_str_radix(
+        std::str::from_utf8(&body[..line_end]).unwrap_or("x").trim(),
+        16,
+    ) else {
+        return body;
+    };
+    body.get(line_end + 2..line_end + 2 + size).unwrap_or(body)
+}
+
 impl Drop for Browser {
     fn drop(&mut self) {
-        // Best effort: end the session (closes Chromium), then the driver.
-        if let Ok(mut stream) = std::net::TcpStream::connect(self.base) {
-            use std::io::{Read, Write};
-            let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-            let request = format!(
-                "DELETE {} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-                self.session_path(""),
-                self.base
-            );
-            if stream.write_all(request.as_bytes()).is_ok() {
-                let _ = stream.read_to_end(&mut Vec::new());
+        if std::thread::panicking() {
+            match self.save_screenshot() {
+                Some(path) => eprintln!("screenshot of the failed test: {}", path.display()),
+                None => eprintln!("no screenshot could be taken"),
             }
         }
+        // Best effort: end the session (closes Chromium), then the driver.
+        let _ = self.call_blocking("DELETE", &self.session_path(""));
         self.driver.kill().ok();
         self.driver.wait().ok();
     }
