@@ -29,6 +29,8 @@
 //! * `layer` (default): the tower front end.
 //! * `sqlite`, `postgres`: the durable stores (sqlx).
 //! * `redis`: the Redis front cache.
+//! * `outbox`: the transactional [`outbox`] (with `postgres` and/or
+//!   `sqlite`): durable, once-in-effect delivery to integrations.
 
 #![warn(missing_docs)]
 #![deny(unsafe_code, unreachable_pub)]
@@ -39,6 +41,8 @@ pub mod key;
 #[cfg(feature = "layer")]
 pub mod layer;
 pub mod metrics;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 pub mod policy;
 pub mod problem;
 pub mod store;
@@ -47,6 +51,8 @@ pub use engine::{Capture, Decision, Engine, EngineConfig, RequestHead, Reservati
 #[cfg(feature = "layer")]
 pub use layer::{Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};
+#[cfg(feature = "outbox")]
+pub use outbox::{Outbox, Worker, WorkerConfig};
 pub use policy::{FailMode, InFlightPolicy, KeySource, Policy, PolicyError, RoutePolicy, Routes};
 pub use problem::{Problem, ProblemKind};
 #[cfg(feature = "postgres")]

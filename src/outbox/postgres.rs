@@ -1,0 +1,150 @@
+//! The outbox statements in PostgreSQL's dialect. Time is the database's
+//! `now()`; durations are bound in microseconds.
+
+use super::enqueue::{Message, OutboxDatabase};
+
+pub(super) type Db = sqlx::Postgres;
+
+/// The topic filter parameter: a text array, or NULL for every topic.
+pub(super) fn topics(topics: Option<&[String]>) -> Option<Vec<String>> {
+    topics.map(<[String]>::to_vec)
+}
+
+impl OutboxDatabase for sqlx::Postgres {
+    async fn enqueue_with<'a, E>(executor: E, message: &'a Message) -> Result<bool, sqlx::Error>
+    where
+        E: sqlx::Executor<'a, Database = Self> + 'a,
+    {
+        {
+            let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
+                .bind(&message.topic)
+                .bind(&message.source)
+                .bind(&message.delivery_key)
+                .bind(&message.payload)
+                .bind(&message.content_type)
+                .bind(message.max_attempts)
+                .fetch_optional(executor)
+                .await?;
+            Ok(id.is_some())
+        }
+    }
+}
+
+/// A conflict on (topic, source) adds nothing and returns no row; a
+/// conflict on the delivery key alone is an error.
+const ENQUEUE: &str = "
+INSERT INTO outbox_messages (topic, source, delivery_key, payload, content_type, max_attempts)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (topic, source) DO NOTHING
+RETURNING id";
+
+/// Due rows through the partial `outbox_messages_due` index; rows another
+/// claimer has locked are skipped (`SKIP LOCKED`), so concurrent claimers
+/// never wait for or share a row. Each row gets its own owner token.
+pub(super) const CLAIM: &str = "
+WITH due AS (
+    SELECT id FROM outbox_messages
+    WHERE state IN ('available', 'retryable') AND next_attempt_at <= now()
+      AND ($2::text[] IS NULL OR topic = ANY($2::text[]))
+    ORDER BY next_attempt_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_messages AS m
+SET state = 'running',
+    attempt = m.attempt + 1,
+    owner = uuid_send(gen_random_uuid()),
+    lease_expires_at = now() + $3::bigint * interval '1 microsecond',
+    updated_at = now()
+FROM due
+WHERE m.id = due.id
+RETURNING m.id, m.owner, m.topic, m.source, m.delivery_key, m.payload, m.content_type,
+          m.attempt, m.max_attempts";
+
+pub(super) const RENEW: &str = "
+UPDATE outbox_messages
+SET lease_expires_at = now() + $3::bigint * interval '1 microsecond'
+WHERE id = $1 AND owner = $2 AND state = 'running'";
+
+pub(super) const COMPLETE: &str = "
+UPDATE outbox_messages
+SET state = 'completed', owner = NULL, lease_expires_at = NULL,
+    completed_at = now(), updated_at = now(),
+    last_error_class = NULL, last_error = NULL,
+    last_status = $3, last_request_id = $4
+WHERE id = $1 AND owner = $2 AND state = 'running'";
+
+pub(super) const FAIL: &str = "
+UPDATE outbox_messages
+SET state = CASE WHEN $3 OR attempt >= max_attempts THEN 'dead' ELSE 'retryable' END,
+    owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = now() + $4::bigint * interval '1 microsecond',
+    updated_at = now(),
+    last_error_class = $5, last_status = $6, last_request_id = $7, last_error = $8
+WHERE id = $1 AND owner = $2 AND state = 'running'
+RETURNING state";
+
+pub(super) const RELEASE: &str = "
+UPDATE outbox_messages
+SET state = 'retryable', owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = now(), updated_at = now()
+WHERE id = $1 AND owner = $2 AND state = 'running'";
+
+/// Expired leases, oldest first, through `outbox_messages_leases`. Rows
+/// another rescuer (or a worker completing) has locked are skipped, and the
+/// outer condition is checked again on the locked row, so each expired row
+/// is re-queued once.
+pub(super) const RESCUE: &str = "
+UPDATE outbox_messages
+SET state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'retryable' END,
+    owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = now(), updated_at = now(),
+    last_error_class = 'lease_expired', last_status = NULL, last_request_id = NULL,
+    last_error = 'the worker holding the row did not finish within its lease'
+WHERE id IN (SELECT id FROM outbox_messages
+             WHERE state = 'running' AND lease_expires_at <= now()
+             ORDER BY lease_expires_at
+             LIMIT $1
+             FOR UPDATE SKIP LOCKED)
+  AND state = 'running' AND lease_expires_at <= now()
+RETURNING id";
+
+pub(super) const SWEEP: &str = "
+DELETE FROM outbox_messages
+WHERE id IN (SELECT id FROM outbox_messages
+             WHERE state = 'completed'
+               AND completed_at <= now() - $1::bigint * interval '1 microsecond'
+             ORDER BY completed_at
+             LIMIT $2
+             FOR UPDATE SKIP LOCKED)
+  AND state = 'completed'";
+
+pub(super) const RETRY_DEAD: &str = "
+UPDATE outbox_messages
+SET state = 'available', attempt = 0, next_attempt_at = now(), updated_at = now()
+WHERE id = $1 AND state = 'dead'";
+
+pub(super) const PURGE_DEAD: &str = "
+DELETE FROM outbox_messages WHERE id = $1 AND state = 'dead'";
+
+pub(super) const COUNTS: &str = "
+SELECT state, count(*) FROM outbox_messages GROUP BY state";
+
+macro_rules! status_select {
+    ($rest:literal) => {
+        concat!(
+            "SELECT id, topic, source, delivery_key, state, attempt, max_attempts,
+                    last_error_class, last_status::integer AS last_status, last_request_id,
+                    last_error,
+                    (extract(epoch FROM next_attempt_at) * 1000000)::bigint AS next_attempt_us,
+                    (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_us,
+                    (extract(epoch FROM completed_at) * 1000000)::bigint AS completed_us
+             FROM outbox_messages ",
+            $rest
+        )
+    };
+}
+
+pub(super) const DEAD: &str = status_select!("WHERE state = 'dead' ORDER BY id LIMIT $1");
+
+pub(super) const STATUS: &str = status_select!("WHERE topic = $1 AND source = $2");
