@@ -15,18 +15,16 @@ impl OutboxDatabase for sqlx::Postgres {
     where
         E: sqlx::Executor<'a, Database = Self> + 'a,
     {
-        {
-            let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
-                .bind(&message.topic)
-                .bind(&message.source)
-                .bind(&message.delivery_key)
-                .bind(&message.payload)
-                .bind(&message.content_type)
-                .bind(message.max_attempts)
-                .fetch_optional(executor)
-                .await?;
-            Ok(id.is_some())
-        }
+        let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
+            .bind(&message.topic)
+            .bind(&message.source)
+            .bind(&message.delivery_key)
+            .bind(&message.payload)
+            .bind(&message.content_type)
+            .bind(message.max_attempts)
+            .fetch_optional(executor)
+            .await?;
+        Ok(id.is_some())
     }
 }
 
@@ -41,8 +39,13 @@ RETURNING id";
 /// Due rows through the partial `outbox_messages_due` index; rows another
 /// claimer has locked are skipped (`SKIP LOCKED`), so concurrent claimers
 /// never wait for or share a row. Each row gets its own owner token.
+///
+/// The locking `SELECT … LIMIT` is a `MATERIALIZED` CTE: as an `IN (…)`
+/// subquery the planner may rescan it, and a rescan skips the rows this
+/// statement already changed and locks the next ones, taking more than
+/// `LIMIT` rows (seen with the sweep: `LIMIT 1` deleted two).
 pub(super) const CLAIM: &str = "
-WITH due AS (
+WITH due AS MATERIALIZED (
     SELECT id FROM outbox_messages
     WHERE state IN ('available', 'retryable') AND next_attempt_at <= now()
       AND ($2::text[] IS NULL OR topic = ANY($2::text[]))
@@ -95,29 +98,35 @@ WHERE id = $1 AND owner = $2 AND state = 'running'";
 /// outer condition is checked again on the locked row, so each expired row
 /// is re-queued once.
 pub(super) const RESCUE: &str = "
+WITH expired AS MATERIALIZED (
+    SELECT id FROM outbox_messages
+    WHERE state = 'running' AND lease_expires_at <= now()
+    ORDER BY lease_expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
 UPDATE outbox_messages
 SET state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'retryable' END,
     owner = NULL, lease_expires_at = NULL,
     next_attempt_at = now(), updated_at = now(),
     last_error_class = 'lease_expired', last_status = NULL, last_request_id = NULL,
     last_error = 'the worker holding the row did not finish within its lease'
-WHERE id IN (SELECT id FROM outbox_messages
-             WHERE state = 'running' AND lease_expires_at <= now()
-             ORDER BY lease_expires_at
-             LIMIT $1
-             FOR UPDATE SKIP LOCKED)
+FROM expired
+WHERE outbox_messages.id = expired.id
   AND state = 'running' AND lease_expires_at <= now()
-RETURNING id";
+RETURNING outbox_messages.id";
 
 pub(super) const SWEEP: &str = "
-DELETE FROM outbox_messages
-WHERE id IN (SELECT id FROM outbox_messages
-             WHERE state = 'completed'
-               AND completed_at <= now() - $1::bigint * interval '1 microsecond'
-             ORDER BY completed_at
-             LIMIT $2
-             FOR UPDATE SKIP LOCKED)
-  AND state = 'completed'";
+WITH old AS MATERIALIZED (
+    SELECT id FROM outbox_messages
+    WHERE state = 'completed'
+      AND completed_at <= now() - $1::bigint * interval '1 microsecond'
+    ORDER BY completed_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM outbox_messages USING old
+WHERE outbox_messages.id = old.id AND state = 'completed'";
 
 pub(super) const RETRY_DEAD: &str = "
 UPDATE outbox_messages

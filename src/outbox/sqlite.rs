@@ -19,18 +19,16 @@ impl OutboxDatabase for sqlx::Sqlite {
     where
         E: sqlx::Executor<'a, Database = Self> + 'a,
     {
-        {
-            let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
-                .bind(&message.topic)
-                .bind(&message.source)
-                .bind(&message.delivery_key)
-                .bind(&message.payload)
-                .bind(&message.content_type)
-                .bind(message.max_attempts)
-                .fetch_optional(executor)
-                .await?;
-            Ok(id.is_some())
-        }
+        let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
+            .bind(&message.topic)
+            .bind(&message.source)
+            .bind(&message.delivery_key)
+            .bind(&message.payload)
+            .bind(&message.content_type)
+            .bind(message.max_attempts)
+            .fetch_optional(executor)
+            .await?;
+        Ok(id.is_some())
     }
 }
 
