@@ -24,11 +24,13 @@ use sha2::Sha256;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::sqlite::SqliteConnectOptions;
 use sqlx::{PgPool, SqlitePool};
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use tower_idempotency::outbox::{
     self, Backoff, Destination, Message, Outbox, State, WebhookDeliverer, WebhookSecret, Worker,
     WorkerConfig, WorkerHandle,
 };
-use tower_idempotency::SqliteStore;
+use tower_idempotency::outbox::{Delivered, Deliverer, Delivery, DeliveryError};
+use tower_idempotency::{Engine, IdempotencyLayer, MemoryStore, Policy, Routes, SqliteStore};
 
 /// The signing secret of every test destination.
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
@@ -382,6 +384,85 @@ fn many() -> usize {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(2_000)
+}
+
+/// A receiver with an effect (a CRM record per request that reaches it)
+/// behind the idempotency layer, keyed on `Idempotency-Key`.
+#[derive(Clone)]
+struct LayeredReceiver {
+    addr: SocketAddr,
+    /// Requests that reached the layer, and whether each was a replay.
+    requests: Arc<Mutex<Vec<bool>>>,
+    /// Effects performed by the handler.
+    effects: Arc<AtomicUsize>,
+    /// Handler entries (before its effect).
+    entered: Arc<AtomicUsize>,
+}
+
+impl LayeredReceiver {
+    /// The handler takes `slow` before its effect.
+    async fn start(slow: Duration) -> LayeredReceiver {
+        let effects = Arc::new(AtomicUsize::new(0));
+        let entered = Arc::new(AtomicUsize::new(0));
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+        let handler = {
+            let (effects, entered) = (effects.clone(), entered.clone());
+            move || async move {
+                entered.fetch_add(1, SeqCst);
+                tokio::time::sleep(slow).await;
+                effects.fetch_add(1, SeqCst);
+                (StatusCode::CREATED, "crm record created")
+            }
+        };
+        let seen = requests.clone();
+        let app = Router::new()
+            .route("/hook", post(handler))
+            .layer(IdempotencyLayer::new(engine))
+            .layer(axum::middleware::from_fn(
+                move |request: axum::extract::Request, next: axum::middleware::Next| {
+                    let seen = seen.clone();
+                    async move {
+                        let response = next.run(request).await;
+                        let replayed = response.headers().contains_key("idempotent-replayed");
+                        seen.lock().unwrap().push(replayed);
+                        response
+                    }
+                },
+            ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        LayeredReceiver {
+            addr,
+            requests,
+            effects,
+            entered,
+        }
+    }
+
+    fn deliverer(&self) -> WebhookDeliverer {
+        WebhookDeliverer::new().destination(
+            "crm",
+            Destination::new(format!("http://{}/hook", self.addr).parse().unwrap()),
+        )
+    }
+}
+
+/// Delivers, then hangs before the worker can record the success: the
+/// worker "dies" between the receiver's success and the completion.
+struct HangsAfterSuccess {
+    inner: WebhookDeliverer,
+    delivered: Arc<AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl Deliverer for HangsAfterSuccess {
+    async fn deliver(&self, delivery: &Delivery) -> Result<Delivered, DeliveryError> {
+        self.inner.deliver(delivery).await?;
+        self.delivered.fetch_add(1, SeqCst);
+        std::future::pending().await
+    }
 }
 
 // -------------------------------------------------------------------- tests
@@ -830,6 +911,80 @@ macro_rules! outbox_tests {
                 worker.shutdown().await;
                 assert_eq!(receiver.effects()[&key], 1);
                 assert_eq!(state_of(&db.outbox, "crm", "sub-1").await.attempt, 2);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_worker_dead_after_the_receivers_success_is_redelivered_with_the_same_key_and_absorbed() {
+                let db = db().await;
+                let receiver = LayeredReceiver::start(Duration::ZERO).await;
+                db.submit("sub-1", &["crm"], true).await;
+                let delivered = Arc::new(AtomicUsize::new(0));
+                let config = WorkerConfig {
+                    lease: Duration::from_millis(300),
+                    rescue_interval: Duration::from_millis(20),
+                    ..fast()
+                };
+                let crashing = Worker::new(
+                    db.another_outbox().await,
+                    HangsAfterSuccess {
+                        inner: receiver.deliverer(),
+                        delivered: delivered.clone(),
+                    },
+                )
+                .config(config.clone())
+                .spawn();
+                eventually("the receiver succeeded", || async {
+                    delivered.load(SeqCst) == 1
+                })
+                .await;
+                crashing.abort(); // dies before recording the success
+                assert_eq!(state_of(&db.outbox, "crm", "sub-1").await.state, State::Running);
+
+                let worker = Worker::new(db.another_outbox().await, receiver.deliverer())
+                    .config(config)
+                    .spawn();
+                eventually("completed by the second worker", || async {
+                    state_of(&db.outbox, "crm", "sub-1").await.state == State::Completed
+                })
+                .await;
+                worker.shutdown().await;
+                let row = state_of(&db.outbox, "crm", "sub-1").await;
+                assert_eq!(row.attempt, 2);
+                assert_eq!(row.last_status, Some(201));
+                // Delivered twice with one key: the second was a replay.
+                assert_eq!(*receiver.requests.lock().unwrap(), [false, true]);
+                assert_eq!(receiver.effects.load(SeqCst), 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_worker_killed_mid_delivery_is_taken_over_and_the_effect_happens_once() {
+                let db = db().await;
+                let receiver = LayeredReceiver::start(Duration::from_millis(500)).await;
+                db.submit("sub-1", &["crm"], true).await;
+                let config = WorkerConfig {
+                    lease: Duration::from_millis(200),
+                    rescue_interval: Duration::from_millis(20),
+                    ..fast()
+                };
+                let killed = Worker::new(db.another_outbox().await, receiver.deliverer())
+                    .config(config.clone())
+                    .spawn();
+                eventually("the request reached the handler", || async {
+                    receiver.entered.load(SeqCst) == 1
+                })
+                .await;
+                killed.abort(); // as kill -9: its connection drops mid-request
+                let worker = Worker::new(db.another_outbox().await, receiver.deliverer())
+                    .config(config)
+                    .spawn();
+                eventually("completed after the takeover", || async {
+                    state_of(&db.outbox, "crm", "sub-1").await.state == State::Completed
+                })
+                .await;
+                worker.shutdown().await;
+                assert_eq!(state_of(&db.outbox, "crm", "sub-1").await.attempt, 2);
+                assert_eq!(receiver.effects.load(SeqCst), 1);
+                assert_eq!(receiver.entered.load(SeqCst), 1);
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
