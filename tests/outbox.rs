@@ -348,6 +348,7 @@ fn fast() -> WorkerConfig {
         sweep_interval: Duration::from_secs(60),
         shutdown_grace: Duration::from_secs(5),
         topics: None,
+        listen: true,
     }
 }
 
@@ -1124,4 +1125,36 @@ async fn the_plain_sql_insert_of_the_docs_enqueues_from_any_language() {
     assert_eq!(claimed.len(), 1);
     assert_eq!(&claimed[0].payload()[..], br#"{"a":1}"#);
     assert_eq!(db.outbox.counts().await.unwrap().total(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notifying_commit_wakes_an_idle_postgres_worker() {
+    let db = TestDb::postgres().await;
+    let Pool::Pg(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    let receiver = Receiver::start().await;
+    // It polls hourly: within the test only a notification can wake it.
+    let config = WorkerConfig {
+        poll_interval: Duration::from_secs(3600),
+        rescue_interval: Duration::from_secs(3600),
+        ..fast()
+    };
+    let worker = spawn_worker(db.another_outbox().await, &receiver, config);
+    for (i, source) in ["sub-0", "sub-1", "sub-2"].into_iter().enumerate() {
+        let mut tx = pool.begin().await.unwrap();
+        let message = Message::new("crm", source, payload(source));
+        assert!(outbox::enqueue(&mut *tx, &message).await.unwrap());
+        outbox::notify(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+        eventually("delivered after the notification", || async {
+            state_of(&db.outbox, "crm", source).await.state == State::Completed
+        })
+        .await;
+        assert_eq!(receiver.requests(), i + 1);
+        // Let the worker go idle again (not a timing claim: a later
+        // message is delivered whenever it wakes).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    worker.shutdown().await;
 }

@@ -80,7 +80,9 @@ mod worker;
 compile_error!("the `outbox` feature needs `postgres` and/or `sqlite`");
 
 pub use deliver::{Delivered, Deliverer, Delivery, DeliveryError, ErrorClass};
-pub use enqueue::{enqueue, Message, OutboxDatabase};
+#[cfg(feature = "postgres")]
+pub use enqueue::notify;
+pub use enqueue::{enqueue, Message, OutboxDatabase, NOTIFY_CHANNEL};
 pub use metrics::OutboxMetrics;
 pub use store::{Counts, DeadMessage, MessageStatus, Outbox, OutboxError, State};
 pub use webhook::{Destination, WebhookDeliverer, WebhookSecret};

@@ -93,6 +93,12 @@ pub struct WorkerConfig {
     /// Claim only these topics; `None` takes the deliverer's
     /// [`topics`](Deliverer::topics) (every topic if that is `None` too).
     pub topics: Option<Vec<String>>,
+    /// PostgreSQL: also wake up when a transaction that called
+    /// [`notify`](super::notify) commits, so an idle worker delivers at once
+    /// instead of at its next poll. Holds one pooled connection for
+    /// `LISTEN`; falls back to polling while it cannot. Ignored on SQLite.
+    /// Default on.
+    pub listen: bool,
 }
 
 impl Default for WorkerConfig {
@@ -108,6 +114,7 @@ impl Default for WorkerConfig {
             sweep_interval: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
             topics: None,
+            listen: true,
         }
     }
 }
@@ -209,6 +216,7 @@ impl<D: Deliverer> Worker<D> {
         } = self;
         let topics = config.topics.clone().or_else(|| deliverer.topics());
         let concurrency = config.concurrency.max(1);
+        let mut wakeup = Wakeup::new(&outbox, config.listen).await;
         let (cancel, cancelled) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let mut next_rescue = Instant::now();
@@ -274,6 +282,7 @@ impl<D: Deliverer> Worker<D> {
                 () = &mut shutdown => break,
                 Some(result) = tasks.join_next(), if has_tasks => log_panic(result),
                 () = tokio::time::sleep(config.poll_interval), if slots_left => {}
+                () = wakeup.wait(), if slots_left => {}
             }
         }
 
@@ -293,6 +302,55 @@ impl<D: Deliverer> Worker<D> {
                 log_panic(result);
             }
         }
+    }
+}
+
+/// What wakes an idle worker before its next poll: a PostgreSQL
+/// notification on [`NOTIFY_CHANNEL`](super::NOTIFY_CHANNEL).
+struct Wakeup {
+    #[cfg(feature = "postgres")]
+    listener: Option<sqlx::postgres::PgListener>,
+}
+
+impl Wakeup {
+    #[allow(unused_variables)]
+    async fn new(outbox: &Outbox, listen: bool) -> Wakeup {
+        #[cfg(feature = "postgres")]
+        if let (true, super::store::Backend::Postgres(pool)) = (listen, &outbox.backend) {
+            let listener = async {
+                let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
+                listener.listen(super::NOTIFY_CHANNEL).await?;
+                Ok::<_, sqlx::Error>(listener)
+            };
+            return match listener.await {
+                Ok(listener) => Wakeup {
+                    listener: Some(listener),
+                },
+                Err(error) => {
+                    tracing::warn!(%error, "outbox: LISTEN failed; polling only");
+                    Wakeup { listener: None }
+                }
+            };
+        }
+        Wakeup {
+            #[cfg(feature = "postgres")]
+            listener: None,
+        }
+    }
+
+    /// Returns on a notification, or after a lost connection (a
+    /// notification may have been missed: look once); never without a
+    /// listener.
+    async fn wait(&mut self) {
+        #[cfg(feature = "postgres")]
+        if let Some(listener) = &mut self.listener {
+            if let Err(error) = listener.try_recv().await {
+                tracing::warn!(%error, "outbox: LISTEN connection failed; reconnecting");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            return;
+        }
+        std::future::pending::<()>().await
     }
 }
 
