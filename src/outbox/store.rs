@@ -258,10 +258,19 @@ impl Outbox {
                 } else {
                     sqlx::sqlite::SqliteConnectOptions::new().filename(url)
                 };
-                let store = crate::SqliteStore::connect_with(options)
-                    .await
-                    .map_err(|error| OutboxError::Corrupt(error.to_string()))?;
-                Self::sqlite(store.pool().clone())
+                // The store's settings: created if missing, WAL, every
+                // commit synced, a busy timeout for concurrent writers.
+                let options = options
+                    .create_if_missing(true)
+                    .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                    .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
+                    .busy_timeout(crate::SqliteStore::BUSY_TIMEOUT);
+                let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                    .max_connections(4)
+                    .acquire_timeout(crate::SqliteStore::BUSY_TIMEOUT)
+                    .connect_with(options)
+                    .await?;
+                Self::sqlite(pool)
             }
             #[cfg(not(feature = "sqlite"))]
             return Err(OutboxError::Invalid("built without the `sqlite` feature"));

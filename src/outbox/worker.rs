@@ -152,7 +152,8 @@ impl<D> std::fmt::Debug for Worker<D> {
 }
 
 /// A running [`Worker`]; [`shutdown`](WorkerHandle::shutdown) stops it
-/// gracefully. Dropping the handle stops it too, without waiting.
+/// gracefully. Dropping the handle starts the same graceful shutdown
+/// without waiting for it.
 #[derive(Debug)]
 pub struct WorkerHandle {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -216,7 +217,7 @@ impl<D: Deliverer> Worker<D> {
         } = self;
         let topics = config.topics.clone().or_else(|| deliverer.topics());
         let concurrency = config.concurrency.max(1);
-        let mut wakeup = Wakeup::new(&outbox, config.listen).await;
+        let wakeup = Wakeup::new(&outbox, config.listen).await;
         let (cancel, cancelled) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let mut next_rescue = Instant::now();
@@ -306,15 +307,27 @@ impl<D: Deliverer> Worker<D> {
 }
 
 /// What wakes an idle worker before its next poll: a PostgreSQL
-/// notification on [`NOTIFY_CHANNEL`](super::NOTIFY_CHANNEL).
+/// notification on [`NOTIFY_CHANNEL`](super::NOTIFY_CHANNEL). The listener
+/// runs on a task of its own (a `PgListener` read is not safe to cancel
+/// mid-message) and leaves a permit in a [`Notify`](tokio::sync::Notify),
+/// whose wait is.
 struct Wakeup {
-    #[cfg(feature = "postgres")]
-    listener: Option<sqlx::postgres::PgListener>,
+    notify: Arc<tokio::sync::Notify>,
+    listener: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Wakeup {
+    fn drop(&mut self) {
+        if let Some(listener) = &self.listener {
+            listener.abort();
+        }
+    }
 }
 
 impl Wakeup {
     #[allow(unused_variables)]
     async fn new(outbox: &Outbox, listen: bool) -> Wakeup {
+        let notify = Arc::new(tokio::sync::Notify::new());
         #[cfg(feature = "postgres")]
         if let (true, super::store::Backend::Postgres(pool)) = (listen, &outbox.backend) {
             let listener = async {
@@ -322,35 +335,42 @@ impl Wakeup {
                 listener.listen(super::NOTIFY_CHANNEL).await?;
                 Ok::<_, sqlx::Error>(listener)
             };
-            return match listener.await {
-                Ok(listener) => Wakeup {
-                    listener: Some(listener),
-                },
-                Err(error) => {
-                    tracing::warn!(%error, "outbox: LISTEN failed; polling only");
-                    Wakeup { listener: None }
+            match listener.await {
+                Ok(mut listener) => {
+                    let wake = notify.clone();
+                    let task = tokio::spawn(async move {
+                        loop {
+                            // `None`: the connection was lost (a notification
+                            // may be missed, so look once); it reconnects.
+                            if let Err(error) = listener.try_recv().await {
+                                tracing::warn!(%error, "outbox: LISTEN connection failed");
+                                tokio::time::sleep(Duration::from_secs(1)).await;
+                            }
+                            wake.notify_one();
+                        }
+                    });
+                    return Wakeup {
+                        notify,
+                        listener: Some(task),
+                    };
                 }
-            };
+                Err(error) => tracing::warn!(%error, "outbox: LISTEN failed; polling only"),
+            }
         }
         Wakeup {
-            #[cfg(feature = "postgres")]
+            notify,
             listener: None,
         }
     }
 
-    /// Returns on a notification, or after a lost connection (a
-    /// notification may have been missed: look once); never without a
-    /// listener.
-    async fn wait(&mut self) {
-        #[cfg(feature = "postgres")]
-        if let Some(listener) = &mut self.listener {
-            if let Err(error) = listener.try_recv().await {
-                tracing::warn!(%error, "outbox: LISTEN connection failed; reconnecting");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            return;
+    /// Returns after a notification (at once if one came since the last
+    /// wait); never without a listener.
+    async fn wait(&self) {
+        if self.listener.is_some() {
+            self.notify.notified().await;
+        } else {
+            std::future::pending::<()>().await;
         }
-        std::future::pending::<()>().await
     }
 }
 
