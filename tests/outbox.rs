@@ -9,6 +9,7 @@ mod fixtures;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -221,6 +222,10 @@ impl Receiver {
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         Receiver { log, addr }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}/hook", self.addr)
     }
 
     fn script(&self, key: &str, answers: Vec<Answer>) {
@@ -442,11 +447,12 @@ impl LayeredReceiver {
         }
     }
 
+    fn url(&self) -> String {
+        format!("http://{}/hook", self.addr)
+    }
+
     fn deliverer(&self) -> WebhookDeliverer {
-        WebhookDeliverer::new().destination(
-            "crm",
-            Destination::new(format!("http://{}/hook", self.addr).parse().unwrap()),
-        )
+        WebhookDeliverer::new().destination("crm", Destination::new(self.url().parse().unwrap()))
     }
 }
 
@@ -464,6 +470,92 @@ impl Deliverer for HangsAfterSuccess {
         self.delivered.fetch_add(1, SeqCst);
         std::future::pending().await
     }
+}
+
+// ------------------------------------------------------- a worker process
+
+/// Where [`child_worker`] finds its work: `db|receiver|workers|lease_ms`.
+const CHILD_ENV: &str = "OUTBOX_TEST_CHILD";
+
+/// Workers in another process: this test binary again, running only the
+/// ignored test [`child_worker`]. Killed with SIGKILL when dropped.
+struct ChildWorker(std::process::Child);
+
+impl ChildWorker {
+    async fn spawn(db: &TestDb, receiver: &str, workers: usize, lease: Duration) -> ChildWorker {
+        let target = match &db.pool {
+            Pool::Pg(pool, _) => {
+                let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+                format!("pg:{schema}")
+            }
+            Pool::Lite(_, path) => format!("sqlite:{path}"),
+        };
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["child_worker", "--exact", "--ignored", "--test-threads=1"])
+            .env(
+                CHILD_ENV,
+                format!("{target}|{receiver}|{workers}|{}", lease.as_millis()),
+            )
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        ChildWorker(child)
+    }
+
+    /// `kill -9`, and reaps it.
+    fn kill(self) {
+        drop(self);
+    }
+}
+
+impl Drop for ChildWorker {
+    fn drop(&mut self) {
+        let _ = self.0.kill(); // SIGKILL
+        let _ = self.0.wait();
+    }
+}
+
+/// The child's side: `workers` workers on the given database delivering to
+/// the given receiver (topics `crm` and `mail`), until killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a worker process that other tests start"]
+async fn child_worker() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let [target, receiver, workers, lease_ms] = spec.split('|').collect::<Vec<_>>()[..] else {
+        panic!("bad {CHILD_ENV}: {spec}");
+    };
+    let outbox = match target.split_once(':').unwrap() {
+        ("pg", schema) => {
+            let options = PgConnectOptions::from_str(&fixtures::database_url())
+                .unwrap()
+                .options([("search_path", schema)]);
+            Outbox::postgres(fixtures::pool(options, 8).await)
+        }
+        (_, path) => Outbox::sqlite(sqlite_pool(path).await),
+    };
+    let destination = Destination::new(receiver.parse().unwrap())
+        .secret(WebhookSecret::from_whsec(SECRET).unwrap());
+    let config = WorkerConfig {
+        lease: Duration::from_millis(lease_ms.parse().unwrap()),
+        ..fast()
+    };
+    let mut handles = Vec::new();
+    for _ in 0..workers.parse().unwrap() {
+        let deliverer = WebhookDeliverer::new()
+            .destination("crm", destination.clone())
+            .destination("mail", destination.clone());
+        handles.push(
+            Worker::new(outbox.clone(), deliverer)
+                .config(config.clone())
+                .spawn(),
+        );
+    }
+    std::future::pending::<()>().await;
 }
 
 // -------------------------------------------------------------------- tests
@@ -558,9 +650,15 @@ macro_rules! outbox_tests {
                 }
                 assert_eq!(expected.len(), n / 100 * 100);
 
+                // Four workers in two processes: two here, two in a child.
+                let child = ChildWorker::spawn(&db, &receiver.url(), 2, fast().lease).await;
+                eventually("the child process delivers", || async {
+                    receiver.requests() > 0
+                })
+                .await;
                 let mut outboxes = Vec::new();
                 let mut workers = Vec::new();
-                for _ in 0..4 {
+                for _ in 0..2 {
                     let outbox = db.another_outbox().await;
                     workers.push(spawn_worker(outbox.clone(), &receiver, fast()));
                     outboxes.push(outbox);
@@ -572,6 +670,7 @@ macro_rules! outbox_tests {
                 for worker in workers {
                     worker.shutdown().await;
                 }
+                child.kill();
 
                 let effects = receiver.effects();
                 let keys: HashSet<String> = effects.keys().cloned().collect();
@@ -584,8 +683,9 @@ macro_rules! outbox_tests {
                     "bad signatures: {:?}",
                     receiver.bad()
                 );
-                let delivered: u64 = outboxes.iter().map(|o| o.metrics().delivered()).sum();
-                assert_eq!(delivered, expected.len() as u64);
+                // This process's workers did part of the work, the child the rest.
+                let here: u64 = outboxes.iter().map(|o| o.metrics().delivered()).sum();
+                assert!(here < expected.len() as u64, "the child delivered nothing");
                 let counts = db.outbox.counts().await.unwrap();
                 assert_eq!(counts.completed, counts.total(), "{counts:?}");
             }
@@ -958,7 +1058,7 @@ macro_rules! outbox_tests {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_worker_killed_mid_delivery_is_taken_over_and_the_effect_happens_once() {
+            async fn a_worker_process_killed_mid_delivery_is_taken_over_and_the_effect_happens_once() {
                 let db = db().await;
                 let receiver = LayeredReceiver::start(Duration::from_millis(500)).await;
                 db.submit("sub-1", &["crm"], true).await;
@@ -967,14 +1067,14 @@ macro_rules! outbox_tests {
                     rescue_interval: Duration::from_millis(20),
                     ..fast()
                 };
-                let killed = Worker::new(db.another_outbox().await, receiver.deliverer())
-                    .config(config.clone())
-                    .spawn();
+                let killed = ChildWorker::spawn(&db, &receiver.url(), 1, config.lease).await;
                 eventually("the request reached the handler", || async {
                     receiver.entered.load(SeqCst) == 1
                 })
                 .await;
-                killed.abort(); // as kill -9: its connection drops mid-request
+                killed.kill(); // kill -9 mid-request
+                let row = state_of(&db.outbox, "crm", "sub-1").await;
+                assert_eq!((row.state, row.attempt), (State::Running, 1));
                 let worker = Worker::new(db.another_outbox().await, receiver.deliverer())
                     .config(config)
                     .spawn();
