@@ -1329,3 +1329,58 @@ async fn connect_opens_and_migrates_an_sqlite_file() {
         .unwrap();
     assert_eq!(again.counts().await.unwrap().available, 1);
 }
+
+/// A `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Everything the crate logs while a message fails transiently, then
+/// permanently: never the payload, the delivery key or the secret.
+#[tokio::test(flavor = "current_thread")]
+async fn logs_carry_no_payload_key_or_secret() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            "tower_idempotency=trace",
+        ))
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let db = TestDb::sqlite().await;
+    let receiver = Receiver::start().await;
+    let key = Message::derived_key("crm", "sub-1");
+    receiver.script(&key, vec![Answer::status(500), Answer::status(400)]);
+    db.submit("sub-1", &["crm"], true).await;
+    let worker = spawn_worker(db.another_outbox().await, &receiver, fast());
+    eventually("dead", || async {
+        state_of(&db.outbox, "crm", "sub-1").await.state == State::Dead
+    })
+    .await;
+    worker.shutdown().await;
+    assert_eq!(receiver.statuses(&key), [500, 400]);
+
+    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(logs.contains("delivery failed"), "nothing logged: {logs}");
+    for secret in [
+        PII,
+        key.as_str(),
+        SECRET,
+        SECRET.trim_start_matches("whsec_"),
+    ] {
+        assert!(!logs.contains(secret), "`{secret}` in the logs:\n{logs}");
+    }
+}
