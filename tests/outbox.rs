@@ -846,6 +846,10 @@ macro_rules! outbox_tests {
                 assert_eq!(row.last_request_id.as_deref(), Some("req-1"));
                 assert_eq!(row.last_error.as_deref(), Some("HTTP 400"));
                 assert_eq!(outbox.metrics().dead(), 1);
+                let metrics = outbox.metrics().render_prometheus();
+                assert!(metrics.contains("outbox_dead_total 1\n"), "{metrics}");
+                assert!(metrics.contains("outbox_delivery_seconds_count 1\n"), "{metrics}");
+                assert!(!metrics.contains("outbox_claim_seconds_count 0\n"), "{metrics}");
                 let dead = db.outbox.dead(10).await.unwrap();
                 assert_eq!(dead.len(), 1);
                 assert_eq!(dead[0].id, row.id);

@@ -325,6 +325,7 @@ impl Outbox {
             return Ok(Vec::new());
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let started = std::time::Instant::now();
         let rows: Vec<ClaimRow> = with_backend!(self, |pool, sql| {
             sqlx::query_as(sql::CLAIM)
                 .bind(limit)
@@ -333,6 +334,7 @@ impl Outbox {
                 .fetch_all(pool)
                 .await?
         });
+        self.metrics.claim_latency.observe(started.elapsed());
         let deliveries = rows
             .into_iter()
             .map(ClaimRow::into_delivery)

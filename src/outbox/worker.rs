@@ -406,8 +406,12 @@ async fn deliver<D: Deliverer>(
             }
         }
     };
+    let started = std::time::Instant::now();
     let result = tokio::select! {
-        result = deliverer.deliver(&delivery) => result,
+        result = deliverer.deliver(&delivery) => {
+            outbox.metrics().delivery_latency.observe(started.elapsed());
+            result
+        }
         () = renew => {
             tracing::warn!(
                 id = delivery.id,
