@@ -210,7 +210,7 @@ async fn latency(pool: &PgPool, listen: bool, poll: Duration, samples: usize) ->
         let mut tx = pool.begin().await.unwrap();
         let message = Message::new("crm", source.as_str(), b"{}".to_vec());
         outbox::enqueue(&mut *tx, &message).await.unwrap();
-        outbox::notify(&mut *tx).await.unwrap();
+        outbox::notify(&mut tx).await.unwrap();
         tx.commit().await.unwrap();
         let committed = Instant::now();
         loop {

@@ -1249,7 +1249,7 @@ async fn a_notifying_commit_wakes_an_idle_postgres_worker() {
         let mut tx = pool.begin().await.unwrap();
         let message = Message::new("crm", source, payload(source));
         assert!(outbox::enqueue(&mut *tx, &message).await.unwrap());
-        outbox::notify(&mut *tx).await.unwrap();
+        outbox::notify(&mut tx).await.unwrap();
         tx.commit().await.unwrap();
         eventually("delivered after the notification", || async {
             state_of(&db.outbox, "crm", source).await.state == State::Completed
@@ -1387,4 +1387,37 @@ async fn logs_carry_no_payload_key_or_secret() {
     ] {
         assert!(!logs.contains(secret), "`{secret}` in the logs:\n{logs}");
     }
+}
+
+/// `enqueue` in a handler: its future must be `Send` (spawned here as a
+/// server spawns each request), with the transaction borrowed across it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_can_be_awaited_in_spawned_tasks() {
+    let db = TestDb::postgres().await;
+    let Pool::Pg(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    let pool = pool.clone();
+    let task = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        let message = Message::new("crm", "sub-1", payload("sub-1"));
+        let added = outbox::enqueue(&mut *tx, &message).await.unwrap();
+        outbox::notify(&mut tx).await.unwrap();
+        tx.commit().await.unwrap();
+        added
+    });
+    assert!(task.await.unwrap());
+
+    let db = TestDb::sqlite().await;
+    let Pool::Lite(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    let pool = pool.clone();
+    let task = tokio::spawn(async move {
+        let mut conn = pool.acquire().await.unwrap();
+        let message = Message::new("crm", "sub-1", payload("sub-1"));
+        outbox::enqueue(&mut *conn, &message).await.unwrap()
+    });
+    assert!(task.await.unwrap());
+    assert_eq!(db.outbox.counts().await.unwrap().available, 1);
 }

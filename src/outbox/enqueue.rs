@@ -1,6 +1,7 @@
 //! Writing outbox rows inside the caller's transaction.
 
 use std::future::Future;
+use std::pin::Pin;
 
 use sha2::{Digest, Sha256};
 
@@ -147,31 +148,33 @@ pub(crate) fn valid_key(key: &str) -> bool {
     !key.is_empty() && key.len() <= MAX_KEY && key.bytes().all(|b| b.is_ascii_graphic())
 }
 
-/// A database the outbox runs on: PostgreSQL or SQLite (sealed).
-pub trait OutboxDatabase: sqlx::Database + sealed::Sealed {
-    /// Writes `message` through `executor`; `true` when a row was added.
+/// The future [`OutboxConnection::enqueue_message`] returns.
+pub type EnqueueFuture<'c> = Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>>;
+
+/// A connection the outbox can be written through: `PgConnection` or
+/// `SqliteConnection` (sealed). A transaction dereferences to one
+/// (`&mut *tx`), as does a pooled connection (`&mut *conn`).
+pub trait OutboxConnection: Send + sealed::Sealed {
+    /// Writes `message`; `true` when a row was added. Use [`enqueue`],
+    /// which validates the message first.
     #[doc(hidden)]
-    fn enqueue_with<'a, E>(
-        executor: E,
-        message: &'a Message,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a
-    where
-        E: sqlx::Executor<'a, Database = Self> + 'a;
+    fn enqueue_message<'c>(&'c mut self, message: &'c Message) -> EnqueueFuture<'c>;
 }
 
 pub(crate) mod sealed {
     pub trait Sealed {}
     #[cfg(feature = "postgres")]
-    impl Sealed for sqlx::Postgres {}
+    impl Sealed for sqlx::PgConnection {}
     #[cfg(feature = "sqlite")]
-    impl Sealed for sqlx::Sqlite {}
+    impl Sealed for sqlx::SqliteConnection {}
 }
 
-/// Enqueues `message` through `executor` — typically the caller's open
+/// Enqueues `message` on `connection` — typically the caller's open
 /// transaction (`&mut *tx`), so the message commits or rolls back with the
 /// business row written in it. Returns `true` when a row was added, `false`
 /// when one for the same (`topic`, `source`) already exists (it is left as
-/// it is: enqueueing twice adds nothing).
+/// it is: enqueueing twice adds nothing). The future is `Send`, so it can
+/// be awaited in any handler or spawned task.
 ///
 /// The same as this SQL (PostgreSQL; `?1`… on SQLite):
 ///
@@ -183,13 +186,13 @@ pub(crate) mod sealed {
 ///
 /// A delivery key already used by another (`topic`, `source`) is an error
 /// (the unique constraint on `delivery_key`), not a silent skip.
-pub async fn enqueue<'a, E>(executor: E, message: &'a Message) -> Result<bool, OutboxError>
+pub async fn enqueue<C>(connection: &mut C, message: &Message) -> Result<bool, OutboxError>
 where
-    E: sqlx::Executor<'a> + 'a,
-    E::Database: OutboxDatabase,
+    C: OutboxConnection + ?Sized,
 {
     message.validate()?;
-    <E::Database as OutboxDatabase>::enqueue_with(executor, message)
+    connection
+        .enqueue_message(message)
         .await
         .map_err(OutboxError::Database)
 }
@@ -207,13 +210,10 @@ pub const NOTIFY_CHANNEL: &str = "outbox_messages";
 /// flushed, so notifying transactions commit one at a time: skip it where
 /// enqueue throughput matters more than delivery latency.
 #[cfg(feature = "postgres")]
-pub async fn notify<'a, E>(executor: E) -> Result<(), OutboxError>
-where
-    E: sqlx::Executor<'a, Database = sqlx::Postgres>,
-{
+pub async fn notify(connection: &mut sqlx::PgConnection) -> Result<(), OutboxError> {
     sqlx::query("SELECT pg_notify($1, '')")
         .bind(NOTIFY_CHANNEL)
-        .execute(executor)
+        .execute(connection)
         .await?;
     Ok(())
 }

@@ -82,7 +82,7 @@ compile_error!("the `outbox` feature needs `postgres` and/or `sqlite`");
 pub use deliver::{Delivered, Deliverer, Delivery, DeliveryError, ErrorClass};
 #[cfg(feature = "postgres")]
 pub use enqueue::notify;
-pub use enqueue::{enqueue, Message, OutboxDatabase, NOTIFY_CHANNEL};
+pub use enqueue::{enqueue, EnqueueFuture, Message, OutboxConnection, NOTIFY_CHANNEL};
 pub use metrics::OutboxMetrics;
 pub use store::{Counts, DeadMessage, MessageStatus, Outbox, OutboxError, State};
 pub use webhook::{Destination, WebhookDeliverer, WebhookSecret};

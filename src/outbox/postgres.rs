@@ -1,30 +1,27 @@
 //! The outbox statements in PostgreSQL's dialect. Time is the database's
 //! `now()`; durations are bound in microseconds.
 
-use super::enqueue::{Message, OutboxDatabase};
-
-pub(super) type Db = sqlx::Postgres;
+use super::enqueue::{EnqueueFuture, Message, OutboxConnection};
 
 /// The topic filter parameter: a text array, or NULL for every topic.
 pub(super) fn topics(topics: Option<&[String]>) -> Option<Vec<String>> {
     topics.map(<[String]>::to_vec)
 }
 
-impl OutboxDatabase for sqlx::Postgres {
-    async fn enqueue_with<'a, E>(executor: E, message: &'a Message) -> Result<bool, sqlx::Error>
-    where
-        E: sqlx::Executor<'a, Database = Self> + 'a,
-    {
-        let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
-            .bind(&message.topic)
-            .bind(&message.source)
-            .bind(&message.delivery_key)
-            .bind(&message.payload)
-            .bind(&message.content_type)
-            .bind(message.max_attempts)
-            .fetch_optional(executor)
-            .await?;
-        Ok(id.is_some())
+impl OutboxConnection for sqlx::PgConnection {
+    fn enqueue_message<'c>(&'c mut self, message: &'c Message) -> EnqueueFuture<'c> {
+        Box::pin(async move {
+            let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
+                .bind(&message.topic)
+                .bind(&message.source)
+                .bind(&message.delivery_key)
+                .bind(&message.payload)
+                .bind(&message.content_type)
+                .bind(message.max_attempts)
+                .fetch_optional(self)
+                .await?;
+            Ok(id.is_some())
+        })
     }
 }
 

@@ -4,9 +4,7 @@
 //! SQLite runs one write at a time, so a claim or a rescue is atomic with
 //! respect to every other connection and process on the file.
 
-use super::enqueue::{Message, OutboxDatabase};
-
-pub(super) type Db = sqlx::Sqlite;
+use super::enqueue::{EnqueueFuture, Message, OutboxConnection};
 
 /// The topic filter parameter: a JSON array of names, or NULL for every
 /// topic.
@@ -14,21 +12,20 @@ pub(super) fn topics(topics: Option<&[String]>) -> Option<String> {
     topics.map(|topics| serde_json::Value::from(topics.to_vec()).to_string())
 }
 
-impl OutboxDatabase for sqlx::Sqlite {
-    async fn enqueue_with<'a, E>(executor: E, message: &'a Message) -> Result<bool, sqlx::Error>
-    where
-        E: sqlx::Executor<'a, Database = Self> + 'a,
-    {
-        let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
-            .bind(&message.topic)
-            .bind(&message.source)
-            .bind(&message.delivery_key)
-            .bind(&message.payload)
-            .bind(&message.content_type)
-            .bind(message.max_attempts)
-            .fetch_optional(executor)
-            .await?;
-        Ok(id.is_some())
+impl OutboxConnection for sqlx::SqliteConnection {
+    fn enqueue_message<'c>(&'c mut self, message: &'c Message) -> EnqueueFuture<'c> {
+        Box::pin(async move {
+            let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
+                .bind(&message.topic)
+                .bind(&message.source)
+                .bind(&message.delivery_key)
+                .bind(&message.payload)
+                .bind(&message.content_type)
+                .bind(message.max_attempts)
+                .fetch_optional(self)
+                .await?;
+            Ok(id.is_some())
+        })
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 
 use super::deliver::{Delivery, DeliveryError};
-use super::enqueue::{Message, OutboxDatabase};
+use super::enqueue::{Message, OutboxConnection};
 use super::metrics::OutboxMetrics;
 
 /// Longest reason or receiver request id kept in the error columns.
@@ -301,9 +301,12 @@ impl Outbox {
     /// row.
     pub async fn enqueue(&self, message: &Message) -> Result<bool, OutboxError> {
         message.validate()?;
-        let added = with_backend!(self, |pool, sql| {
-            <sql::Db as OutboxDatabase>::enqueue_with(pool, message).await?
-        });
+        let added = match &self.backend {
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pool) => pool.acquire().await?.enqueue_message(message).await?,
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(pool) => pool.acquire().await?.enqueue_message(message).await?,
+        };
         if added {
             self.metrics.enqueued.inc();
         }
