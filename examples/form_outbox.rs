@@ -192,12 +192,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let worker = outbox::Worker::new(outbox, deliverer(&base)).spawn();
     println!("form platform on {base}: POST /forms/contact/submit, GET /crm");
     let server = app(pool).merge(crm(Arc::default()));
+    // On Ctrl-C the worker stops first (finishing what it holds); its
+    // client's keep-alive connections to this server then close, so the
+    // server's graceful shutdown does not wait for them.
     axum::serve(listener, server)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
+            worker.shutdown().await;
         })
         .await?;
-    worker.shutdown().await;
     Ok(())
 }
 

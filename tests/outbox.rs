@@ -6,6 +6,11 @@
 
 mod fixtures;
 
+// The seed's form platform (examples/form_outbox.rs), driven below.
+#[path = "../examples/form_outbox.rs"]
+#[allow(dead_code)]
+mod form_outbox;
+
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -1420,4 +1425,69 @@ async fn enqueue_can_be_awaited_in_spawned_tasks() {
     });
     assert!(task.await.unwrap());
     assert_eq!(db.outbox.counts().await.unwrap().available, 1);
+}
+
+/// The seed's platform end to end: ten identical submissions with one key
+/// at once are one submission, one outbox row per integration, and one
+/// effect per integration at the CRM stand-in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_form_platform_example_takes_each_submission_and_each_integration_once() {
+    let path = fixtures::sqlite_path();
+    let pool = sqlite_pool(path.to_str().unwrap()).await;
+    form_outbox::migrate(&pool).await.unwrap();
+    let crm = Arc::new(form_outbox::Crm::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = form_outbox::app(pool.clone()).merge(form_outbox::crm(crm.clone()));
+    tokio::spawn(async move { axum::serve(listener, server).await.unwrap() });
+    let outbox = Outbox::sqlite(pool.clone());
+    let worker = Worker::new(outbox.clone(), form_outbox::deliverer(&base))
+        .config(fast())
+        .spawn();
+
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<Bytes>>();
+    let key = uuid::Uuid::new_v4().to_string();
+    let submissions = (0..10).map(|_| {
+        let request = http::Request::post(format!("{base}/forms/contact/submit"))
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from_static(
+                br#"{"email":"jane.doe@example.com"}"#,
+            )))
+            .unwrap();
+        let client = client.clone();
+        tokio::spawn(async move {
+            use http_body_util::BodyExt;
+            let response = client.request(request).await.unwrap();
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, body)
+        })
+    });
+    let mut answers = Vec::new();
+    for submission in submissions.collect::<Vec<_>>() {
+        answers.push(submission.await.unwrap());
+    }
+    assert!(
+        answers.iter().all(|(status, _)| *status == 202),
+        "{answers:?}"
+    );
+    let bodies: HashSet<&Bytes> = answers.iter().map(|(_, body)| body).collect();
+    assert_eq!(bodies.len(), 1, "one submission id for every answer");
+    let submissions: i64 = sqlx::query_scalar("SELECT count(*) FROM submissions")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(submissions, 1);
+
+    eventually("both integrations delivered", || async {
+        outbox.counts().await.unwrap().completed == 2
+    })
+    .await;
+    worker.shutdown().await;
+    assert_eq!(outbox.counts().await.unwrap().total(), 2);
+    let effects = crm.effects();
+    assert_eq!(effects.len(), 2, "{effects:?}");
+    assert!(effects.values().all(|n| *n == 1), "{effects:?}");
 }
