@@ -57,7 +57,7 @@ SET state = 'running',
     lease_expires_at = now() + $3::bigint * interval '1 microsecond',
     updated_at = now()
 FROM due
-WHERE m.id = due.id
+WHERE m.id = due.id AND m.state IN ('available', 'retryable')
 RETURNING m.id, m.owner, m.topic, m.source, m.delivery_key, m.payload, m.content_type,
           m.attempt, m.max_attempts";
 
