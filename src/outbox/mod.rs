@@ -37,7 +37,9 @@
 //! flag alone cannot do that: a worker can die after the receiver succeeded
 //! and before the row is marked completed.
 //!
-//! All times are the database's clock.
+//! Every schedule (due times, leases, retention) runs on the database's
+//! clock; only the `webhook-timestamp` header is the sender's, as the
+//! Standard Webhooks specification asks.
 //!
 //! # Example
 //!
