@@ -29,6 +29,8 @@
 //! * `layer` (default): the tower front end.
 //! * `sqlite`, `postgres`: the durable stores (sqlx).
 //! * `redis`: the Redis front cache.
+//! * `outbox`: the transactional [`outbox`] (with `postgres` and/or
+//!   `sqlite`): durable, once-in-effect delivery to integrations.
 
 #![warn(missing_docs)]
 #![deny(unsafe_code, unreachable_pub)]
@@ -40,6 +42,8 @@ pub mod key;
 #[cfg(feature = "layer")]
 pub mod layer;
 pub mod metrics;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 pub mod policy;
 pub mod problem;
 pub mod store;
@@ -48,6 +52,8 @@ pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "layer")]
 pub use layer::{Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};
+#[cfg(feature = "outbox")]
+pub use outbox::{Outbox, Worker, WorkerConfig};
 pub use policy::{
     FailMode, InFlightPolicy, KeySource, MismatchPolicy, Policy, PolicyError, RoutePolicy, Routes,
 };

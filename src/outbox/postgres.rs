@@ -1,0 +1,156 @@
+//! The outbox statements in PostgreSQL's dialect. Time is the database's
+//! `now()`; durations are bound in microseconds.
+
+use super::enqueue::{EnqueueFuture, Message, OutboxConnection};
+
+/// The topic filter parameter: a text array, or NULL for every topic.
+pub(super) fn topics(topics: Option<&[String]>) -> Option<Vec<String>> {
+    topics.map(<[String]>::to_vec)
+}
+
+impl OutboxConnection for sqlx::PgConnection {
+    fn enqueue_message<'c>(&'c mut self, message: &'c Message) -> EnqueueFuture<'c> {
+        Box::pin(async move {
+            let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
+                .bind(&message.topic)
+                .bind(&message.source)
+                .bind(&message.delivery_key)
+                .bind(&message.payload)
+                .bind(&message.content_type)
+                .bind(message.max_attempts)
+                .fetch_optional(self)
+                .await?;
+            Ok(id.is_some())
+        })
+    }
+}
+
+/// A conflict on (topic, source) adds nothing and returns no row; a
+/// conflict on the delivery key alone is an error.
+const ENQUEUE: &str = "
+INSERT INTO outbox_messages (topic, source, delivery_key, payload, content_type, max_attempts)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (topic, source) DO NOTHING
+RETURNING id";
+
+/// Due rows through the partial `outbox_messages_due` index; rows another
+/// claimer has locked are skipped (`SKIP LOCKED`), so concurrent claimers
+/// never wait for or share a row. Each row gets its own owner token.
+///
+/// The locking `SELECT … LIMIT` is a `MATERIALIZED` CTE: as an `IN (…)`
+/// subquery the planner may rescan it, and a rescan skips the rows this
+/// statement already changed and locks the next ones, taking more than
+/// `LIMIT` rows (seen with the sweep: `LIMIT 1` deleted two).
+pub(super) const CLAIM: &str = "
+WITH due AS MATERIALIZED (
+    SELECT id FROM outbox_messages
+    WHERE state IN ('available', 'retryable') AND next_attempt_at <= now()
+      AND ($2::text[] IS NULL OR topic = ANY($2::text[]))
+    ORDER BY next_attempt_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_messages AS m
+SET state = 'running',
+    attempt = m.attempt + 1,
+    owner = uuid_send(gen_random_uuid()),
+    lease_expires_at = now() + $3::bigint * interval '1 microsecond',
+    updated_at = now()
+FROM due
+WHERE m.id = due.id AND m.state IN ('available', 'retryable')
+RETURNING m.id, m.owner, m.topic, m.source, m.delivery_key, m.payload, m.content_type,
+          m.attempt, m.max_attempts";
+
+pub(super) const RENEW: &str = "
+UPDATE outbox_messages
+SET lease_expires_at = now() + $3::bigint * interval '1 microsecond'
+WHERE id = $1 AND owner = $2 AND state = 'running'";
+
+pub(super) const COMPLETE: &str = "
+UPDATE outbox_messages
+SET state = 'completed', owner = NULL, lease_expires_at = NULL,
+    completed_at = now(), updated_at = now(),
+    last_error_class = NULL, last_error = NULL,
+    last_status = $3, last_request_id = $4
+WHERE id = $1 AND owner = $2 AND state = 'running'";
+
+pub(super) const FAIL: &str = "
+UPDATE outbox_messages
+SET state = CASE WHEN $3 OR attempt >= max_attempts THEN 'dead' ELSE 'retryable' END,
+    owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = now() + $4::bigint * interval '1 microsecond',
+    updated_at = now(),
+    last_error_class = $5, last_status = $6, last_request_id = $7, last_error = $8
+WHERE id = $1 AND owner = $2 AND state = 'running'
+RETURNING state";
+
+pub(super) const RELEASE: &str = "
+UPDATE outbox_messages
+SET state = 'retryable', owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = now(), updated_at = now()
+WHERE id = $1 AND owner = $2 AND state = 'running'";
+
+/// Expired leases, oldest first, through `outbox_messages_leases`. Rows
+/// another rescuer (or a worker completing) has locked are skipped, and the
+/// outer condition is checked again on the locked row, so each expired row
+/// is re-queued once.
+pub(super) const RESCUE: &str = "
+WITH expired AS MATERIALIZED (
+    SELECT id FROM outbox_messages
+    WHERE state = 'running' AND lease_expires_at <= now()
+    ORDER BY lease_expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_messages
+SET state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'retryable' END,
+    owner = NULL, lease_expires_at = NULL,
+    next_attempt_at = now(), updated_at = now(),
+    last_error_class = 'lease_expired', last_status = NULL, last_request_id = NULL,
+    last_error = 'the worker holding the row did not finish within its lease'
+FROM expired
+WHERE outbox_messages.id = expired.id
+  AND state = 'running' AND lease_expires_at <= now()
+RETURNING outbox_messages.id";
+
+pub(super) const SWEEP: &str = "
+WITH old AS MATERIALIZED (
+    SELECT id FROM outbox_messages
+    WHERE state = 'completed'
+      AND completed_at <= now() - $1::bigint * interval '1 microsecond'
+    ORDER BY completed_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM outbox_messages USING old
+WHERE outbox_messages.id = old.id AND state = 'completed'";
+
+pub(super) const RETRY_DEAD: &str = "
+UPDATE outbox_messages
+SET state = 'available', attempt = 0, next_attempt_at = now(), updated_at = now()
+WHERE id = $1 AND state = 'dead'";
+
+pub(super) const PURGE_DEAD: &str = "
+DELETE FROM outbox_messages WHERE id = $1 AND state = 'dead'";
+
+pub(super) const COUNTS: &str = "
+SELECT state, count(*) FROM outbox_messages GROUP BY state";
+
+macro_rules! status_select {
+    ($rest:literal) => {
+        concat!(
+            "SELECT id, topic, source, delivery_key, state, attempt, max_attempts,
+                    last_error_class, last_status::integer AS last_status, last_request_id,
+                    last_error,
+                    (extract(epoch FROM next_attempt_at) * 1000000)::bigint AS next_attempt_us,
+                    (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_us,
+                    (extract(epoch FROM completed_at) * 1000000)::bigint AS completed_us
+             FROM outbox_messages ",
+            $rest
+        )
+    };
+}
+
+pub(super) const DEAD: &str = status_select!("WHERE state = 'dead' ORDER BY id LIMIT $1");
+
+pub(super) const STATUS: &str = status_select!("WHERE topic = $1 AND source = $2");
