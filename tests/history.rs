@@ -303,6 +303,11 @@ fn finds_a_replay_of_another_record() {
     finds(Mutation::ReplayOtherRecord, "isolation");
 }
 
+#[test]
+fn finds_a_wait_that_ignores_its_limit() {
+    finds(Mutation::WaitIgnoresMax, "deadline");
+}
+
 /// With hole `n` no longer excused, no schedule may show it.
 fn closed(hole: u8) {
     let known: Vec<u8> = KNOWN_HOLES.iter().copied().filter(|h| *h != hole).collect();

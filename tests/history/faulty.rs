@@ -66,6 +66,9 @@ pub enum Mutation {
     ScopeWithoutPrincipal,
     /// A lookup answers with another key's completed record.
     ReplayOtherRecord,
+    /// A wait ignores its `max` and returns only when the key is released
+    /// or completed.
+    WaitIgnoresMax,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -420,6 +423,25 @@ impl Mutant {
                 );
                 if in_flight {
                     let _ = tokio::time::timeout(max, notified).await;
+                }
+                Ok(())
+            }
+            (_, Some(Mutation::WaitIgnoresMax)) => {
+                let notify = lock(&self.notify).entry(key).or_default().clone();
+                let notified = notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let in_flight = matches!(
+                    self.backend
+                        .call(move |s| async move { s.get(&key).await })
+                        .await,
+                    Ok(Some(Record {
+                        state: RecordState::InFlight { .. },
+                        ..
+                    }))
+                );
+                if in_flight {
+                    notified.await;
                 }
                 Ok(())
             }
