@@ -352,7 +352,7 @@ impl Mutant {
         let answer = result.as_ref().map_or(Answer::Failed, |d| Answer::Done(*d));
         let body = match &outcome {
             Outcome::Stored(response) => Some(response.body.clone()),
-            Outcome::TooLarge { .. } => None,
+            _ => None,
         };
         self.record(Op::Complete, key, call, Some(owner), start, answer, body);
         result
