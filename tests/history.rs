@@ -176,7 +176,7 @@ fn memory_store_histories_keep_the_guarantee() {
     let started = Instant::now();
     let findings = explore(
         StoreKind::Memory,
-        &seeds(6000),
+        &seeds(10_000),
         None,
         KNOWN_HOLES,
         &memory,
@@ -216,7 +216,7 @@ fn sqlite_store_histories_keep_the_guarantee() {
     let started = Instant::now();
     let findings = explore(
         StoreKind::Sql,
-        &seeds(600),
+        &seeds(800),
         None,
         KNOWN_HOLES,
         &|| Backend::Remote(store.clone(), handle.clone()),
@@ -238,7 +238,7 @@ fn postgres_store_histories_keep_the_guarantee() {
     let started = Instant::now();
     let findings = explore(
         StoreKind::Sql,
-        &seeds(200),
+        &seeds(300),
         None,
         KNOWN_HOLES,
         &|| Backend::Remote(store.clone(), handle.clone()),

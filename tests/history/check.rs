@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::faulty::{Answer, Op, Stamp, StoreEvent};
+use super::faulty::{Answer, Fault, Op, Stamp, StoreEvent, Switch};
 use super::sim::{deadline, Exec, History, Req, Schedule, Seen, Upstream, BODIES};
 use tower_idempotency::store::OwnerToken;
 
@@ -41,6 +41,34 @@ fn escaped(a: usize, b: usize) -> bool {
 fn exec_id(body: &[u8]) -> Option<usize> {
     let text = std::str::from_utf8(body).ok()?;
     text.strip_prefix("exec:")?.split(':').next()?.parse().ok()
+}
+
+fn acq_i_start(acquired: &HashMap<usize, &StoreEvent>, exec: &Exec) -> u64 {
+    acquired[&exec.request].start.seq
+}
+
+/// Whether `instance` crashed, or had a fault on renewals, completions or
+/// releases, at some time between the sequence numbers `from` and `to`.
+fn excused(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
+    let hits = |f: Option<Fault>| {
+        f.is_some_and(|f| f.hits(Op::Renew) || f.hits(Op::Complete) || f.hits(Op::Release))
+    };
+    // The fault in force when the window opened.
+    let mut at_from: Option<Fault> = None;
+    for switch in switches.iter().filter(|s| s.instance == instance) {
+        if switch.at.seq > to {
+            break;
+        }
+        if switch.crash {
+            return true;
+        }
+        if switch.at.seq < from {
+            at_from = switch.fault;
+        } else if hits(switch.fault) {
+            return true;
+        }
+    }
+    hits(at_from)
 }
 
 pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
@@ -155,6 +183,30 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                     .map(|e| t(&e.start))
                     .max()
                     .expect("the acquisition itself");
+                // On the memory store (one exact clock) a lease runs out under
+                // a live owner only for a reason: its instance crashed, or a
+                // fault hit its renewals or its completion meanwhile. (SQL
+                // stores keep real time, which passes while the schedule's
+                // clock stands still: there the lease alone decides.)
+                let reason = real
+                    || excused(
+                        &history.switches,
+                        ei.instance,
+                        acq_i_start(&acquired, ei),
+                        acq_j.end.seq,
+                    );
+                if t(&acq_j.end) + margin >= refreshed + config.lease && !reason {
+                    flag(
+                        "exclusive",
+                        None,
+                        format!(
+                            "exec {} took over exec {}'s lease, which ran out although its \
+                             instance neither crashed nor had a fault on renewals or completion",
+                            ej.id, ei.id
+                        ),
+                    );
+                    continue;
+                }
                 if t(&acq_j.end) + margin >= refreshed + config.lease {
                     // A takeover of this very record (no one held the key in
                     // between) needs the same fingerprint.

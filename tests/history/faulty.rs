@@ -152,6 +152,16 @@ pub struct Mutant {
     completed: Mutex<Vec<(ScopeKey, Fingerprint, Outcome)>>,
     fingerprints: Mutex<HashMap<ScopeKey, Fingerprint>>,
     notify: Mutex<HashMap<ScopeKey, Arc<Notify>>>,
+    switches: Mutex<Vec<Switch>>,
+}
+
+/// A fault switched on or off on one instance, or its crash.
+#[derive(Clone, Debug)]
+pub struct Switch {
+    pub instance: usize,
+    pub at: Stamp,
+    pub fault: Option<Fault>,
+    pub crash: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -171,6 +181,7 @@ impl Mutant {
             completed: Mutex::default(),
             fingerprints: Mutex::default(),
             notify: Mutex::default(),
+            switches: Mutex::default(),
         })
     }
 
@@ -184,6 +195,11 @@ impl Mutant {
 
     pub fn log(&self) -> Vec<StoreEvent> {
         lock(&self.log).clone()
+    }
+
+    /// Every fault switch and crash, in order.
+    pub fn switches(&self) -> Vec<Switch> {
+        lock(&self.switches).clone()
     }
 
     /// Whether the store keeps time by the real clock.
@@ -480,7 +496,7 @@ pub struct Fault {
 }
 
 impl Fault {
-    fn hits(&self, op: Op) -> bool {
+    pub fn hits(&self, op: Op) -> bool {
         let bit = match op {
             Op::Reserve => 1,
             Op::Get => 2,
@@ -524,11 +540,25 @@ impl Faulty {
     /// Switches the fault (or `None`: healthy).
     pub fn set_fault(&self, fault: Option<Fault>) {
         *lock(&self.fault) = fault;
+        let at = self.mutant.stamp();
+        lock(&self.mutant.switches).push(Switch {
+            instance: self.instance,
+            at,
+            fault,
+            crash: false,
+        });
     }
 
     /// The instance crashed: nothing it sends reaches the store any more.
     pub fn kill(&self) {
         self.dead.store(true, Ordering::SeqCst);
+        let at = self.mutant.stamp();
+        lock(&self.mutant.switches).push(Switch {
+            instance: self.instance,
+            at,
+            fault: None,
+            crash: true,
+        });
     }
 
     pub fn is_dead(&self) -> bool {

@@ -306,6 +306,8 @@ pub struct History {
     /// Keys still in flight after every owner was gone and its lease passed.
     pub stuck: Vec<String>,
     pub real_clock: bool,
+    /// Faults switched and crashes, per instance.
+    pub switches: Vec<super::faulty::Switch>,
 }
 
 type Svc = BoxCloneService<Request<Full<Bytes>>, Response<Bytes>, std::io::Error>;
@@ -556,6 +558,7 @@ async fn play(schedule: &Schedule, backend: Backend) -> History {
         store: mutant.log(),
         stuck,
         real_clock: mutant.real_clock(),
+        switches: mutant.switches(),
     }
 }
 
