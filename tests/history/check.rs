@@ -71,6 +71,27 @@ fn excused(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
     hits(at_from)
 }
 
+/// Whether `instance` crashed or had a fault on releases between `from`
+/// and `to` (sequence numbers), or had one in force at `from`.
+fn excused_release(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
+    let hits = |f: Option<Fault>| f.is_some_and(|f| f.hits(Op::Release));
+    let mut at_from: Option<Fault> = None;
+    for switch in switches.iter().filter(|s| s.instance == instance) {
+        if switch.at.seq > to {
+            break;
+        }
+        if switch.crash {
+            return true;
+        }
+        if switch.at.seq < from {
+            at_from = switch.fault;
+        } else if hits(switch.fault) {
+            return true;
+        }
+    }
+    hits(at_from)
+}
+
 pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
     let config = &schedule.config;
     let reqs: HashMap<usize, &Req> = schedule.requests().map(|r| (r.id, r)).collect();
@@ -462,6 +483,69 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                     next.request
                 ),
             );
+        }
+    }
+
+    // 6. A request refused with 503 ("not executed") leaves nothing behind:
+    //    a reservation it committed before it gave up (the store answered
+    //    too late) must not hold the key against the next request. Excused:
+    //    a commit that landed after the refusal, a crashed instance, and a
+    //    fault on releases (the orphan could not be released).
+    let answer_of: HashMap<usize, &super::sim::Answered> =
+        history.answers.iter().map(|a| (a.request, a)).collect();
+    for (&q, a) in &acquired {
+        if exec_of_req.contains_key(&q) {
+            continue;
+        }
+        let Some(refused) = answer_of.get(&q) else {
+            continue;
+        };
+        let Seen::Reply { status, .. } = &refused.seen else {
+            continue;
+        };
+        if status.as_u16() != 503 || a.end.seq > refused.at.seq {
+            continue;
+        }
+        let instance = a.instance;
+        for answered in &history.answers {
+            let r = reqs[&answered.request];
+            let Seen::Reply {
+                status,
+                body: Some(body),
+                ..
+            } = &answered.seen
+            else {
+                continue;
+            };
+            let in_flight = status.as_u16() == 409
+                && std::str::from_utf8(body).is_ok_and(|b| b.contains(":in-flight"));
+            if !in_flight || scope(r) != scope(reqs[&q]) || answered.sent.seq < refused.at.seq {
+                continue;
+            }
+            // The orphan is still the key's latest reservation.
+            let latest = store
+                .iter()
+                .filter(|e| {
+                    e.key == a.key
+                        && matches!(e.answer, Answer::Acquired(_))
+                        && e.end.seq < answered.at.seq
+                })
+                .max_by_key(|e| e.end.seq);
+            if latest.map(|e| e.end.seq) != Some(a.end.seq)
+                || excused_release(&history.switches, instance, refused.at.seq, answered.at.seq)
+            {
+                continue;
+            }
+            flag(
+                "orphan",
+                Some(6),
+                format!(
+                    "request {} got 409 in-flight from the reservation request {q} committed \
+                     before it was refused with 503",
+                    r.id
+                ),
+            );
+            break;
         }
     }
 
