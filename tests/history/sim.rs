@@ -363,7 +363,7 @@ fn build(faulty: Arc<Faulty>, shared: Arc<Shared>, config: &Config) -> Svc {
         let faulty = faulty.clone();
         async move { upstream(&shared, &faulty, request).await }
     });
-    let layered = IdempotencyLayer::new(engine).layer_service(upstream);
+    let layered = tower::Layer::layer(&IdempotencyLayer::new(engine), upstream);
     BoxCloneService::new(layered.and_then(|response: Response<Layered>| async move {
         let (parts, body) = response.into_parts();
         match body.collect().await {
@@ -382,18 +382,6 @@ type Layered = tower_idempotency::layer::ResponseBody<ResBody, std::io::Error>;
 /// Marks a response whose body arrived whole.
 #[derive(Clone, Copy)]
 struct BodyOk;
-
-trait LayerService<S> {
-    type Service;
-    fn layer_service(self, inner: S) -> Self::Service;
-}
-
-impl<S> LayerService<S> for IdempotencyLayer {
-    type Service = tower_idempotency::Idempotency<S>;
-    fn layer_service(self, inner: S) -> Self::Service {
-        tower::Layer::layer(&self, inner)
-    }
-}
 
 async fn upstream(
     shared: &Shared,
