@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use super::faulty::{Answer, Fault, Op, Stamp, StoreEvent, Switch};
-use super::sim::{deadline, Exec, History, Req, Schedule, Seen, Upstream, BODIES};
+use super::sim::{deadline, host_of, Exec, History, Req, Schedule, Seen, Upstream, BODIES};
 use tower_idempotency::store::OwnerToken;
 
 /// One broken invariant. `hole` names the item of the "guarantee holes"
@@ -22,20 +22,18 @@ pub struct Violation {
     pub text: String,
 }
 
-type Scope = (usize, usize);
+/// (host, principal, key): the engine scopes by the host by default (the
+/// path is the same in every spelling).
+type Scope = (usize, usize, usize);
 
 fn scope(req: &Req) -> Scope {
-    (req.principal, req.key)
+    (host_of(req.host), req.principal, req.key)
 }
 
 /// The same request for a last-wins JSON parser (what the upstream acts on).
 fn same_request(a: usize, b: usize) -> bool {
     let parse = |i: usize| serde_json::from_str::<serde_json::Value>(BODIES[i]).unwrap();
     parse(a) == parse(b)
-}
-
-fn escaped(a: usize, b: usize) -> bool {
-    a >= 3 || b >= 3
 }
 
 fn exec_id(body: &[u8]) -> Option<usize> {
@@ -241,7 +239,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                     if direct && !same_request(bi, bj) {
                         flag(
                             "exclusive",
-                            escaped(bi, bj).then_some(1),
+                            None,
                             format!(
                                 "exec {} (body {bj}) took over exec {}'s key (body {bi}): \
                                  a different request",
@@ -350,14 +348,9 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         };
         let origin = reqs[&exec.request];
         if scope(origin) != scope(req) {
-            let principals = [
-                origin.principal.min(req.principal),
-                origin.principal.max(req.principal),
-            ];
-            let hole = (origin.key == req.key && principals == [0, 1]).then_some(9);
             flag(
                 "isolation",
-                hole,
+                None,
                 format!(
                     "request {} (scope {:?}) got exec {}'s answer from scope {:?}",
                     req.id,
@@ -398,7 +391,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         if !same_request(req.body, origin.body) {
             flag(
                 "fingerprint",
-                escaped(req.body, origin.body).then_some(1),
+                None,
                 format!(
                     "request {} (body {}) got a replay of exec {} (body {})",
                     req.id, req.body, exec.id, origin.body
@@ -488,9 +481,14 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
 
     // 6. A request refused with 503 ("not executed") leaves nothing behind:
     //    a reservation it committed before it gave up (the store answered
-    //    too late) must not hold the key against the next request. Excused:
-    //    a commit that landed after the refusal, a crashed instance, and a
-    //    fault on releases (the orphan could not be released).
+    //    too late) must not hold the key against the next request. The
+    //    engine releases it at once, and once more when the abandoned call
+    //    ends (if it ends within a lease): a request sent after the refusal
+    //    (or, for a commit that landed after the refusal, after that call
+    //    ended and its release ran) must not find it. Excused: a crashed
+    //    instance, a fault on releases (the orphan could not be released),
+    //    and a late commit whose call the engine stopped waiting for (its
+    //    own lease bounds it).
     let answer_of: HashMap<usize, &super::sim::Answered> =
         history.answers.iter().map(|a| (a.request, a)).collect();
     for (&q, a) in &acquired {
@@ -503,9 +501,21 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         let Seen::Reply { status, .. } = &refused.seen else {
             continue;
         };
-        if status.as_u16() != 503 || a.end.seq > refused.at.seq {
+        if status.as_u16() != 503 {
             continue;
         }
+        // From when on nothing may find the orphan.
+        let settled = if a.end.seq < refused.at.seq {
+            refused.at.seq
+        } else {
+            let Some(end) = a.owner.and_then(|o| history.reserve_ends.get(&o)) else {
+                continue;
+            };
+            store
+                .iter()
+                .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq > end.seq)
+                .map_or(end.seq, |release| release.end.seq)
+        };
         let instance = a.instance;
         for answered in &history.answers {
             let r = reqs[&answered.request];
@@ -519,7 +529,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             };
             let in_flight = status.as_u16() == 409
                 && std::str::from_utf8(body).is_ok_and(|b| b.contains(":in-flight"));
-            if !in_flight || scope(r) != scope(reqs[&q]) || answered.sent.seq < refused.at.seq {
+            if !in_flight || scope(r) != scope(reqs[&q]) || answered.sent.seq < settled {
                 continue;
             }
             // The orphan is still the key's latest reservation.
@@ -538,7 +548,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             }
             flag(
                 "orphan",
-                Some(6),
+                None,
                 format!(
                     "request {} got 409 in-flight from the reservation request {q} committed \
                      before it was refused with 503",

@@ -64,6 +64,9 @@ pub enum Mutation {
     /// The engine's scope leaves out the principal (modelled in the harness:
     /// the principal never reaches the engine).
     ScopeWithoutPrincipal,
+    /// The engine's scope leaves out the host (modelled in the harness:
+    /// `Policy::scope_authority` off), so two tenants share a key space.
+    ScopeWithoutHost,
     /// A lookup answers with another key's completed record.
     ReplayOtherRecord,
     /// A wait ignores its `max` and returns only when the key is released
@@ -153,6 +156,7 @@ pub struct Mutant {
     fingerprints: Mutex<HashMap<ScopeKey, Fingerprint>>,
     notify: Mutex<HashMap<ScopeKey, Arc<Notify>>>,
     switches: Mutex<Vec<Switch>>,
+    reserve_ends: Mutex<HashMap<OwnerToken, Stamp>>,
 }
 
 /// A fault switched on or off on one instance, or its crash.
@@ -182,6 +186,7 @@ impl Mutant {
             fingerprints: Mutex::default(),
             notify: Mutex::default(),
             switches: Mutex::default(),
+            reserve_ends: Mutex::default(),
         })
     }
 
@@ -200,6 +205,13 @@ impl Mutant {
     /// Every fault switch and crash, in order.
     pub fn switches(&self) -> Vec<Switch> {
         lock(&self.switches).clone()
+    }
+
+    /// When each reserve call, as the engine made it (faults included),
+    /// returned, by its owner token. A call the engine dropped (it stopped
+    /// waiting) or whose instance crashed has none.
+    pub fn reserve_ends(&self) -> HashMap<OwnerToken, Stamp> {
+        lock(&self.reserve_ends).clone()
     }
 
     /// Whether the store keeps time by the real clock.
@@ -255,13 +267,14 @@ impl Mutant {
         call: (usize, Option<usize>),
         key: ScopeKey,
         fp: Fingerprint,
+        owner: OwnerToken,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let start = self.stamp();
         let reserve = |backend: Backend| async move {
             backend
-                .call(move |s| async move { s.reserve(&key, &fp, lease, ttl).await })
+                .call(move |s| async move { s.reserve(&key, &fp, &owner, lease, ttl).await })
                 .await
         };
         let mut result = reserve(self.backend.clone()).await;
@@ -278,10 +291,7 @@ impl Mutant {
                     result = reserve(self.backend.clone())
                         .await
                         .map(|claim| match claim {
-                            Claim::Acquired { owner, .. } => Claim::Acquired {
-                                owner,
-                                takeover: true,
-                            },
+                            Claim::Acquired { .. } => Claim::Acquired { takeover: true },
                             other => other,
                         });
                 }
@@ -295,10 +305,10 @@ impl Mutant {
             }
         }
         let answer = match &result {
-            Ok(Claim::Acquired { owner, .. }) => {
-                lock(&self.owners).insert(key, *owner);
+            Ok(Claim::Acquired { .. }) => {
+                lock(&self.owners).insert(key, owner);
                 lock(&self.fingerprints).insert(key, fp);
-                Answer::Acquired(*owner)
+                Answer::Acquired(owner)
             }
             Ok(Claim::Existing(_)) => Answer::Existing,
             Err(_) => Answer::Failed,
@@ -613,14 +623,18 @@ impl Store for Faulty {
         &self,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
+        owner: &OwnerToken,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let call = self
             .mutant
             .clone()
-            .reserve(self.id(), *key, *fingerprint, lease, ttl);
-        self.run(Op::Reserve, Box::pin(call)).await
+            .reserve(self.id(), *key, *fingerprint, *owner, lease, ttl);
+        let result = self.run(Op::Reserve, Box::pin(call)).await;
+        let end = self.mutant.stamp();
+        lock(&self.mutant.reserve_ends).insert(*owner, end);
+        result
     }
 
     async fn complete(
@@ -660,14 +674,6 @@ impl Store for Faulty {
     async fn wait(&self, key: &ScopeKey, max: Duration, attempt: u32) -> Result<(), StoreError> {
         let call = self.mutant.clone().wait(self.id(), *key, max, attempt);
         self.run(Op::Wait, Box::pin(call)).await
-    }
-
-    async fn sweep(&self, _batch: usize) -> Result<u64, StoreError> {
-        Ok(0)
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
     }
 }
 

@@ -35,6 +35,20 @@ pub const BODIES: [&str; 5] = [
     r#"{"\u0061mount":1000,"amount":10}"#,
 ];
 
+/// `Host` header values. 0 and 1 are one host spelled twice (case, a
+/// trailing dot, a port); 2 is another host (another tenant): the scope
+/// includes the host by default.
+pub const HOSTS: [&str; 3] = ["shop.example", "SHOP.Example.:8080", "other.example"];
+
+/// Which host a `Host` value names.
+pub fn host_of(host: usize) -> usize {
+    usize::from(host == 2)
+}
+
+/// Spellings of one path: the engine scopes and fingerprints the
+/// normalised path, so they are all the same request.
+pub const PATHS: [&str; 5] = ["/orders", "/orders/", "//orders", "/./orders", "/%6Frders"];
+
 /// Which store a schedule runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreKind {
@@ -64,6 +78,10 @@ pub struct Req {
     pub id: usize,
     pub at: Duration,
     pub instance: usize,
+    /// Index into [`HOSTS`].
+    pub host: usize,
+    /// Index into [`PATHS`].
+    pub path: usize,
     pub principal: usize,
     pub key: usize,
     pub body: usize,
@@ -167,6 +185,8 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
     };
     let keys = rng.random_range(1..=2);
     let escaped = rng.random_bool(0.2);
+    // Most schedules use one host (spelled in several ways); some two.
+    let two_hosts = rng.random_bool(0.25);
     let mut actions = Vec::new();
     let n = rng.random_range(3..=12);
     let mut at = Duration::ZERO;
@@ -194,10 +214,22 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
         let drop_after = rng
             .random_bool(0.15)
             .then(|| ms(rng.random_range(0..=(delay.as_millis() as u64 + 50))));
+        let host = match rng.random_range(0..10) {
+            0..=2 if two_hosts => 2,
+            0..=7 => 0,
+            _ => 1,
+        };
+        let path = if rng.random_bool(0.3) {
+            rng.random_range(1..PATHS.len())
+        } else {
+            0
+        };
         actions.push(Action::Request(Req {
             id,
             at,
             instance: rng.random_range(0..config.instances),
+            host,
+            path,
             principal: pick(&mut rng, &principals),
             key: rng.random_range(0..keys),
             body,
@@ -308,6 +340,8 @@ pub struct History {
     pub real_clock: bool,
     /// Faults switched and crashes, per instance.
     pub switches: Vec<super::faulty::Switch>,
+    /// When each reserve call returned to the engine, by owner token.
+    pub reserve_ends: HashMap<tower_idempotency::store::OwnerToken, Stamp>,
 }
 
 type Svc = BoxCloneService<Request<Full<Bytes>>, Response<Bytes>, std::io::Error>;
@@ -348,6 +382,7 @@ fn build(faulty: Arc<Faulty>, shared: Arc<Shared>, config: &Config) -> Svc {
         lease: config.lease,
         wait_timeout: config.wait_timeout,
         in_flight: config.in_flight,
+        scope_authority: config.mutation != Some(Mutation::ScopeWithoutHost),
         ..Policy::default()
     };
     let engine = Engine::with_config(
@@ -547,6 +582,7 @@ async fn play(schedule: &Schedule, backend: Backend) -> History {
         stuck,
         real_clock: mutant.real_clock(),
         switches: mutant.switches(),
+        reserve_ends: mutant.reserve_ends(),
     }
 }
 
@@ -561,7 +597,8 @@ async fn in_flight(mutant: &Mutant, key: tower_idempotency::store::ScopeKey) -> 
 }
 
 async fn client(shared: Arc<Shared>, svc: Svc, config: Config, req: Req) {
-    let mut request = Request::post("/orders")
+    let mut request = Request::post(PATHS[req.path])
+        .header("host", HOSTS[req.host])
         .header("idempotency-key", raw_key(&config, &req))
         .header("content-type", "application/json")
         .header("x-request", req.id.to_string())
