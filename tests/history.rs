@@ -188,7 +188,7 @@ fn memory_store_histories_keep_the_guarantee() {
     let started = Instant::now();
     let findings = explore(
         StoreKind::Memory,
-        &seeds(10_000),
+        &seeds(8_500),
         None,
         KNOWN_HOLES,
         &memory,
@@ -323,6 +323,11 @@ fn finds_a_replay_of_another_record() {
 #[test]
 fn finds_a_wait_that_ignores_its_limit() {
     finds(Mutation::WaitIgnoresMax, "deadline");
+}
+
+#[test]
+fn finds_an_orphaned_reservation_that_cannot_be_released() {
+    finds(Mutation::OrphanUnreleasable, "orphan");
 }
 
 /// With hole `n` no longer excused, no schedule may show it: 500 memory

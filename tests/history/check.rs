@@ -483,9 +483,10 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
     //    a reservation it committed before it gave up (the store answered
     //    too late) must not hold the key against the next request. The
     //    engine releases it at once, and once more when the abandoned call
-    //    ends (if it ends within a lease): a request sent after the refusal
-    //    (or, for a commit that landed after the refusal, after that call
-    //    ended and its release ran) must not find it. Excused: a crashed
+    //    ends (if it ends within a lease). Once that release has run (the
+    //    first after the reservation landed; or, with none, from the
+    //    refusal, or from the end of the call for a commit that landed
+    //    after it) no reservation may meet the orphan. Excused: a crashed
     //    instance, a fault on releases (the orphan could not be released),
     //    and a late commit whose call the engine stopped waiting for (its
     //    own lease bounds it).
@@ -504,58 +505,47 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         if status.as_u16() != 503 {
             continue;
         }
-        // From when on nothing may find the orphan.
-        let settled = if a.end.seq < refused.at.seq {
+        // From when on nothing may meet the orphan.
+        let from = if a.end.seq < refused.at.seq {
             refused.at.seq
         } else {
             let Some(end) = a.owner.and_then(|o| history.reserve_ends.get(&o)) else {
                 continue;
             };
-            store
-                .iter()
-                .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq > end.seq)
-                .map_or(end.seq, |release| release.end.seq)
+            end.seq
         };
-        let instance = a.instance;
-        for answered in &history.answers {
-            let r = reqs[&answered.request];
-            let Seen::Reply {
-                status,
-                body: Some(body),
-                ..
-            } = &answered.seen
-            else {
-                continue;
-            };
-            let in_flight = status.as_u16() == 409
-                && std::str::from_utf8(body).is_ok_and(|b| b.contains(":in-flight"));
-            if !in_flight || scope(r) != scope(reqs[&q]) || answered.sent.seq < settled {
-                continue;
-            }
-            // The orphan is still the key's latest reservation.
-            let latest = store
-                .iter()
-                .filter(|e| {
-                    e.key == a.key
-                        && matches!(e.answer, Answer::Acquired(_))
-                        && e.end.seq < answered.at.seq
-                })
-                .max_by_key(|e| e.end.seq);
-            if latest.map(|e| e.end.seq) != Some(a.end.seq)
-                || excused_release(&history.switches, instance, refused.at.seq, answered.at.seq)
-            {
-                continue;
-            }
+        let settled = store
+            .iter()
+            .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq > a.end.seq)
+            .map_or(from, |release| release.end.seq.max(from));
+        let met = store.iter().find(|e| {
+            e.op == Op::Reserve
+                && e.key == a.key
+                && matches!(e.answer, Answer::Existing)
+                && e.start.seq > settled
+                // The orphan is still the key's latest reservation.
+                && store
+                    .iter()
+                    .filter(|l| {
+                        l.key == a.key
+                            && matches!(l.answer, Answer::Acquired(_))
+                            && l.end.seq < e.start.seq
+                    })
+                    .max_by_key(|l| l.end.seq)
+                    .map(|l| l.end.seq)
+                    == Some(a.end.seq)
+                && !excused_release(&history.switches, a.instance, refused.at.seq, e.end.seq)
+        });
+        if let Some(e) = met {
             flag(
                 "orphan",
                 None,
                 format!(
-                    "request {} got 409 in-flight from the reservation request {q} committed \
-                     before it was refused with 503",
-                    r.id
+                    "request {:?}'s reservation met the one request {q} committed before it \
+                     was refused with 503 (the orphan was not released)",
+                    e.request
                 ),
             );
-            break;
         }
     }
 

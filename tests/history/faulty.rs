@@ -72,6 +72,10 @@ pub enum Mutation {
     /// A wait ignores its `max` and returns only when the key is released
     /// or completed.
     WaitIgnoresMax,
+    /// A release by an owner whose reservation the engine never saw
+    /// acquired (its answer was lost) changes nothing: the reservation a
+    /// refused request committed cannot be released (hole 6 as it was).
+    OrphanUnreleasable,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,6 +161,8 @@ pub struct Mutant {
     notify: Mutex<HashMap<ScopeKey, Arc<Notify>>>,
     switches: Mutex<Vec<Switch>>,
     reserve_ends: Mutex<HashMap<OwnerToken, Stamp>>,
+    /// Owners whose reserve answered `Acquired` to the engine.
+    answered: Mutex<std::collections::HashSet<OwnerToken>>,
 }
 
 /// A fault switched on or off on one instance, or its crash.
@@ -187,6 +193,7 @@ impl Mutant {
             notify: Mutex::default(),
             switches: Mutex::default(),
             reserve_ends: Mutex::default(),
+            answered: Mutex::default(),
         })
     }
 
@@ -391,10 +398,14 @@ impl Mutant {
         owner: OwnerToken,
     ) -> Result<bool, StoreError> {
         let start = self.stamp();
-        let result = self
-            .backend
-            .call(move |s| async move { s.release(&key, &owner).await })
-            .await;
+        let orphan = !lock(&self.answered).contains(&owner);
+        let result = if self.mutation == Some(Mutation::OrphanUnreleasable) && orphan {
+            Ok(false)
+        } else {
+            self.backend
+                .call(move |s| async move { s.release(&key, &owner).await })
+                .await
+        };
         if let Ok(true) = result {
             if self.mutation != Some(Mutation::ReleaseForgetsWaiters) {
                 self.notify(&key);
@@ -634,6 +645,9 @@ impl Store for Faulty {
         let result = self.run(Op::Reserve, Box::pin(call)).await;
         let end = self.mutant.stamp();
         lock(&self.mutant.reserve_ends).insert(*owner, end);
+        if let Ok(Claim::Acquired { .. }) = result {
+            lock(&self.mutant.answered).insert(*owner);
+        }
         result
     }
 
