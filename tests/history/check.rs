@@ -523,17 +523,19 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                 && e.key == a.key
                 && matches!(e.answer, Answer::Existing)
                 && e.start.seq > settled
-                // The orphan is still the key's latest reservation.
-                && store
-                    .iter()
-                    .filter(|l| {
-                        l.key == a.key
-                            && matches!(l.answer, Answer::Acquired(_))
-                            && l.end.seq < e.start.seq
-                    })
-                    .max_by_key(|l| l.end.seq)
-                    .map(|l| l.end.seq)
-                    == Some(a.end.seq)
+                // The orphan was not released before (then it met another
+                // record) ...
+                && !accepted(Op::Release, a.owner.expect("acquired"))
+                    .any(|r| r.end.seq < e.start.seq)
+                // ... and no later reservation (even one still under way,
+                // whose row a database may hold already) could be the one
+                // it met.
+                && !store.iter().any(|l| {
+                    l.key == a.key
+                        && matches!(l.answer, Answer::Acquired(_))
+                        && l.end.seq > a.end.seq
+                        && l.start.seq < e.end.seq
+                })
                 && !excused_release(&history.switches, a.instance, refused.at.seq, e.end.seq)
         });
         if let Some(e) = met {

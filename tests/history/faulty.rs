@@ -1,5 +1,4 @@
-//! The store side of the history checker, in one file so it can later be
-//! swapped for a shared fault-injecting store:
+//! The store side of the history checker:
 //!
 //! * [`Mutant`] is the store under test: a real store (memory, SQLite,
 //!   PostgreSQL) plus, when asked, one deliberate store bug ([`Mutation`]).
@@ -10,6 +9,18 @@
 //!   faults (an error, a stall past `store_timeout`, a commit whose answer is
 //!   lost, a commit that lands late), and a "dead" switch for a crashed
 //!   instance (every later call hangs, nothing more reaches the store).
+//!
+//! [`Faulty`] is not the library's `FaultyStore` (`test-util`), although
+//! that one models an error (`Fault::Down`), a stall (`Fault::Stall`) and a
+//! lost answer (`Fault::CommitThenFail`, `Fault::CommitThenStall`): two of
+//! the faults here have no counterpart there. A late commit needs the
+//! write to reach the store *after* the engine gave up on the call, even
+//! when the engine drops it (a `FaultyStore` stall reaches the store only
+//! while its caller still polls it, as the engine does only for a reserve),
+//! and a crashed instance needs every call of that instance, including one
+//! under way or stalled, never to answer and never to reach the store
+//! again. Both are what the guarantee must survive, so the checker keeps
+//! its own switches rather than model fewer faults.
 //!
 //! A real SQL store's calls run on a runtime of their own inside
 //! `spawn_blocking`: while one is running, the schedule's paused clock does
