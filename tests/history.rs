@@ -1,0 +1,374 @@
+//! The randomized history checker: thousands of seeded schedules played
+//! through the tower layer, each history checked against the guarantee.
+//!
+//! A schedule (drawn from a `u64` seed) mixes clients sending one key with
+//! the same or a different body, at once and in sequence, as several
+//! principals, some going away mid-request; an upstream that is slow, fails
+//! before its head or mid-body, answers stored and unstored statuses; store
+//! faults per engine instance (errors, stalls past `store_timeout`, commits
+//! whose answer is lost, commits that land late); leases that run out; an
+//! instance that crashes with work in flight and a fresh one on the same
+//! store. Time is tokio's paused clock, so a seed replays its history.
+//!
+//! * `HISTORY_SEED=<n>` replays one schedule (and prints its history).
+//! * `HISTORY_SCHEDULES=<n>` runs `n` schedules per store (a soak).
+//!
+//! The invariants are in `history/check.rs`; RELIABILITY.md has the results.
+
+#[path = "history/check.rs"]
+mod check;
+#[path = "history/faulty.rs"]
+mod faulty;
+#[path = "fixtures/mod.rs"]
+mod fixtures;
+#[path = "history/sim.rs"]
+mod sim;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use check::{check, Violation};
+use faulty::{Backend, Mutation};
+use sim::{generate, run, StoreKind};
+use tower_idempotency::{MemoryStore, Store};
+
+/// Holes of the "guarantee holes" issue that today's code still has: a
+/// violation they explain is counted and reported, not failed. Remove a
+/// number when its fix lands (and un-ignore its `hole_N_is_closed` test).
+const KNOWN_HOLES: &[u8] = &[5];
+
+/// Where schedule seeds start (any fixed value: CI runs the same seeds;
+/// `HISTORY_BASE=<n>` starts elsewhere, for a run on other schedules).
+const BASE_SEED: u64 = 0x1d3e_0000;
+
+fn base_seed() -> u64 {
+    std::env::var("HISTORY_BASE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(BASE_SEED)
+}
+
+fn schedules(default: usize) -> usize {
+    std::env::var("HISTORY_SCHEDULES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(default)
+}
+
+fn seeds(default: usize) -> Vec<u64> {
+    seeds_from(0, default)
+}
+
+/// `default` seeds (or `HISTORY_SCHEDULES`) from `offset` past the base.
+fn seeds_from(offset: u64, default: usize) -> Vec<u64> {
+    if let Some(seed) = std::env::var("HISTORY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        return vec![seed];
+    }
+    let base = base_seed() + offset;
+    (0..schedules(default) as u64).map(|i| base + i).collect()
+}
+
+/// What a run of many schedules found.
+#[derive(Default)]
+struct Findings {
+    schedules: usize,
+    /// (seed, violations) of every schedule with an unexplained violation.
+    failed: Vec<(u64, Vec<Violation>)>,
+    /// Per known hole: how many schedules showed it, and the first seed.
+    known: std::collections::BTreeMap<u8, (usize, u64)>,
+}
+
+fn explore(
+    store: StoreKind,
+    seeds: &[u64],
+    mutation: Option<Mutation>,
+    known: &[u8],
+    backend: &dyn Fn() -> Backend,
+    stop_at_first: bool,
+) -> Findings {
+    let verbose = std::env::var("HISTORY_SEED").is_ok();
+    let mut findings = Findings::default();
+    for &seed in seeds {
+        let schedule = generate(seed, store, mutation);
+        let history = run(&schedule, backend());
+        let violations = check(&schedule, &history);
+        findings.schedules += 1;
+        if verbose {
+            eprintln!("{}", schedule.describe());
+            eprintln!("{}", describe_history(&history));
+            eprintln!("violations: {violations:#?}");
+        }
+        let mut holes: Vec<u8> = violations.iter().filter_map(|v| v.hole).collect();
+        holes.dedup();
+        for hole in holes.into_iter().filter(|h| known.contains(h)) {
+            let entry = findings.known.entry(hole).or_insert((0, seed));
+            entry.0 += 1;
+        }
+        let unexplained: Vec<Violation> = violations
+            .into_iter()
+            .filter(|v| v.hole.is_none_or(|h| !known.contains(&h)))
+            .collect();
+        if !unexplained.is_empty() {
+            if findings.failed.is_empty() && !stop_at_first {
+                eprintln!(
+                    "HISTORY_SEED={seed} violates the guarantee:\n{unexplained:#?}\n{}\n{}",
+                    schedule.describe(),
+                    describe_history(&history)
+                );
+            }
+            findings.failed.push((seed, unexplained));
+            if stop_at_first {
+                break;
+            }
+        }
+    }
+    findings
+}
+
+fn describe_history(history: &sim::History) -> String {
+    let mut out = String::from("executions:\n");
+    for e in &history.execs {
+        out += &format!("  {e:?}\n");
+    }
+    out += "answers:\n";
+    for a in &history.answers {
+        out += &format!("  {a:?}\n");
+    }
+    out += "store:\n";
+    for e in &history.store {
+        out += &format!(
+            "  #{:>4}-{:<4} {:?} {:?} req {:?} owner {:?} inst {} at {:?}/{:?} -> {:?}\n",
+            e.start.seq,
+            e.end.seq,
+            e.op,
+            e.key,
+            e.request,
+            e.owner,
+            e.instance,
+            e.start.virt,
+            e.start.real,
+            e.answer
+        );
+    }
+    for s in &history.stuck {
+        out += &format!("stuck: {s}\n");
+    }
+    out
+}
+
+fn memory() -> Backend {
+    Backend::Direct(Arc::new(MemoryStore::new()))
+}
+
+fn report(name: &str, findings: &Findings, started: Instant) {
+    eprintln!(
+        "history[{name}]: {} schedules in {:.1?}; known holes found: {:?}",
+        findings.schedules,
+        started.elapsed(),
+        findings.known
+    );
+}
+
+fn assert_clean(findings: &Findings) {
+    assert!(
+        findings.failed.is_empty(),
+        "{} of {} schedules violate the guarantee; first: HISTORY_SEED={} {:#?}",
+        findings.failed.len(),
+        findings.schedules,
+        findings.failed[0].0,
+        findings.failed[0].1
+    );
+}
+
+#[test]
+fn memory_store_histories_keep_the_guarantee() {
+    let started = Instant::now();
+    let findings = explore(
+        StoreKind::Memory,
+        &seeds(8_500),
+        None,
+        KNOWN_HOLES,
+        &memory,
+        false,
+    );
+    report("memory", &findings, started);
+    assert_clean(&findings);
+}
+
+/// A runtime of its own for a SQL store's connections (the schedules' own
+/// runtimes come and go).
+fn io_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn sqlite_store_histories_keep_the_guarantee() {
+    let io = io_runtime();
+    let dir = std::path::Path::new("/dev/shm");
+    let path = if dir.is_dir() {
+        dir.join(format!("history-{}.db", uuid::Uuid::new_v4().simple()))
+    } else {
+        fixtures::sqlite_path()
+    };
+    let store: Arc<dyn Store> = Arc::new(
+        io.block_on(tower_idempotency::SqliteStore::connect(
+            path.to_str().unwrap(),
+        ))
+        .unwrap(),
+    );
+    let handle = io.handle().clone();
+    let started = Instant::now();
+    let findings = explore(
+        StoreKind::Sql,
+        &seeds(800),
+        None,
+        KNOWN_HOLES,
+        &|| Backend::Remote(store.clone(), handle.clone()),
+        false,
+    );
+    report("sqlite", &findings, started);
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    assert_clean(&findings);
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn postgres_store_histories_keep_the_guarantee() {
+    let io = io_runtime();
+    let store: Arc<dyn Store> = Arc::new(io.block_on(fixtures::postgres_store()));
+    let handle = io.handle().clone();
+    let started = Instant::now();
+    let findings = explore(
+        StoreKind::Sql,
+        &seeds(300),
+        None,
+        KNOWN_HOLES,
+        &|| Backend::Remote(store.clone(), handle.clone()),
+        false,
+    );
+    report("postgres", &findings, started);
+    assert_clean(&findings);
+}
+
+/// Runs memory schedules with `mutation` until one violates the guarantee;
+/// asserts that one does within the budget and prints its seed.
+fn finds(mutation: Mutation, rule: &str) {
+    let started = Instant::now();
+    let findings = explore(
+        StoreKind::Memory,
+        &seeds(1500),
+        Some(mutation),
+        KNOWN_HOLES,
+        &memory,
+        true,
+    );
+    let Some((seed, violations)) = findings.failed.first() else {
+        panic!(
+            "{mutation:?}: no violating schedule in {} schedules",
+            findings.schedules
+        );
+    };
+    eprintln!(
+        "{mutation:?}: found after {} schedules ({:.1?}): HISTORY_SEED={seed} {:?}",
+        findings.schedules,
+        started.elapsed(),
+        violations[0]
+    );
+    assert!(
+        violations.iter().any(|v| v.rule == rule),
+        "{mutation:?} was expected to break `{rule}`: {violations:#?}"
+    );
+}
+
+#[test]
+fn finds_a_takeover_that_ignores_the_lease() {
+    finds(Mutation::TakeoverIgnoresLease, "exclusive");
+}
+
+#[test]
+fn finds_a_completion_not_fenced_on_the_owner() {
+    finds(Mutation::UnfencedCompletion, "fencing");
+}
+
+#[test]
+fn finds_a_release_that_forgets_the_waiters() {
+    finds(Mutation::ReleaseForgetsWaiters, "wake-up");
+}
+
+#[test]
+fn finds_a_scope_without_the_principal() {
+    finds(Mutation::ScopeWithoutPrincipal, "isolation");
+}
+
+#[test]
+fn finds_a_scope_without_the_host() {
+    finds(Mutation::ScopeWithoutHost, "isolation");
+}
+
+#[test]
+fn finds_a_replay_of_another_record() {
+    finds(Mutation::ReplayOtherRecord, "isolation");
+}
+
+#[test]
+fn finds_a_wait_that_ignores_its_limit() {
+    finds(Mutation::WaitIgnoresMax, "deadline");
+}
+
+#[test]
+fn finds_an_orphaned_reservation_that_cannot_be_released() {
+    finds(Mutation::OrphanUnreleasable, "orphan");
+}
+
+/// With hole `n` no longer excused, no schedule may show it: 500 memory
+/// schedules of the hole's own (past those of the main run, so each such
+/// test adds schedules rather than repeating them).
+fn closed(hole: u8) {
+    let known: Vec<u8> = KNOWN_HOLES.iter().copied().filter(|h| *h != hole).collect();
+    let seeds = seeds_from(1_000_000 * u64::from(hole), 500);
+    let findings = explore(StoreKind::Memory, &seeds, None, &known, &memory, true);
+    assert_clean(&findings);
+}
+
+/// Hole 1 (escaped duplicate JSON keys: the fingerprint read the first
+/// key, the upstream the last), found by HISTORY_SEED=490602705 before its
+/// fix (with the schedules of that time). Closed: the checker no longer
+/// excuses it anywhere.
+#[test]
+fn hole_1_is_closed() {
+    closed(1);
+}
+
+/// Hole 5 (a body that fails after the head releases the key), found today
+/// by HISTORY_SEED=490602500.
+#[test]
+#[ignore = "guarantee hole 5 is open; un-ignore with its fix"]
+fn hole_5_is_closed() {
+    closed(5);
+}
+
+/// Hole 6 (a reservation committed by a reserve that timed out stays in
+/// flight, unreleasable, and answers 409 until its lease runs out), found
+/// by HISTORY_SEED=490603269 before its fix (the engine now draws the
+/// owner token and releases such a reservation). Closed.
+#[test]
+fn hole_6_is_closed() {
+    closed(6);
+}
+
+/// Hole 9 (no principal and `Principal("")` share a scope), found by
+/// HISTORY_SEED=490602496 before its fix. Closed.
+#[test]
+fn hole_9_is_closed() {
+    closed(9);
+}

@@ -1,0 +1,559 @@
+//! The invariants, checked on one history.
+//!
+//! A scope is what the client means by it: (principal, key). The store's
+//! side of the history (every call the store under test answered, with its
+//! owner tokens and times by the store's own clock) decides when a second
+//! execution is legitimate.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::faulty::{Answer, Fault, Op, Stamp, StoreEvent, Switch};
+use super::sim::{deadline, host_of, Exec, History, Req, Schedule, Seen, Upstream, BODIES};
+use tower_idempotency::store::OwnerToken;
+
+/// One broken invariant. `hole` names the item of the "guarantee holes"
+/// issue that explains it, when one does.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    pub rule: &'static str,
+    pub hole: Option<u8>,
+    #[allow(dead_code)] // read through Debug, in failure reports
+    pub text: String,
+}
+
+/// (host, principal, key): the engine scopes by the host by default (the
+/// path is the same in every spelling).
+type Scope = (usize, usize, usize);
+
+fn scope(req: &Req) -> Scope {
+    (host_of(req.host), req.principal, req.key)
+}
+
+/// The same request for a last-wins JSON parser (what the upstream acts on).
+fn same_request(a: usize, b: usize) -> bool {
+    let parse = |i: usize| serde_json::from_str::<serde_json::Value>(BODIES[i]).unwrap();
+    parse(a) == parse(b)
+}
+
+fn exec_id(body: &[u8]) -> Option<usize> {
+    let text = std::str::from_utf8(body).ok()?;
+    text.strip_prefix("exec:")?.split(':').next()?.parse().ok()
+}
+
+fn acq_i_start(acquired: &HashMap<usize, &StoreEvent>, exec: &Exec) -> u64 {
+    acquired[&exec.request].start.seq
+}
+
+/// Whether `instance` crashed, or had a fault on renewals, completions or
+/// releases, at some time between the sequence numbers `from` and `to`.
+fn excused(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
+    let hits = |f: Option<Fault>| {
+        f.is_some_and(|f| f.hits(Op::Renew) || f.hits(Op::Complete) || f.hits(Op::Release))
+    };
+    // The fault in force when the window opened.
+    let mut at_from: Option<Fault> = None;
+    for switch in switches.iter().filter(|s| s.instance == instance) {
+        if switch.at.seq > to {
+            break;
+        }
+        if switch.crash {
+            return true;
+        }
+        if switch.at.seq < from {
+            at_from = switch.fault;
+        } else if hits(switch.fault) {
+            return true;
+        }
+    }
+    hits(at_from)
+}
+
+/// Whether `instance` crashed or had a fault on releases between `from`
+/// and `to` (sequence numbers), or had one in force at `from`.
+fn excused_release(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
+    let hits = |f: Option<Fault>| f.is_some_and(|f| f.hits(Op::Release));
+    let mut at_from: Option<Fault> = None;
+    for switch in switches.iter().filter(|s| s.instance == instance) {
+        if switch.at.seq > to {
+            break;
+        }
+        if switch.crash {
+            return true;
+        }
+        if switch.at.seq < from {
+            at_from = switch.fault;
+        } else if hits(switch.fault) {
+            return true;
+        }
+    }
+    hits(at_from)
+}
+
+pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
+    let config = &schedule.config;
+    let reqs: HashMap<usize, &Req> = schedule.requests().map(|r| (r.id, r)).collect();
+    let mut out = Vec::new();
+    let mut flag = |rule, hole, text: String| out.push(Violation { rule, hole, text });
+
+    // The store's clock: virtual for the memory store, real for SQL.
+    let real = history.real_clock;
+    let t = |s: &Stamp| if real { s.real } else { s.virt };
+    let margin = if real {
+        Duration::from_millis(5)
+    } else {
+        Duration::ZERO
+    };
+
+    let store = &history.store;
+    let acquired: HashMap<usize, &StoreEvent> = store
+        .iter()
+        .filter(|e| e.op == Op::Reserve && matches!(e.answer, Answer::Acquired(_)))
+        .filter_map(|e| e.request.map(|r| (r, e)))
+        .collect();
+    let owner_req: HashMap<OwnerToken, usize> = acquired
+        .iter()
+        .filter_map(|(r, e)| e.owner.map(|o| (o, *r)))
+        .collect();
+    let execs: HashMap<usize, &Exec> = history.execs.iter().map(|e| (e.id, e)).collect();
+    let exec_of_req: HashMap<usize, &Exec> = history.execs.iter().map(|e| (e.request, e)).collect();
+    let accepted = |op: Op, owner: OwnerToken| {
+        store.iter().filter(move |e| {
+            e.op == op && e.owner == Some(owner) && matches!(e.answer, Answer::Done(true))
+        })
+    };
+
+    // 1. At most one execution per scope, except after its predecessor
+    //    legitimately let the key go (an answer that is not stored, a failure
+    //    before the head) or was a crashed or stalled owner whose lease ran
+    //    out by the store's clock (then only a request with the same
+    //    fingerprint may take over). This also rules out two concurrent
+    //    executions while the first's lease is live.
+    let mut by_scope: HashMap<Scope, Vec<&Exec>> = HashMap::new();
+    for exec in &history.execs {
+        by_scope
+            .entry(scope(reqs[&exec.request]))
+            .or_default()
+            .push(exec);
+    }
+    for list in by_scope.values_mut() {
+        list.sort_by_key(|e| e.start.seq);
+        for j in 1..list.len() {
+            let ej = list[j];
+            let Some(acq_j) = acquired.get(&ej.request) else {
+                flag(
+                    "exclusive",
+                    None,
+                    format!("exec {} ran without holding its key", ej.id),
+                );
+                continue;
+            };
+            for &ei in &list[..j] {
+                let Some(owner_i) = acquired.get(&ei.request).and_then(|e| e.owner) else {
+                    continue;
+                };
+                let (bi, bj) = (reqs[&ei.request].body, reqs[&ej.request].body);
+                if let Some(done) =
+                    accepted(Op::Complete, owner_i).find(|c| c.end.seq < acq_j.start.seq)
+                {
+                    flag(
+                        "exclusive",
+                        None,
+                        format!(
+                            "exec {} ran after exec {}'s response was stored (at {:?})",
+                            ej.id, ei.id, done.end.virt
+                        ),
+                    );
+                    continue;
+                }
+                if accepted(Op::Release, owner_i).any(|r| r.start.seq < acq_j.end.seq) {
+                    match ei.upstream {
+                        Upstream::ErrBeforeHead => {}
+                        Upstream::Answer(_) if !ei.upstream.stored() => {}
+                        Upstream::MidBody => flag(
+                            "exclusive",
+                            Some(5),
+                            format!(
+                                "exec {} ran again after exec {} had answered its head and \
+                                 failed mid-body (the key was released)",
+                                ej.id, ei.id
+                            ),
+                        ),
+                        Upstream::Answer(status) => flag(
+                            "exclusive",
+                            None,
+                            format!(
+                                "exec {} ran after exec {} answered {status} and was released",
+                                ej.id, ei.id
+                            ),
+                        ),
+                    }
+                    continue;
+                }
+                let refreshed = store
+                    .iter()
+                    .filter(|e| e.owner == Some(owner_i) && e.start.seq < acq_j.end.seq)
+                    .filter(|e| {
+                        matches!(
+                            (e.op, &e.answer),
+                            (Op::Reserve, Answer::Acquired(_)) | (Op::Renew, Answer::Done(true))
+                        )
+                    })
+                    .map(|e| t(&e.start))
+                    .max()
+                    .expect("the acquisition itself");
+                // On the memory store (one exact clock) a lease runs out under
+                // a live owner only for a reason: its instance crashed, or a
+                // fault hit its renewals or its completion meanwhile. (SQL
+                // stores keep real time, which passes while the schedule's
+                // clock stands still: there the lease alone decides.)
+                let reason = real
+                    || excused(
+                        &history.switches,
+                        ei.instance,
+                        acq_i_start(&acquired, ei),
+                        acq_j.end.seq,
+                    );
+                if t(&acq_j.end) + margin >= refreshed + config.lease && !reason {
+                    flag(
+                        "exclusive",
+                        None,
+                        format!(
+                            "exec {} took over exec {}'s lease, which ran out although its \
+                             instance neither crashed nor had a fault on renewals or completion",
+                            ej.id, ei.id
+                        ),
+                    );
+                    continue;
+                }
+                if t(&acq_j.end) + margin >= refreshed + config.lease {
+                    // A takeover of this very record (no one held the key in
+                    // between) needs the same fingerprint.
+                    let acq_i = acquired[&ei.request];
+                    let direct = !store.iter().any(|a| {
+                        a.key == acq_j.key
+                            && matches!(a.answer, Answer::Acquired(_))
+                            && a.end.seq > acq_i.end.seq
+                            && a.end.seq < acq_j.start.seq
+                    });
+                    if direct && !same_request(bi, bj) {
+                        flag(
+                            "exclusive",
+                            None,
+                            format!(
+                                "exec {} (body {bj}) took over exec {}'s key (body {bi}): \
+                                 a different request",
+                                ej.id, ei.id
+                            ),
+                        );
+                    }
+                    continue;
+                }
+                let concurrent = ei.end.is_none_or(|end| end.seq > ej.start.seq);
+                flag(
+                    "exclusive",
+                    None,
+                    format!(
+                        "exec {} ran{} while exec {}'s lease was live (renewed at {:?}, \
+                         lease {:?}, taken at {:?})",
+                        ej.id,
+                        if concurrent { " concurrently" } else { "" },
+                        ei.id,
+                        refreshed,
+                        config.lease,
+                        t(&acq_j.end)
+                    ),
+                );
+            }
+        }
+    }
+
+    // The first accepted completion of each scope: what must be replayed.
+    let mut stored: HashMap<Scope, (&StoreEvent, usize)> = HashMap::new();
+    for e in store
+        .iter()
+        .filter(|e| e.op == Op::Complete && matches!(e.answer, Answer::Done(true)))
+    {
+        let Some(&req) = e.owner.and_then(|o| owner_req.get(&o)) else {
+            continue;
+        };
+        let entry = stored.entry(scope(reqs[&req])).or_insert((e, req));
+        if e.end.seq < entry.0.end.seq {
+            *entry = (e, req);
+        }
+    }
+
+    // The stored response is what its execution answered, byte for byte.
+    for (event, req) in stored.values() {
+        if let Some(exec) = exec_of_req.get(req) {
+            // (A marker without a body, such as "too large", has nothing to
+            // compare.)
+            if event.body.as_ref().is_some_and(|body| *body != exec.body) {
+                flag(
+                    "replay",
+                    None,
+                    format!("exec {}'s stored body is not what it answered", exec.id),
+                );
+            }
+        }
+    }
+
+    // 2. Answers: replays are byte-identical to the stored response of
+    //    their own scope, never answer a different request; direct answers
+    //    come from the request's own execution; every request is answered
+    //    within its deadline.
+    for answered in &history.answers {
+        let req = reqs[&answered.request];
+        match &answered.seen {
+            Seen::Dropped | Seen::Crashed => continue,
+            Seen::Hung => {
+                flag(
+                    "deadline",
+                    None,
+                    format!("request {} was never answered", req.id),
+                );
+                continue;
+            }
+            _ => {}
+        }
+        let took = answered.at.virt.saturating_sub(answered.sent.virt);
+        if took > deadline(config, req) {
+            flag(
+                "deadline",
+                None,
+                format!(
+                    "request {} took {took:?}, over its deadline {:?}",
+                    req.id,
+                    deadline(config, req)
+                ),
+            );
+        }
+        let Seen::Reply {
+            status,
+            replayed,
+            body: Some(body),
+        } = &answered.seen
+        else {
+            continue;
+        };
+        let Some(exec) = exec_id(body).and_then(|id| execs.get(&id)) else {
+            if *replayed {
+                flag(
+                    "replay",
+                    None,
+                    format!("request {} got a replay of unknown bytes", req.id),
+                );
+            }
+            continue;
+        };
+        let origin = reqs[&exec.request];
+        if scope(origin) != scope(req) {
+            flag(
+                "isolation",
+                None,
+                format!(
+                    "request {} (scope {:?}) got exec {}'s answer from scope {:?}",
+                    req.id,
+                    scope(req),
+                    exec.id,
+                    scope(origin)
+                ),
+            );
+            continue;
+        }
+        if !replayed {
+            if exec.request != req.id || *body != exec.body {
+                flag(
+                    "replay",
+                    None,
+                    format!(
+                        "request {} got exec {}'s answer without a replay mark",
+                        req.id, exec.id
+                    ),
+                );
+            }
+            continue;
+        }
+        let expected_status = match exec.upstream {
+            Upstream::Answer(s) => s,
+            _ => 201,
+        };
+        if *body != exec.body || status.as_u16() != expected_status {
+            flag(
+                "replay",
+                None,
+                format!(
+                    "request {}'s replay of exec {} is not byte-identical",
+                    req.id, exec.id
+                ),
+            );
+        }
+        if !same_request(req.body, origin.body) {
+            flag(
+                "fingerprint",
+                None,
+                format!(
+                    "request {} (body {}) got a replay of exec {} (body {})",
+                    req.id, req.body, exec.id, origin.body
+                ),
+            );
+        }
+        match stored.get(&scope(req)) {
+            Some((_, first)) if exec_of_req.get(first).map(|e| e.id) == Some(exec.id) => {}
+            Some((_, first)) => flag(
+                "replay",
+                None,
+                format!(
+                    "request {} got a replay of exec {}, but the stored response is request \
+                     {first}'s",
+                    req.id, exec.id
+                ),
+            ),
+            None => flag(
+                "replay",
+                None,
+                format!(
+                    "request {} got a replay of exec {}, which was never stored",
+                    req.id, exec.id
+                ),
+            ),
+        }
+    }
+
+    // 3. A release or completion wakes the requests waiting on the key (at
+    //    once with the memory store; within one polling step otherwise).
+    let slack = if real {
+        Duration::from_millis(201)
+    } else {
+        Duration::from_millis(1)
+    };
+    for w in store.iter().filter(|e| e.op == Op::Wait) {
+        if let Some(e) = store.iter().find(|e| {
+            e.key == w.key
+                && matches!(e.op, Op::Release | Op::Complete)
+                && matches!(e.answer, Answer::Done(true))
+                && w.start.seq < e.start.seq
+                && e.end.seq < w.end.seq
+                && w.end.virt > e.end.virt + slack
+        }) {
+            flag(
+                "wake-up",
+                None,
+                format!(
+                    "a waiter (request {:?}) slept from {:?} to {:?} through a {:?} at {:?}",
+                    w.request, w.start.virt, w.end.virt, e.op, e.end.virt
+                ),
+            );
+        }
+    }
+
+    // 4. A write is accepted only from the key's current owner.
+    for e in store.iter().filter(|e| {
+        matches!(e.op, Op::Complete | Op::Release | Op::Renew)
+            && matches!(e.answer, Answer::Done(true))
+    }) {
+        let Some(mine) = store
+            .iter()
+            .find(|a| a.op == Op::Reserve && e.owner.is_some() && a.owner == e.owner)
+        else {
+            continue;
+        };
+        if let Some(next) = store.iter().find(|a| {
+            a.op == Op::Reserve
+                && a.key == e.key
+                && a.owner.is_some()
+                && a.owner != e.owner
+                && a.end.seq > mine.end.seq
+                && a.end.seq < e.start.seq
+        }) {
+            flag(
+                "fencing",
+                None,
+                format!(
+                    "a {:?} by request {:?}'s owner was accepted after request {:?} took the key",
+                    e.op,
+                    owner_req.get(&e.owner.unwrap()),
+                    next.request
+                ),
+            );
+        }
+    }
+
+    // 6. A request refused with 503 ("not executed") leaves nothing behind:
+    //    a reservation it committed before it gave up (the store answered
+    //    too late) must not hold the key against the next request. The
+    //    engine releases it at once, and once more when the abandoned call
+    //    ends (if it ends within a lease). Once that release has run (the
+    //    first after the reservation landed; or, with none, from the
+    //    refusal, or from the end of the call for a commit that landed
+    //    after it) no reservation may meet the orphan. Excused: a crashed
+    //    instance, a fault on releases (the orphan could not be released),
+    //    and a late commit whose call the engine stopped waiting for (its
+    //    own lease bounds it).
+    let answer_of: HashMap<usize, &super::sim::Answered> =
+        history.answers.iter().map(|a| (a.request, a)).collect();
+    for (&q, a) in &acquired {
+        if exec_of_req.contains_key(&q) {
+            continue;
+        }
+        let Some(refused) = answer_of.get(&q) else {
+            continue;
+        };
+        let Seen::Reply { status, .. } = &refused.seen else {
+            continue;
+        };
+        if status.as_u16() != 503 {
+            continue;
+        }
+        // From when on nothing may meet the orphan.
+        let from = if a.end.seq < refused.at.seq {
+            refused.at.seq
+        } else {
+            let Some(end) = a.owner.and_then(|o| history.reserve_ends.get(&o)) else {
+                continue;
+            };
+            end.seq
+        };
+        let settled = store
+            .iter()
+            .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq > a.end.seq)
+            .map_or(from, |release| release.end.seq.max(from));
+        let met = store.iter().find(|e| {
+            e.op == Op::Reserve
+                && e.key == a.key
+                && matches!(e.answer, Answer::Existing)
+                && e.start.seq > settled
+                // The orphan was not released before (then it met another
+                // record) ...
+                && !accepted(Op::Release, a.owner.expect("acquired"))
+                    .any(|r| r.end.seq < e.start.seq)
+                // ... and no later reservation (even one still under way,
+                // whose row a database may hold already) could be the one
+                // it met.
+                && !store.iter().any(|l| {
+                    l.key == a.key
+                        && matches!(l.answer, Answer::Acquired(_))
+                        && l.end.seq > a.end.seq
+                        && l.start.seq < e.end.seq
+                })
+                && !excused_release(&history.switches, a.instance, refused.at.seq, e.end.seq)
+        });
+        if let Some(e) = met {
+            flag(
+                "orphan",
+                None,
+                format!(
+                    "request {:?}'s reservation met the one request {q} committed before it \
+                     was refused with 503 (the orphan was not released)",
+                    e.request
+                ),
+            );
+        }
+    }
+
+    // 5. No key stays in flight once its owner is gone and its lease passed.
+    for stuck in &history.stuck {
+        flag("stuck", None, stuck.clone());
+    }
+    out
+}
