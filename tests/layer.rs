@@ -485,6 +485,67 @@ async fn a_response_body_that_fails_midway_is_not_executed_again() {
     server.abort();
 }
 
+/// A client that sends a covered request over a real socket, reads nothing
+/// of the answer and stays connected does not hold the key: the layer
+/// records the inner body at its own pace (hyper polls the service's
+/// future whatever the client reads), so a retry from another connection
+/// gets the replay, and the inner service ran once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_does_not_hold_the_key() {
+    const BIG: usize = 12 << 20;
+    let (engine, _store) = memory_engine(Policy {
+        max_response_bytes: 16 << 20,
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |_, _| async move {
+        let chunks = (0..BIG / 65536).map(|_| Ok::<_, Infallible>(Bytes::from(vec![b'b'; 65536])));
+        reply(
+            StatusCode::CREATED,
+            Body::from_stream(futures::stream::iter(chunks)),
+        )
+    });
+    let (addr, server) = upstream.serve().await;
+    let request = "POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: big\r\n\
+                   content-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stalled, request.as_bytes())
+        .await
+        .unwrap();
+    promptly(async {
+        while upstream.calls() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // Retries meanwhile wait (409 in-flight) until the answer is stored.
+    let replay = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let retry = request.replace("HTTP/1.1\r\n", "HTTP/1.1\r\nconnection: close\r\n");
+            let reply = exchange_raw(addr, retry).await;
+            if !reply.starts_with("HTTP/1.1 409") {
+                return reply;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .expect("the response was stored while its first client did not read");
+    assert!(
+        replay.starts_with("HTTP/1.1 201"),
+        "{}",
+        &replay[..replay.len().min(300)]
+    );
+    assert!(replay
+        .to_ascii_lowercase()
+        .contains("idempotent-replayed: true"));
+    assert!(replay.ends_with(&"b".repeat(1024)));
+    assert_eq!(upstream.calls(), 1);
+    drop(stalled);
+    server.abort();
+}
+
 /// Writes `request` to `addr` and reads until the server closes (or cuts)
 /// the connection.
 async fn exchange_raw(addr: std::net::SocketAddr, request: String) -> String {

@@ -151,11 +151,13 @@ impl Exchange {
             Some(reservation) => Some(reservation.record(head.status, &head.headers).await),
             None => None,
         };
-        // A body that ends only where the connection closes cannot be told
-        // from one cut short: it is relayed, but never stored as complete.
-        let framed_by_close = framed_by_close(&request, &head);
         for name in headers::not_relayed(&head.headers) {
             head.remove_header(&name);
+        }
+        if framed_by_close(&request, &head) {
+            // Relayed as is, the client could not tell a cut (a reset
+            // upstream) from the end either: chunk it, so a cut shows.
+            let _ = head.append_header(http::header::TRANSFER_ENCODING, "chunked");
         }
         // Bytes that are not recorded move at the client's pace.
         let mut paced = !recorder.as_ref().is_some_and(Recorder::is_recording);
@@ -171,7 +173,7 @@ impl Exchange {
                         }
                     }
                     // Store before the client sees the last byte.
-                    if session.is_body_done() && !framed_by_close {
+                    if session.is_body_done() {
                         if let Some(recording) = recorder.take() {
                             recording.end().await;
                         }
@@ -191,13 +193,10 @@ impl Exchange {
                 }
             }
         }
+        // A body framed by the connection's close ends here too: a clean
+        // close cannot be told from a cut (a reset is an error above).
         if let Some(recording) = recorder {
-            if framed_by_close {
-                tracing::info!("upstream response framed by its connection's close: stored as incomplete, as its end cannot be told from a cut");
-                recording.fail().await;
-            } else {
-                recording.end().await;
-            }
+            recording.end().await;
         }
         self.send(Frame::End, false).await;
         self.upstream.release(session).await;
@@ -205,8 +204,8 @@ impl Exchange {
 }
 
 /// Whether the upstream's response body ends only where its connection
-/// closes (no `Content-Length`, not chunked), the way the upstream
-/// session frames it: a cut there reads like the end.
+/// closes (no `Content-Length`, not chunked), as the upstream session
+/// frames it.
 fn framed_by_close(request: &RequestHeader, head: &ResponseHeader) -> bool {
     let status = head.status;
     let no_body = request.method == http::Method::HEAD

@@ -111,8 +111,9 @@ fn spawn_request(
 ///   closes;
 /// * `/cut-chunked`: 201, chunked, two chunks, then closes without the
 ///   last chunk;
-/// * `/close-framed`: 201 with neither `Content-Length` nor chunking (the
-///   body ends where the connection closes), the whole body, then closes;
+/// * `/close-reset`: 201 with neither `Content-Length` nor chunking (the
+///   body ends where the connection closes), part of the body, then resets
+///   the connection (a cut, unlike a clean close);
 /// * `/big`: 200 with a [`BIG`]-byte body, sent as fast as it is taken;
 /// * anything else: 201 `done <n>`, keeping the connection alive.
 #[derive(Clone)]
@@ -195,11 +196,14 @@ impl RawUpstream {
                     let _ = stream.flush().await;
                     return;
                 }
-                "/close-framed" => {
-                    let response = format!("HTTP/1.1 201 Created\r\n\r\ndone {n}, framed by close");
-                    let _ = stream.write_all(response.as_bytes()).await;
+                "/close-reset" => {
+                    let head = "HTTP/1.1 201 Created\r\n\r\npart of";
+                    let _ = stream.write_all(head.as_bytes()).await;
                     let _ = stream.flush().await;
-                    return;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    #[allow(deprecated)]
+                    stream.set_linger(Some(Duration::ZERO)).unwrap();
+                    return; // dropped with linger 0: RST
                 }
                 "/big" => {
                     let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {BIG}\r\n\r\n");
@@ -423,20 +427,18 @@ async fn an_upstream_that_breaks_off_mid_body_is_not_executed_again() {
     }
 }
 
-/// A body framed by the connection's close cannot be told from one cut
-/// short: the first caller gets it as it came, but it is never stored and
-/// replayed as a complete answer (with an exact `Content-Length`); retries
-/// get 409 `response-incomplete`, and the upstream runs once.
+/// A body framed by the connection's close (no `Content-Length`, not
+/// chunked) whose connection is reset midway: a cut, not an end. It is
+/// never stored and replayed as complete (with an exact `Content-Length`):
+/// retries get 409 `response-incomplete`, and the upstream runs once.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_body_framed_by_close_is_relayed_but_never_replayed_as_complete() {
+async fn a_close_framed_body_cut_by_a_reset_is_never_replayed_as_complete() {
     let upstream = RawUpstream::start().await;
     let proxy = start_proxy(upstream.url(), "memory", None, "30s").await;
-    let first = try_request(&client(), post(proxy.addr, "/close-framed", "cf", "{}"))
-        .await
-        .unwrap();
-    assert_eq!(first.status, 201);
-    assert_eq!(first.text(), "done 1, framed by close");
-    let retry = try_request(&client(), post(proxy.addr, "/close-framed", "cf", "{}"))
+    let first = try_request(&client(), post(proxy.addr, "/close-reset", "cr", "{}")).await;
+    let error = first.expect_err("the cut response is not presented as complete");
+    assert!(error.contains("body cut off"), "{error}");
+    let retry = try_request(&client(), post(proxy.addr, "/close-reset", "cr", "{}"))
         .await
         .unwrap();
     assert_eq!(retry.status, 409, "{}", retry.text());
@@ -445,7 +447,7 @@ async fn a_body_framed_by_close_is_relayed_but_never_replayed_as_complete() {
         problem_type(&retry),
         "urn:tower-idempotency:response-incomplete"
     );
-    assert_eq!(upstream.hits("/close-framed"), 1);
+    assert_eq!(upstream.hits("/close-reset"), 1);
 }
 
 /// The body `/big` answers: more than the socket buffers and the relay's

@@ -129,8 +129,7 @@ impl Recorder {
         body
     }
 
-    /// The body broke off (or its end cannot be told from a cut, such as a
-    /// body framed by the connection's close). The upstream sent a head, so
+    /// The body broke off. The upstream sent a head, so
     /// it acted: the key is not released, the marker "executed, response
     /// incomplete" is stored instead, and retries get a
     /// `response-incomplete` problem, never a second execution. Returns

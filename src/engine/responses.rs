@@ -151,7 +151,7 @@ impl Engine {
     }
 
     /// 409 `response-incomplete`: the request ran, but its response broke
-    /// off after the head (or its end could not be told from a cut).
+    /// off after the head.
     pub(super) fn incomplete(&self, status: StatusCode, request: &HeaderMap) -> Response<Bytes> {
         self.reject(
             request,

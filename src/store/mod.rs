@@ -203,9 +203,8 @@ pub enum Outcome {
         /// The status the first execution answered with.
         status: StatusCode,
     },
-    /// The response broke off after its head (the upstream acted), or its
-    /// end could not be told from a cut (framed by the connection's close).
-    /// The operation took effect and must not run again, and no complete
+    /// The response broke off after its head (the upstream acted). The
+    /// operation took effect and must not run again, and no complete
     /// response exists to replay: retries get a `response-incomplete`
     /// problem carrying this status.
     Incomplete {
