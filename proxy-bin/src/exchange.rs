@@ -122,7 +122,9 @@ impl Exchange {
 
     /// Sends the request, streams the answer to the client and hands it to
     /// the engine's recorder, which stores it before the client sees the
-    /// end of the response (or frees the key when the upstream failed).
+    /// end of the response (or frees the key when the upstream failed
+    /// before answering, and keeps it as "executed, response incomplete"
+    /// when it broke off after its head).
     pub async fn run(
         mut self,
         request: RequestHeader,
