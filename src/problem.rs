@@ -34,6 +34,10 @@ pub enum ProblemKind {
     /// The first response was too large to store; the request ran once and
     /// will not run again. 409.
     ResponseNotStored,
+    /// The first response broke off after its head (the upstream acted):
+    /// the request ran once, its response is not complete, and it will not
+    /// run again. 409.
+    ResponseIncomplete,
     /// The idempotency store cannot be reached. 503 with `Retry-After`.
     StoreUnavailable,
     /// The upstream could not be reached or broke the connection; the key
@@ -58,6 +62,7 @@ impl ProblemKind {
             ProblemKind::KeyMismatch => "urn:tower-idempotency:key-mismatch",
             ProblemKind::InFlight => "urn:tower-idempotency:in-flight",
             ProblemKind::ResponseNotStored => "urn:tower-idempotency:response-not-stored",
+            ProblemKind::ResponseIncomplete => "urn:tower-idempotency:response-incomplete",
             ProblemKind::StoreUnavailable => "urn:tower-idempotency:store-unavailable",
             ProblemKind::UpstreamUnavailable => "urn:tower-idempotency:upstream-unavailable",
             ProblemKind::UpstreamTimeout => "urn:tower-idempotency:upstream-timeout",
@@ -76,6 +81,7 @@ impl ProblemKind {
             ProblemKind::KeyMismatch => "Idempotency key reused for a different request",
             ProblemKind::InFlight => "Request with this idempotency key in progress",
             ProblemKind::ResponseNotStored => "Original response not stored",
+            ProblemKind::ResponseIncomplete => "Original response incomplete",
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::UpstreamUnavailable => "Upstream unavailable",
             ProblemKind::UpstreamTimeout => "Upstream timed out",
@@ -90,7 +96,9 @@ impl ProblemKind {
             }
             ProblemKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            ProblemKind::InFlight | ProblemKind::ResponseNotStored => StatusCode::CONFLICT,
+            ProblemKind::InFlight
+            | ProblemKind::ResponseNotStored
+            | ProblemKind::ResponseIncomplete => StatusCode::CONFLICT,
             ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemKind::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
@@ -204,6 +212,9 @@ impl Problem {
                 "Please go back, reload the form and fill it in again."
             }
             ProblemKind::BodyTooLarge => "Please go back and send less data.",
+            ProblemKind::ResponseIncomplete => {
+                "It was carried out: please check its result before sending it again."
+            }
             _ => "Please go back and try again.",
         };
         format!(

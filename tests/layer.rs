@@ -426,17 +426,18 @@ async fn client_and_server_errors_release_the_key() {
     }
 }
 
-/// A response body that fails midway (the upstream broke off) is not a
-/// complete answer: the caller sees the error, the key is released, and
-/// the retry executes.
+/// A response body that fails midway (the upstream broke off after its
+/// head) is not a complete answer, but the inner service has acted: the
+/// caller sees the error, and retries — many at once, and over a real
+/// socket — get 409 `response-incomplete`, never a second execution.
 #[tokio::test]
-async fn a_response_body_that_fails_midway_releases_the_key() {
-    let (engine, store) = memory_engine(Policy::default());
+async fn a_response_body_that_fails_midway_is_not_executed_again() {
+    let (engine, _store) = memory_engine(Policy::default());
     let upstream = layered(&engine, |n, _| async move {
-        let mut chunks = vec![Ok(Bytes::from(format!("order {n}")))];
-        if n == 1 {
-            chunks.push(Err(std::io::Error::other("upstream went away")));
-        }
+        let chunks = vec![
+            Ok(Bytes::from(format!("order {n}"))),
+            Err(std::io::Error::other("upstream went away")),
+        ];
         reply(
             StatusCode::CREATED,
             Body::from_stream(futures::stream::iter(chunks)),
@@ -445,13 +446,121 @@ async fn a_response_body_that_fails_midway_releases_the_key() {
     let response = upstream.call(order("k", "{}")).await;
     assert_eq!(response.status(), StatusCode::CREATED);
     assert!(response.into_body().collect().await.is_err());
-    assert!(store.is_empty());
 
-    let retry = upstream.send(order("k", "{}")).await;
-    assert_eq!(retry.text(), "order 2");
-    assert!(!retry.replayed());
-    assert_eq!(upstream.send(order("k", "{}")).await.text(), "order 2");
-    assert_eq!(upstream.calls(), 2);
+    let retries: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(upstream.send(order("k", "{}"))))
+        .collect();
+    for retry in retries {
+        let retry = retry.await.unwrap();
+        retry.assert_problem(StatusCode::CONFLICT, "response-incomplete");
+        assert!(
+            !retry.text().contains("order"),
+            "no part of the broken body is replayed"
+        );
+    }
+    assert_eq!(upstream.calls(), 1, "the inner service ran once");
+
+    // Over a real socket: the first caller's connection is cut mid-body.
+    let (addr, server) = upstream.serve().await;
+    let raw = |key: &str| {
+        format!(
+            "POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n\
+             content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        )
+    };
+    let first = promptly(exchange_raw(addr, raw("socket"))).await;
+    // hyper cuts the connection, with or without the head sent.
+    assert!(
+        first.is_empty() || first.starts_with("HTTP/1.1 201"),
+        "{first}"
+    );
+    assert!(
+        !first.ends_with("0\r\n\r\n"),
+        "the cut body is not presented as complete: {first}"
+    );
+    let retry = promptly(exchange_raw(addr, raw("socket"))).await;
+    assert!(retry.starts_with("HTTP/1.1 409"), "{retry}");
+    assert!(retry.contains("response-incomplete"), "{retry}");
+    assert_eq!(upstream.calls(), 2, "one execution per key");
+    server.abort();
+}
+
+/// A client that sends a covered request over a real socket, reads nothing
+/// of the answer and stays connected does not hold the key: the layer
+/// records the inner body at its own pace (hyper polls the service's
+/// future whatever the client reads), so a retry from another connection
+/// gets the replay, and the inner service ran once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_does_not_hold_the_key() {
+    const BIG: usize = 12 << 20;
+    let (engine, _store) = memory_engine(Policy {
+        max_response_bytes: 16 << 20,
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |_, _| async move {
+        let chunks = (0..BIG / 65536).map(|_| Ok::<_, Infallible>(Bytes::from(vec![b'b'; 65536])));
+        reply(
+            StatusCode::CREATED,
+            Body::from_stream(futures::stream::iter(chunks)),
+        )
+    });
+    let (addr, server) = upstream.serve().await;
+    let request = "POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: big\r\n\
+                   content-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stalled, request.as_bytes())
+        .await
+        .unwrap();
+    promptly(async {
+        while upstream.calls() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // Retries meanwhile wait (409 in-flight) until the answer is stored.
+    let replay = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let retry = request.replace("HTTP/1.1\r\n", "HTTP/1.1\r\nconnection: close\r\n");
+            let reply = exchange_raw(addr, retry).await;
+            if !reply.starts_with("HTTP/1.1 409") {
+                return reply;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .expect("the response was stored while its first client did not read");
+    assert!(
+        replay.starts_with("HTTP/1.1 201"),
+        "{}",
+        &replay[..replay.len().min(300)]
+    );
+    assert!(replay
+        .to_ascii_lowercase()
+        .contains("idempotent-replayed: true"));
+    assert!(replay.ends_with(&"b".repeat(1024)));
+    assert_eq!(upstream.calls(), 1);
+    drop(stalled);
+    server.abort();
+}
+
+/// Writes `request` to `addr` and reads until the server closes (or cuts)
+/// the connection.
+async fn exchange_raw(addr: std::net::SocketAddr, request: String) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut received = Vec::new();
+    let mut buffer = [0; 4096];
+    loop {
+        match socket.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => received.extend_from_slice(&buffer[..n]),
+        }
+    }
+    String::from_utf8_lossy(&received).into_owned()
 }
 
 /// A panicking inner service leaves no key behind: the reservation is

@@ -1,6 +1,14 @@
 //! The upstream exchange of a covered request: sent by the proxy itself,
 //! detached from the client, its answer relayed to the client and handed
 //! to the engine's [`Recorder`].
+//!
+//! Recording follows the upstream's pace, not the client's: while the
+//! answer is recorded, the exchange reads the upstream as fast as it sends
+//! and queues what the client has not taken yet (at most the route's
+//! `max_response_bytes`, the bytes the recorder holds anyway), so a client
+//! that stops reading never holds the key in flight. Only bytes that are
+//! not recorded (past the storage cap, a status not stored, an unprotected
+//! request) are read at the client's pace, [`ROOM`] chunks ahead.
 
 use std::sync::Arc;
 
@@ -9,8 +17,8 @@ use http::Response;
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
-use tokio::sync::mpsc;
-use tower_idempotency::engine::{headers, Recorder, Reservation};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tower_idempotency::engine::{headers, Flow, Recorder, Reservation};
 use tower_idempotency::Engine;
 
 use crate::proxy::write_response;
@@ -31,9 +39,40 @@ pub enum Frame {
     Abort,
 }
 
+/// How many chunks read at the client's pace may wait for the client.
+pub const ROOM: usize = 16;
+
+/// A frame on its way to the client; a chunk read at the client's pace
+/// holds one of the [`ROOM`] places until it is written.
+pub struct Relayed {
+    frame: Frame,
+    _room: Option<OwnedSemaphorePermit>,
+}
+
+/// The way from an exchange to the client side: the exchange's end and
+/// [`relay`]'s end.
+pub fn channel() -> (ToClient, mpsc::UnboundedReceiver<Relayed>) {
+    let (frames, receiver) = mpsc::unbounded_channel();
+    let to_client = ToClient {
+        frames,
+        room: Arc::new(Semaphore::new(ROOM)),
+    };
+    (to_client, receiver)
+}
+
+/// The exchange's end of [`channel`].
+pub struct ToClient {
+    frames: mpsc::UnboundedSender<Relayed>,
+    room: Arc<Semaphore>,
+}
+
 /// Writes the frames of one exchange to the client.
-pub async fn relay(session: &mut Session, frames: &mut mpsc::Receiver<Frame>) -> Result<bool> {
-    while let Some(frame) = frames.recv().await {
+pub async fn relay(
+    session: &mut Session,
+    frames: &mut mpsc::UnboundedReceiver<Relayed>,
+) -> Result<bool> {
+    // A chunk's place is given back once it is written.
+    while let Some(Relayed { frame, _room }) = frames.recv().await {
         match frame {
             Frame::Head(head) => session.write_response_header(head, false).await?,
             Frame::Body(chunk) => session.write_response_body(Some(chunk), false).await?,
@@ -58,23 +97,34 @@ pub struct Exchange {
     pub engine: Engine,
     pub upstream: Arc<Upstream>,
     /// `None` once the client is gone; the exchange then goes on alone.
-    pub frames: Option<mpsc::Sender<Frame>>,
+    pub frames: Option<ToClient>,
     pub _active: Active,
 }
 
 impl Exchange {
-    async fn send(&mut self, frame: Frame) {
-        if let Some(frames) = &self.frames {
-            if frames.send(frame).await.is_err() {
-                tracing::info!("client went away; the upstream response is still recorded");
-                self.frames = None;
-            }
+    /// Hands `frame` to the client side at once; `paced`, only when the
+    /// client has taken all but [`ROOM`] of the chunks before it.
+    async fn send(&mut self, frame: Frame, paced: bool) {
+        let Some(to_client) = &self.frames else {
+            return;
+        };
+        // Never closed; a client gone drops its queue, giving places back.
+        let room = match paced {
+            true => to_client.room.clone().acquire_owned().await.ok(),
+            false => None,
+        };
+        let relayed = Relayed { frame, _room: room };
+        if to_client.frames.send(relayed).is_err() {
+            tracing::info!("client went away; the upstream response is still recorded");
+            self.frames = None;
         }
     }
 
     /// Sends the request, streams the answer to the client and hands it to
     /// the engine's recorder, which stores it before the client sees the
-    /// end of the response (or frees the key when the upstream failed).
+    /// end of the response (or frees the key when the upstream failed
+    /// before answering, and keeps it as "executed, response incomplete"
+    /// when it broke off after its head).
     pub async fn run(
         mut self,
         request: RequestHeader,
@@ -91,7 +141,7 @@ impl Exchange {
                 let problem = self
                     .engine
                     .upstream_failed(failure.timed_out, &request.headers);
-                self.send(Frame::Failed(problem)).await;
+                self.send(Frame::Failed(problem), false).await;
                 return;
             }
         };
@@ -106,14 +156,23 @@ impl Exchange {
         for name in headers::not_relayed(&head.headers) {
             head.remove_header(&name);
         }
-        self.send(Frame::Head(Box::new(head))).await;
+        if framed_by_close(&request, &head) {
+            // Relayed as is, the client could not tell a cut (a reset
+            // upstream) from the end either: chunk it, so a cut shows.
+            let _ = head.append_header(http::header::TRANSFER_ENCODING, "chunked");
+        }
+        // Bytes that are not recorded move at the client's pace.
+        let mut paced = !recorder.as_ref().is_some_and(Recorder::is_recording);
+        self.send(Frame::Head(Box::new(head)), false).await;
         loop {
             match session.read_body_bytes().await {
                 Ok(Some(chunk)) => {
                     if let Some(recording) = &mut recorder {
                         // Past the storage cap the recorder stores the
                         // marker itself; the chunk is relayed either way.
-                        let _ = recording.chunk(&chunk).await;
+                        if let Flow::Pass { .. } = recording.chunk(&chunk).await {
+                            paced = true;
+                        }
                     }
                     // Store before the client sees the last byte.
                     if session.is_body_done() {
@@ -121,23 +180,52 @@ impl Exchange {
                             recording.end().await;
                         }
                     }
-                    self.send(Frame::Body(chunk)).await;
+                    self.send(Frame::Body(chunk), paced).await;
                 }
                 Ok(None) => break,
                 Err(error) => {
+                    // The upstream answered, so it acted: the recorder
+                    // keeps the key as "executed, response incomplete".
                     tracing::warn!(%error, "upstream broke off its response");
                     if let Some(recording) = recorder {
                         recording.fail().await;
                     }
-                    self.send(Frame::Abort).await;
+                    self.send(Frame::Abort, false).await;
                     return;
                 }
             }
         }
+        // A body framed by the connection's close ends here too: a clean
+        // close cannot be told from a cut (a reset is an error above).
         if let Some(recording) = recorder {
             recording.end().await;
         }
-        self.send(Frame::End).await;
+        self.send(Frame::End, false).await;
         self.upstream.release(session).await;
     }
+}
+
+/// Whether the upstream's response body ends only where its connection
+/// closes (no `Content-Length`, not chunked), as the upstream session
+/// frames it.
+fn framed_by_close(request: &RequestHeader, head: &ResponseHeader) -> bool {
+    let status = head.status;
+    let no_body = request.method == http::Method::HEAD
+        || status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED;
+    if no_body {
+        return false;
+    }
+    let chunked = head
+        .headers
+        .get_all(http::header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+        .is_some_and(|value| {
+            let codings = value.as_bytes();
+            let last = codings.rsplit(|&b| b == b',').next().unwrap_or(codings);
+            last.trim_ascii().eq_ignore_ascii_case(b"chunked")
+        });
+    !chunked && !head.headers.contains_key(http::header::CONTENT_LENGTH)
 }

@@ -25,13 +25,12 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
-use tokio::sync::mpsc;
 use tower_idempotency::engine::{headers, Coverage, Covered, Decision, RequestHead};
 use tower_idempotency::Engine;
 use tracing::Instrument;
 
 use crate::body::{discard_body, expects_continue, read_body, BodyFailure};
-use crate::exchange::{relay, Exchange};
+use crate::exchange::{self, relay, Exchange};
 use crate::shutdown::{Active, Drain};
 use crate::upstream::Upstream;
 
@@ -86,7 +85,7 @@ impl IdempotencyProxy {
             Decision::Proceed(reservation) => Some(reservation),
         };
         let request = self.upstream_request(session, body.len());
-        let (frames, mut receiver) = mpsc::channel(16);
+        let (frames, mut receiver) = exchange::channel();
         let exchange = Exchange {
             engine: self.engine.clone(),
             upstream: self.upstream.clone(),

@@ -107,6 +107,14 @@ fn spawn_request(
 ///   (counting it down), else answers 201;
 /// * `/halves`: sends the head and half of a 64 KiB body, waits for a
 ///   permit of `release`, then sends the rest;
+/// * `/cut-length`: 201 with `content-length: 1000`, 100 bytes of it, then
+///   closes;
+/// * `/cut-chunked`: 201, chunked, two chunks, then closes without the
+///   last chunk;
+/// * `/close-reset`: 201 with neither `Content-Length` nor chunking (the
+///   body ends where the connection closes), part of the body, then resets
+///   the connection (a cut, unlike a clean close);
+/// * `/big`: 200 with a [`BIG`]-byte body, sent as fast as it is taken;
 /// * anything else: 201 `done <n>`, keeping the connection alive.
 #[derive(Clone)]
 struct RawUpstream {
@@ -170,6 +178,38 @@ impl RawUpstream {
                     self.release.acquire().await.unwrap().forget();
                     let _ = stream.write_all(&body[body.len() / 2..]).await;
                     return;
+                }
+                "/cut-length" => {
+                    let head = "HTTP/1.1 201 Created\r\ncontent-length: 1000\r\n\r\n";
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(&[b'c'; 100]).await;
+                    let _ = stream.flush().await;
+                    return;
+                }
+                "/cut-chunked" => {
+                    let head = "HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n";
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(b"5\r\nhello\r\n").await;
+                    let _ = stream.flush().await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _ = stream.write_all(b"6\r\n world\r\n").await;
+                    let _ = stream.flush().await;
+                    return;
+                }
+                "/close-reset" => {
+                    let head = "HTTP/1.1 201 Created\r\n\r\npart of";
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.flush().await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    #[allow(deprecated)]
+                    stream.set_linger(Some(Duration::ZERO)).unwrap();
+                    return; // dropped with linger 0: RST
+                }
+                "/big" => {
+                    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {BIG}\r\n\r\n");
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(&vec![b'b'; BIG]).await;
+                    let _ = stream.flush().await;
                 }
                 _ => {
                     let body = format!("done {n}");
@@ -359,6 +399,106 @@ async fn a_client_gone_mid_response_still_gets_it_recorded() {
     assert_eq!((reply.status, reply.replayed()), (200, true));
     assert_eq!(reply.body.len(), 64 * 1024);
     assert_eq!(upstream.hits("/halves"), 1);
+}
+
+/// The upstream answers its head, then breaks off in the middle of the
+/// body (a `Content-Length` body closed early; a chunked body that dies
+/// before its last chunk). It has acted: the first caller sees a cut
+/// response, and every retry — many at once — gets 409
+/// `response-incomplete`, never a second execution.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_that_breaks_off_mid_body_is_not_executed_again() {
+    let upstream = RawUpstream::start().await;
+    let proxy = start_proxy(upstream.url(), "memory", None, "30s").await;
+    for path in ["/cut-length", "/cut-chunked"] {
+        let first = try_request(&client(), post(proxy.addr, path, path, "{}")).await;
+        let error = first.expect_err("the cut response is not presented as complete");
+        assert!(error.contains("body cut off"), "{path}: {error}");
+        let retries = (0..10).map(|_| spawn_request(post(proxy.addr, path, path, "{}")));
+        for retry in futures_join(retries).await {
+            let retry = retry.unwrap();
+            assert_eq!(retry.status, 409, "{path}: {}", retry.text());
+            assert_eq!(
+                problem_type(&retry),
+                "urn:tower-idempotency:response-incomplete"
+            );
+        }
+        assert_eq!(upstream.hits(path), 1, "{path}: executed once");
+    }
+}
+
+/// A body framed by the connection's close (no `Content-Length`, not
+/// chunked) whose connection is reset midway: a cut, not an end. It is
+/// never stored and replayed as complete (with an exact `Content-Length`):
+/// retries get 409 `response-incomplete`, and the upstream runs once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_close_framed_body_cut_by_a_reset_is_never_replayed_as_complete() {
+    let upstream = RawUpstream::start().await;
+    let proxy = start_proxy(upstream.url(), "memory", None, "30s").await;
+    let first = try_request(&client(), post(proxy.addr, "/close-reset", "cr", "{}")).await;
+    let error = first.expect_err("the cut response is not presented as complete");
+    assert!(error.contains("body cut off"), "{error}");
+    let retry = try_request(&client(), post(proxy.addr, "/close-reset", "cr", "{}"))
+        .await
+        .unwrap();
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!(
+        problem_type(&retry),
+        "urn:tower-idempotency:response-incomplete"
+    );
+    assert_eq!(upstream.hits("/close-reset"), 1);
+}
+
+/// The body `/big` answers: more than the socket buffers and the relay's
+/// queue hold between the upstream and a client that does not read.
+const BIG: usize = 12 << 20;
+
+/// A client sends a covered request, reads nothing of the answer and stays
+/// connected (a phone that lost its network without a FIN). Recording
+/// follows the upstream, not the client: the response is stored, and a
+/// retry from another client gets the replay, with the upstream run once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_does_not_hold_the_key() {
+    let upstream = RawUpstream::start().await;
+    let dir = temp_dir("stalled");
+    let config = format!("{}max_response_bytes = {}\n", config("30s"), 16 << 20);
+    let proxy = Proxy::start(ProxyArgs::new(upstream.url(), &config, &dir))
+        .await
+        .owning(dir);
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(proxy.addr).await.unwrap();
+    // The same Host as the retries below: the host is part of the scope.
+    let request = format!(
+        "POST /big HTTP/1.1\r\nhost: {}\r\nidempotency-key: big-1\r\n\
+         content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}",
+        proxy.addr
+    );
+    stalled.write_all(request.as_bytes()).await.unwrap();
+    eventually("the upstream got the request", || {
+        upstream.hits("/big") == 1
+    })
+    .await;
+    // Retries meanwhile wait (409 in-flight) until the answer is stored.
+    let replay = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let reply = try_request(&client(), post(proxy.addr, "/big", "big-1", "{}"))
+                .await
+                .unwrap();
+            if reply.status != 409 {
+                return reply;
+            }
+            assert_eq!(problem_type(&reply), "urn:tower-idempotency:in-flight");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .expect("the response was stored while its first client did not read");
+    assert_eq!((replay.status, replay.replayed()), (200, true));
+    assert_eq!(replay.body.len(), BIG);
+    assert_eq!(upstream.hits("/big"), 1);
+    drop(stalled);
 }
 
 /// Sends `rounds` waves of requests over `keys` keys (each wave hits every

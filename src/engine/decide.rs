@@ -262,7 +262,7 @@ impl Engine {
     }
 
     /// The answer for a key whose request completed: its stored response
-    /// replayed, or the "not stored" problem.
+    /// replayed, or the "not stored" or "incomplete" problem.
     fn completed(
         &self,
         outcome: Outcome,
@@ -287,6 +287,7 @@ impl Engine {
                 replay(response)
             }
             Outcome::TooLarge { status } => self.not_stored(status, request),
+            Outcome::Incomplete { status } => self.incomplete(status, request),
         }
     }
 

@@ -3,8 +3,10 @@
 //! Every rule about what is stored lives here and in
 //! [`Reservation`](super::Reservation): a status the route does not store
 //! frees the key at once; each chunk is kept up to the storage cap; past
-//! the cap only a marker is stored; a broken stream frees the key; the end
-//! of the stream stores the response. A front end moves bytes and calls
+//! the cap only a marker is stored; a stream that breaks off after the head
+//! stores the marker "executed, response incomplete" (the upstream acted,
+//! so the request must not run again); the end of the stream stores the
+//! response. A front end moves bytes and calls
 //! [`Recorder::chunk`], then [`Recorder::end`] or [`Recorder::fail`].
 
 use bytes::{Bytes, BytesMut};
@@ -127,11 +129,18 @@ impl Recorder {
         body
     }
 
-    /// The body broke off: nothing is stored and the key is released, so
-    /// the retry executes. Returns what was recorded before the break.
+    /// The body broke off. The upstream sent a head, so
+    /// it acted: the key is not released, the marker "executed, response
+    /// incomplete" is stored instead, and retries get a
+    /// `response-incomplete` problem, never a second execution. Returns
+    /// what was recorded before the break.
     pub async fn fail(mut self) -> Bytes {
         if let Some(reservation) = self.reservation.take() {
-            reservation.release().await;
+            reservation
+                .store(Outcome::Incomplete {
+                    status: self.status,
+                })
+                .await;
         }
         std::mem::take(&mut self.body).into_bytes()
     }

@@ -109,7 +109,7 @@ impl Reservation {
     pub(super) async fn store(mut self, outcome: Outcome) {
         let status = match &outcome {
             Outcome::Stored(response) => response.status,
-            Outcome::TooLarge { status } => *status,
+            Outcome::TooLarge { status } | Outcome::Incomplete { status } => *status,
         };
         match self.complete(&outcome).await {
             Ok(done) => self.completed(status, Ok(done)),

@@ -156,6 +156,23 @@ impl Engine {
         )
     }
 
+    /// 409 `response-incomplete`: the request ran, but its response broke
+    /// off after the head.
+    pub(super) fn incomplete(&self, status: StatusCode, request: &HeaderMap) -> Response<Bytes> {
+        self.reject(
+            request,
+            Event::Replayed,
+            Problem::new(
+                ProblemKind::ResponseIncomplete,
+                format!(
+                    "The request was executed once (status {}), but its response \
+                     broke off before it was complete; it will not be executed again.",
+                    status.as_u16()
+                ),
+            ),
+        )
+    }
+
     /// 409 (or the route's `in_flight_status`) with `Retry-After`: the
     /// first request still holds the key.
     pub(super) fn in_flight(

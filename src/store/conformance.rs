@@ -268,6 +268,30 @@ macro_rules! store_conformance {
             });
         }
         #[test]
+        fn incomplete_marker_round_trips() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                let key = random_key();
+                let owner = acquire(&store, &key, 1, LONG, LONG).await;
+                let marker = Outcome::Incomplete {
+                    status: StatusCode::CREATED,
+                };
+                assert!(store.complete(&key, &owner, &marker, LONG).await.unwrap());
+                let record = store.get(&key).await.unwrap().unwrap();
+                assert_eq!(record.state, RecordState::Completed(marker));
+                // A plain "too large" marker is still told apart from it.
+                let key = random_key();
+                let owner = acquire(&store, &key, 1, LONG, LONG).await;
+                let too_large = Outcome::TooLarge {
+                    status: StatusCode::CREATED,
+                };
+                assert!(store.complete(&key, &owner, &too_large, LONG).await.unwrap());
+                let record = store.get(&key).await.unwrap().unwrap();
+                assert_eq!(record.state, RecordState::Completed(too_large));
+            });
+        }
+        #[test]
         fn wrong_owner_is_refused() {
             $crate::store::conformance::run(async { $store.await }, |store| async move {
                 #[allow(unused_imports)]

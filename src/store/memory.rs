@@ -116,7 +116,7 @@ impl Entry {
                             .map(|(name, value)| name.as_str().len() + value.len() + 16)
                             .sum::<usize>()
                 }
-                State::Completed(Outcome::TooLarge { .. }) => 0,
+                State::Completed(Outcome::TooLarge { .. } | Outcome::Incomplete { .. }) => 0,
             }
     }
 }

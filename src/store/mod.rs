@@ -203,6 +203,14 @@ pub enum Outcome {
         /// The status the first execution answered with.
         status: StatusCode,
     },
+    /// The response broke off after its head (the upstream acted). The
+    /// operation took effect and must not run again, and no complete
+    /// response exists to replay: retries get a `response-incomplete`
+    /// problem carrying this status.
+    Incomplete {
+        /// The status the first execution answered with.
+        status: StatusCode,
+    },
 }
 
 impl Outcome {
@@ -219,6 +227,10 @@ impl Outcome {
             }
             Outcome::TooLarge { status } => {
                 out.push(2);
+                out.extend_from_slice(&status.as_u16().to_be_bytes());
+            }
+            Outcome::Incomplete { status } => {
+                out.push(3);
                 out.extend_from_slice(&status.as_u16().to_be_bytes());
             }
         }
@@ -247,6 +259,7 @@ impl Outcome {
                 })
             }
             2 => Outcome::TooLarge { status },
+            3 => Outcome::Incomplete { status },
             _ => return Err(corrupt()),
         };
         // Anything after the outcome means the bytes are not what we wrote.
@@ -260,7 +273,7 @@ impl Outcome {
     pub fn status(&self) -> StatusCode {
         match self {
             Outcome::Stored(response) => response.status,
-            Outcome::TooLarge { status } => *status,
+            Outcome::TooLarge { status } | Outcome::Incomplete { status } => *status,
         }
     }
 }
@@ -507,6 +520,12 @@ mod tests {
             status: StatusCode::CREATED,
         };
         assert_eq!(Outcome::decode(&marker.encode()).unwrap(), marker);
+        let incomplete = Outcome::Incomplete {
+            status: StatusCode::CREATED,
+        };
+        assert_eq!(Outcome::decode(&incomplete.encode()).unwrap(), incomplete);
+        // What older versions wrote still decodes as it did.
+        assert_eq!(Outcome::decode(&[2, 0, 201]).unwrap(), marker);
     }
 
     #[test]

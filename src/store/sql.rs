@@ -17,6 +17,14 @@ use super::{Claim, Fingerprint, Outcome, Record, RecordState, StoreError, Stored
 /// The `state` column of a record still held by its owner.
 pub(super) const IN_FLIGHT: &str = "in_flight";
 
+/// The `headers` column of a `too_large` row that records an incomplete
+/// response ([`Outcome::Incomplete`]). Both outcomes are "executed, no
+/// response to replay", carrying the status only; the schema's `state`
+/// column knows `completed` and `too_large`, so an incomplete response is a
+/// `too_large` row marked here (a plain marker has no headers), and the
+/// deployed schema and its rows stay as they are.
+const INCOMPLETE_MARKER: &[u8] = b"incomplete";
+
 /// A live record as both stores select it.
 #[derive(sqlx::FromRow)]
 pub(super) struct RecordRow {
@@ -57,6 +65,9 @@ impl RecordRow {
                     body: Bytes::copy_from_slice(body),
                 }))
             }
+            "too_large" if self.headers.as_deref() == Some(INCOMPLETE_MARKER) => {
+                RecordState::Completed(Outcome::Incomplete { status: status()? })
+            }
             "too_large" => RecordState::Completed(Outcome::TooLarge { status: status()? }),
             other => return Err(StoreError::Corrupt(format!("record state `{other}`"))),
         };
@@ -69,7 +80,8 @@ impl RecordRow {
 
 /// The columns a completed record is written to.
 pub(super) struct OutcomeColumns<'a> {
-    /// `completed` or `too_large`.
+    /// `completed` or `too_large` (also for an incomplete response, see
+    /// `INCOMPLETE_MARKER`).
     pub(super) state: &'static str,
     pub(super) status: i16,
     pub(super) headers: Option<Vec<u8>>,
@@ -91,6 +103,12 @@ impl<'a> From<&'a Outcome> for OutcomeColumns<'a> {
                 state: "too_large",
                 status,
                 headers: None,
+                body: None,
+            },
+            Outcome::Incomplete { .. } => OutcomeColumns {
+                state: "too_large",
+                status,
+                headers: Some(INCOMPLETE_MARKER.to_vec()),
                 body: None,
             },
         }
