@@ -27,7 +27,8 @@
 //! * `recorder.rs` — the upstream's answer as it streams ([`Recorder`]);
 //! * `headers.rs` — header hygiene shared with the proxy;
 //! * `lease.rs` — the lease renewer;
-//! * `maintenance.rs` — health, sweeping, metrics rendering.
+//! * `maintenance.rs` — health, sweeping, metrics rendering, and
+//!   [`Engine::drain`] (waiting for background work on shutdown).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -48,6 +49,7 @@ mod tests;
 
 pub use self::classify::{Coverage, Covered, RequestHead};
 pub use self::decide::Decision;
+pub use self::maintenance::DrainReport;
 pub use self::recorder::{Flow, Recorder};
 pub use self::reservation::Reservation;
 pub use self::responses::REPLAYED_HEADER;
@@ -93,6 +95,9 @@ struct Inner {
     config: EngineConfig,
     metrics: Metrics,
     leases: Arc<Leases>,
+    /// Work still running after its request ended (see
+    /// [`Engine::drain`]).
+    background: maintenance::Background,
 }
 
 impl Drop for Inner {
@@ -117,6 +122,7 @@ impl Engine {
                 config,
                 metrics: Metrics::default(),
                 leases: Arc::default(),
+                background: maintenance::Background::default(),
             }),
         }
     }
