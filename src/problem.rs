@@ -36,6 +36,10 @@ pub enum ProblemKind {
     ResponseNotStored,
     /// The idempotency store cannot be reached. 503 with `Retry-After`.
     StoreUnavailable,
+    /// Too many covered request bodies are buffered at once (the engine's
+    /// `max_buffered_bytes`); refused before the body is read, nothing
+    /// reserved. 503 with `Retry-After`.
+    Overloaded,
     /// The upstream could not be reached or broke the connection; the key
     /// was released. 502.
     UpstreamUnavailable,
@@ -59,6 +63,7 @@ impl ProblemKind {
             ProblemKind::InFlight => "urn:tower-idempotency:in-flight",
             ProblemKind::ResponseNotStored => "urn:tower-idempotency:response-not-stored",
             ProblemKind::StoreUnavailable => "urn:tower-idempotency:store-unavailable",
+            ProblemKind::Overloaded => "urn:tower-idempotency:overloaded",
             ProblemKind::UpstreamUnavailable => "urn:tower-idempotency:upstream-unavailable",
             ProblemKind::UpstreamTimeout => "urn:tower-idempotency:upstream-timeout",
             ProblemKind::TransferCodingUnsupported => {
@@ -77,6 +82,7 @@ impl ProblemKind {
             ProblemKind::InFlight => "Request with this idempotency key in progress",
             ProblemKind::ResponseNotStored => "Original response not stored",
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
+            ProblemKind::Overloaded => "Too many requests in progress",
             ProblemKind::UpstreamUnavailable => "Upstream unavailable",
             ProblemKind::UpstreamTimeout => "Upstream timed out",
             ProblemKind::TransferCodingUnsupported => "Transfer coding not implemented",
@@ -91,7 +97,9 @@ impl ProblemKind {
             ProblemKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::InFlight | ProblemKind::ResponseNotStored => StatusCode::CONFLICT,
-            ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProblemKind::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ProblemKind::TransferCodingUnsupported => StatusCode::NOT_IMPLEMENTED,
@@ -197,7 +205,7 @@ impl Problem {
         let title = escape_html(self.kind.title());
         let detail = escape_html(&self.detail);
         let advice = match self.kind {
-            ProblemKind::InFlight | ProblemKind::StoreUnavailable => {
+            ProblemKind::InFlight | ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
                 "Please wait a moment, then go back and send the form again."
             }
             ProblemKind::KeyMissing | ProblemKind::KeyInvalid | ProblemKind::KeyMismatch => {

@@ -175,6 +175,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         config.routes.clone(),
         EngineConfig {
             store_timeout: settings.store_timeout,
+            max_buffered_bytes: settings.max_buffered_bytes,
             ..EngineConfig::default()
         },
     );

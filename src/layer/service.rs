@@ -87,6 +87,11 @@ where
             if let Some(refused) = engine.unsupported_transfer_coding(&parts.headers) {
                 return Step::Done(Ok(refused.map(ResponseBody::full)));
             }
+            // Room in the engine's buffer budget, held until decided.
+            let permit = match engine.body_permit(&covered, &parts.headers) {
+                Ok(permit) => permit,
+                Err(refused) => return Step::Done(Ok(refused.map(ResponseBody::full))),
+            };
             let body = match read_body(body, covered.max_body_bytes()).await {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
@@ -106,6 +111,7 @@ where
                 principal: principal.as_deref(),
             };
             let decision = engine.begin(&covered, head, &body).await;
+            drop(permit);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
             match decision {
