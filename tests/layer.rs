@@ -414,6 +414,58 @@ async fn buffered_bodies_never_exceed_the_engine_budget() {
     assert!(again.replayed());
 }
 
+/// An inner service that never answers, and one whose body never ends:
+/// past the route's `execution_timeout` the caller gets 504
+/// `upstream-timeout`, and the key is not left in flight for ever nor
+/// freed for a second execution while the first may still act: retries
+/// replay the 504 and the handler never runs again.
+#[tokio::test]
+async fn a_hung_execution_ends_at_its_limit_and_never_runs_again() {
+    let (engine, _) = memory_engine(Policy {
+        execution_timeout: Duration::from_millis(300),
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |n, request: Inbound| async move {
+        if request.uri().path() == "/hangs" {
+            std::future::pending::<()>().await;
+        }
+        // One chunk, then the body never ends.
+        let first =
+            futures::stream::once(
+                async move { Ok::<_, Infallible>(Bytes::from(format!("order {n}"))) },
+            );
+        let body = Body::from_stream(futures::StreamExt::chain(first, futures::stream::pending()));
+        reply(StatusCode::CREATED, body)
+    });
+    for path in ["/hangs", "/stalls"] {
+        let request = || {
+            Request::post(path)
+                .header("idempotency-key", "hung")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from("{}"))
+                .unwrap()
+        };
+        let calls = upstream.calls();
+        let first = promptly(upstream.send(request())).await;
+        first.assert_problem(StatusCode::GATEWAY_TIMEOUT, "upstream-timeout");
+        for _ in 0..3 {
+            let retry = promptly(upstream.send(request())).await;
+            assert_eq!(
+                retry.status,
+                StatusCode::GATEWAY_TIMEOUT,
+                "{path}: {retry:?}"
+            );
+            assert!(retry.replayed(), "{path}: {retry:?}");
+            assert_eq!(
+                retry.problem_type(),
+                "urn:tower-idempotency:upstream-timeout"
+            );
+        }
+        assert_eq!(upstream.calls(), calls + 1, "{path} ran again");
+    }
+    assert_eq!(engine.metrics().in_flight(), 0);
+}
+
 #[tokio::test]
 async fn the_same_key_for_a_different_request_is_refused() {
     for (status, mismatch_status) in [

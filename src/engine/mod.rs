@@ -39,6 +39,7 @@ use std::time::Duration;
 mod budget;
 mod classify;
 mod decide;
+mod execution;
 pub mod headers;
 mod lease;
 mod maintenance;
