@@ -35,8 +35,9 @@ impl Drop for BodyPermit {
 
 impl Engine {
     /// Takes room for a covered request's body before it is read: its
-    /// `Content-Length` (the HTTP framing bounds the body to it), or, for a
-    /// body of unknown length, the route's `max_body_bytes` (a declared
+    /// `Content-Length` (the HTTP framing bounds the body to it; ignored
+    /// beside a `Transfer-Encoding` or when repeated), or, for a body of
+    /// unknown length, the route's `max_body_bytes` (a declared
     /// length over that is counted at that limit; the body is refused with
     /// 413 anyway). When the bytes already held by other requests leave no
     /// room, the answer is 503 `overloaded` with `Retry-After`: send it
@@ -51,10 +52,17 @@ impl Engine {
         request: &HeaderMap,
     ) -> Result<BodyPermit, Response<Bytes>> {
         let limit = covered.max_body_bytes() as u64;
-        let declared = request
-            .get(header::CONTENT_LENGTH)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.parse::<u64>().ok());
+        // A length is trusted only where it frames the body: alone (with a
+        // `Transfer-Encoding` it is ignored, so `chunked` + `Content-Length:
+        // 0` must not buffer a body at no cost) and given once.
+        let mut lengths = request.get_all(header::CONTENT_LENGTH).iter();
+        let declared = match (lengths.next(), lengths.next()) {
+            (Some(value), None) if !request.contains_key(header::TRANSFER_ENCODING) => value
+                .to_str()
+                .ok()
+                .and_then(|value| value.trim().parse::<u64>().ok()),
+            _ => None,
+        };
         let bytes = declared.map_or(limit, |length| length.min(limit));
         let max = self.inner.config.max_buffered_bytes;
         if self.inner.metrics.try_buffer(bytes, max) {

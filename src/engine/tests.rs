@@ -672,3 +672,56 @@ async fn drain_waits_for_an_execution_still_holding_its_key() {
     };
     assert_eq!(response.headers()[REPLAYED_HEADER], "true");
 }
+
+#[tokio::test]
+async fn a_body_counts_at_its_length_only_where_the_length_frames_it() {
+    let store = MemoryStore::new();
+    let config = EngineConfig {
+        max_buffered_bytes: 1500,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::with_config(
+        Arc::new(store),
+        Routes::all(Policy::default()).unwrap(),
+        config,
+    );
+    let policy = covered(&engine, "/orders");
+    let permit = |pairs: &[(header::HeaderName, &'static str)]| {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.append(name.clone(), HeaderValue::from_static(value));
+        }
+        engine.body_permit(&policy, &headers).map(|p| p.bytes())
+    };
+    assert_eq!(permit(&[(header::CONTENT_LENGTH, "1000")]).unwrap(), 1000);
+    // Unknown, ignored or ambiguous lengths count at the route's limit
+    // (1 MiB), which this budget cannot hold.
+    for unframed in [
+        vec![],
+        vec![
+            (header::CONTENT_LENGTH, "0"),
+            (header::TRANSFER_ENCODING, "chunked"),
+        ],
+        vec![(header::CONTENT_LENGTH, "0"), (header::CONTENT_LENGTH, "0")],
+    ] {
+        let refused = permit(&unframed).unwrap_err();
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(refused.headers().contains_key(header::RETRY_AFTER));
+    }
+    // Two permits that together pass the budget: the second is refused,
+    // and room comes back when the first is dropped.
+    let first = engine
+        .body_permit(&policy, &{
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("1000"));
+            h
+        })
+        .unwrap();
+    assert!(permit(&[(header::CONTENT_LENGTH, "1000")]).is_err());
+    assert_eq!(engine.metrics().buffered_bytes(), 1000);
+    drop(first);
+    assert_eq!(engine.metrics().buffered_bytes(), 0);
+    assert!(permit(&[(header::CONTENT_LENGTH, "1000")]).is_ok());
+    assert_eq!(engine.metrics().overloaded(), 4);
+    assert!(engine.metrics().buffered_bytes_peak() <= 1500);
+}
