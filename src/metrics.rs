@@ -116,6 +116,12 @@ const BUCKETS_US: [u64; 12] = [
 pub struct Metrics {
     events: [AtomicU64; Event::ALL.len()],
     in_flight: AtomicI64,
+    /// Bytes of covered request bodies buffered now (permits held).
+    buffered_bytes: AtomicU64,
+    /// The most `buffered_bytes` ever was.
+    buffered_peak: AtomicU64,
+    /// Requests refused because the buffer budget was used up.
+    overloaded: AtomicU64,
     store_buckets: [AtomicU64; BUCKETS_US.len()],
     store_count: AtomicU64,
     store_sum_us: AtomicU64,
@@ -137,6 +143,46 @@ impl Metrics {
 
     pub(crate) fn in_flight_add(&self, delta: i64) {
         self.in_flight.fetch_add(delta, Relaxed);
+    }
+
+    /// Adds `bytes` to the buffered bytes if the total stays within `max`;
+    /// whether it did (counted as an overload when not).
+    pub(crate) fn try_buffer(&self, bytes: u64, max: u64) -> bool {
+        let added = self.buffered_bytes.fetch_update(Relaxed, Relaxed, |now| {
+            now.checked_add(bytes).filter(|&total| total <= max)
+        });
+        match added {
+            Ok(before) => {
+                self.buffered_peak.fetch_max(before + bytes, Relaxed);
+                true
+            }
+            Err(_) => {
+                self.overloaded.fetch_add(1, Relaxed);
+                false
+            }
+        }
+    }
+
+    pub(crate) fn unbuffer(&self, bytes: u64) {
+        self.buffered_bytes.fetch_sub(bytes, Relaxed);
+    }
+
+    /// Bytes reserved now for covered request bodies being buffered and
+    /// decided (see `EngineConfig::max_buffered_bytes`).
+    pub fn buffered_bytes(&self) -> u64 {
+        self.buffered_bytes.load(Relaxed)
+    }
+
+    /// The most bytes ever reserved for covered request bodies at once;
+    /// never above `EngineConfig::max_buffered_bytes`.
+    pub fn buffered_bytes_peak(&self) -> u64 {
+        self.buffered_peak.load(Relaxed)
+    }
+
+    /// Requests refused with 503 `overloaded` because the buffer budget was
+    /// used up.
+    pub fn overloaded(&self) -> u64 {
+        self.overloaded.load(Relaxed)
     }
 
     /// How often `event` happened since start.
@@ -184,6 +230,18 @@ impl Metrics {
         );
         let _ = writeln!(out, "# TYPE idempotency_in_flight gauge");
         let _ = writeln!(out, "idempotency_in_flight {}", self.in_flight());
+        let _ = writeln!(
+            out,
+            "# HELP idempotency_buffered_bytes Bytes reserved now for covered request bodies being buffered and decided."
+        );
+        let _ = writeln!(out, "# TYPE idempotency_buffered_bytes gauge");
+        let _ = writeln!(out, "idempotency_buffered_bytes {}", self.buffered_bytes());
+        let _ = writeln!(
+            out,
+            "# HELP idempotency_overloaded_total Requests refused with 503 before their body was read: the buffer budget was used up."
+        );
+        let _ = writeln!(out, "# TYPE idempotency_overloaded_total counter");
+        let _ = writeln!(out, "idempotency_overloaded_total {}", self.overloaded());
         let _ = writeln!(
             out,
             "# HELP idempotency_store_latency_seconds Duration of each timed store call: reserve, get, complete, release, renew, sweep, ping (timeouts included; waits are not timed)."

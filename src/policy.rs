@@ -222,6 +222,24 @@ pub struct Policy {
     /// The longest a duplicate waits before 409. Default 10 s.
     #[serde(with = "humantime_serde")]
     pub wait_timeout: Duration,
+    /// Tower layer: the longest an execution may take, from calling the
+    /// inner service to the end of its response body. Past it the layer
+    /// stops waiting and answers 504 `upstream-timeout`, and — as the
+    /// handler may still be running and may still act — stores that
+    /// answer as the key's outcome ("executed, outcome unknown"): retries
+    /// replay the 504 and never execute again; a new attempt needs a new
+    /// key. So a hung handler holds its key (409 to its retries) for at
+    /// most this long, not for ever.
+    ///
+    /// Default 5 min: well above the usual client and load-balancer
+    /// timeouts (30–60 s), because the layer keeps an execution whose
+    /// caller left running and stores its answer for the retry, and cutting
+    /// a slow but healthy request would turn its success into "outcome
+    /// unknown". The proxy does not use it: there the upstream is another
+    /// process, and `[proxy] read_timeout` bounds the wait for its answer
+    /// (and each silence within it).
+    #[serde(with = "humantime_serde")]
+    pub execution_timeout: Duration,
     /// The status for "same key, different request": 422 (IETF draft,
     /// default) or 409.
     pub mismatch_status: u16,
@@ -282,6 +300,7 @@ impl Default for Policy {
             lease: Duration::from_secs(30),
             in_flight: InFlightPolicy::Wait,
             wait_timeout: Duration::from_secs(10),
+            execution_timeout: Duration::from_secs(5 * 60),
             mismatch_status: 422,
             mismatch: MismatchPolicy::Reject,
             in_flight_status: 409,
@@ -382,6 +401,9 @@ impl Policy {
         let fingerprint_headers = header_names("fingerprint_headers", &self.fingerprint_headers)?;
         if self.lease < Duration::from_millis(10) {
             return Err(invalid("lease", "must be at least 10ms"));
+        }
+        if self.execution_timeout.is_zero() {
+            return Err(invalid("execution_timeout", "must be longer than zero"));
         }
         if self.ttl < self.lease {
             return Err(invalid("ttl", "must be at least as long as the lease"));

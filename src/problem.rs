@@ -40,6 +40,10 @@ pub enum ProblemKind {
     ResponseIncomplete,
     /// The idempotency store cannot be reached. 503 with `Retry-After`.
     StoreUnavailable,
+    /// Too many covered request bodies are buffered at once (the engine's
+    /// `max_buffered_bytes`); refused before the body is read, nothing
+    /// reserved. 503 with `Retry-After`.
+    Overloaded,
     /// The upstream could not be reached or broke the connection; the key
     /// was released. 502.
     UpstreamUnavailable,
@@ -64,6 +68,7 @@ impl ProblemKind {
             ProblemKind::ResponseNotStored => "urn:tower-idempotency:response-not-stored",
             ProblemKind::ResponseIncomplete => "urn:tower-idempotency:response-incomplete",
             ProblemKind::StoreUnavailable => "urn:tower-idempotency:store-unavailable",
+            ProblemKind::Overloaded => "urn:tower-idempotency:overloaded",
             ProblemKind::UpstreamUnavailable => "urn:tower-idempotency:upstream-unavailable",
             ProblemKind::UpstreamTimeout => "urn:tower-idempotency:upstream-timeout",
             ProblemKind::TransferCodingUnsupported => {
@@ -83,6 +88,7 @@ impl ProblemKind {
             ProblemKind::ResponseNotStored => "Original response not stored",
             ProblemKind::ResponseIncomplete => "Original response incomplete",
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
+            ProblemKind::Overloaded => "Too many requests in progress",
             ProblemKind::UpstreamUnavailable => "Upstream unavailable",
             ProblemKind::UpstreamTimeout => "Upstream timed out",
             ProblemKind::TransferCodingUnsupported => "Transfer coding not implemented",
@@ -99,7 +105,9 @@ impl ProblemKind {
             ProblemKind::InFlight
             | ProblemKind::ResponseNotStored
             | ProblemKind::ResponseIncomplete => StatusCode::CONFLICT,
-            ProblemKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProblemKind::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ProblemKind::TransferCodingUnsupported => StatusCode::NOT_IMPLEMENTED,
@@ -205,7 +213,7 @@ impl Problem {
         let title = escape_html(self.kind.title());
         let detail = escape_html(&self.detail);
         let advice = match self.kind {
-            ProblemKind::InFlight | ProblemKind::StoreUnavailable => {
+            ProblemKind::InFlight | ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
                 "Please wait a moment, then go back and send the form again."
             }
             ProblemKind::KeyMissing | ProblemKind::KeyInvalid | ProblemKind::KeyMismatch => {

@@ -27,8 +27,8 @@ use tower::ServiceExt;
 use tower_idempotency::engine::{Coverage, Decision, RequestHead};
 use tower_idempotency::store::{Fault, FaultyStore};
 use tower_idempotency::{
-    Engine, Event, FailMode, IdempotencyLayer, InFlightPolicy, KeySource, MemoryStore, Policy,
-    Routes,
+    Engine, EngineConfig, Event, FailMode, IdempotencyLayer, InFlightPolicy, KeySource,
+    MemoryStore, Policy, Routes,
 };
 
 use contact_form::Contacts;
@@ -334,6 +334,136 @@ async fn fifty_concurrent_duplicates_execute_once() {
     assert_eq!(upstream.calls(), 1);
     assert_eq!(replays, 49);
     assert_eq!(engine.metrics().count(Event::Executed), 1);
+}
+
+/// 200 concurrent duplicates with 1000-byte bodies against a budget of ten
+/// such bodies: the first executes while the others wait holding their
+/// bodies; those that do not fit are refused with 503 `overloaded` before
+/// their body is read, and never more than the budget is held at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn buffered_bodies_never_exceed_the_engine_budget() {
+    const BODY: usize = 1000;
+    const SENT: usize = 200;
+    let budget = 10 * BODY as u64;
+    let config = EngineConfig {
+        max_buffered_bytes: budget,
+        ..EngineConfig::default()
+    };
+    let routes = Routes::all(Policy::default()).unwrap();
+    let engine = Engine::with_config(Arc::new(MemoryStore::new()), routes, config);
+    let watched = engine.clone();
+    let upstream = layered(&engine, move |n, _| {
+        let engine = watched.clone();
+        async move {
+            // Answer once every other request is either refused or waiting
+            // with its body held (readiness, not timing; given up after
+            // 10 s so a broken budget fails the assertions, not the run).
+            let settled = |m: &tower_idempotency::Metrics| {
+                m.overloaded() as usize + (m.buffered_bytes() as usize) / BODY
+            };
+            for _ in 0..5000 {
+                if settled(engine.metrics()) >= SENT - 1 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            reply(StatusCode::CREATED, format!("order {n}"))
+        }
+    });
+    let json = format!(r#"{{"pad":"{}"}}"#, "x".repeat(BODY - 10));
+    assert_eq!(json.len(), BODY);
+    let request = |json: &str| {
+        Request::post("/orders")
+            .header("idempotency-key", "budget")
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::CONTENT_LENGTH, json.len())
+            .body(Body::from(json.to_owned()))
+            .unwrap()
+    };
+    let answers: Vec<_> = (0..SENT)
+        .map(|_| tokio::spawn(upstream.send(request(&json))))
+        .collect();
+    let (mut created, mut refused) = (0, 0);
+    for answer in answers {
+        let answer = answer.await.unwrap();
+        if answer.status == StatusCode::SERVICE_UNAVAILABLE {
+            answer.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "overloaded");
+            assert!(answer.headers.contains_key(header::RETRY_AFTER));
+            refused += 1;
+        } else {
+            assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+            assert_eq!(answer.text(), "order 1");
+            created += 1;
+        }
+    }
+    let metrics = engine.metrics();
+    assert_eq!(upstream.calls(), 1);
+    assert!(
+        refused >= SENT - 1 - 10,
+        "refused {refused}, created {created}"
+    );
+    assert_eq!(refused as u64, metrics.overloaded());
+    assert!(metrics.buffered_bytes_peak() <= budget);
+    assert!(
+        metrics.buffered_bytes_peak() >= 9 * BODY as u64,
+        "the budget was used"
+    );
+    assert_eq!(metrics.buffered_bytes(), 0, "every permit given back");
+    // Nothing was reserved for the refused: the key replays, room is back.
+    let again = upstream.send(request(&json)).await;
+    assert!(again.replayed());
+}
+
+/// An inner service that never answers, and one whose body never ends:
+/// past the route's `execution_timeout` the caller gets 504
+/// `upstream-timeout`, and the key is not left in flight for ever nor
+/// freed for a second execution while the first may still act: retries
+/// replay the 504 and the handler never runs again.
+#[tokio::test]
+async fn a_hung_execution_ends_at_its_limit_and_never_runs_again() {
+    let (engine, _) = memory_engine(Policy {
+        execution_timeout: Duration::from_millis(300),
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |n, request: Inbound| async move {
+        if request.uri().path() == "/hangs" {
+            std::future::pending::<()>().await;
+        }
+        // One chunk, then the body never ends.
+        let first =
+            futures::stream::once(
+                async move { Ok::<_, Infallible>(Bytes::from(format!("order {n}"))) },
+            );
+        let body = Body::from_stream(futures::StreamExt::chain(first, futures::stream::pending()));
+        reply(StatusCode::CREATED, body)
+    });
+    for path in ["/hangs", "/stalls"] {
+        let request = || {
+            Request::post(path)
+                .header("idempotency-key", "hung")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from("{}"))
+                .unwrap()
+        };
+        let calls = upstream.calls();
+        let first = promptly(upstream.send(request())).await;
+        first.assert_problem(StatusCode::GATEWAY_TIMEOUT, "upstream-timeout");
+        for _ in 0..3 {
+            let retry = promptly(upstream.send(request())).await;
+            assert_eq!(
+                retry.status,
+                StatusCode::GATEWAY_TIMEOUT,
+                "{path}: {retry:?}"
+            );
+            assert!(retry.replayed(), "{path}: {retry:?}");
+            assert_eq!(
+                retry.problem_type(),
+                "urn:tower-idempotency:upstream-timeout"
+            );
+        }
+        assert_eq!(upstream.calls(), calls + 1, "{path} ran again");
+    }
+    assert_eq!(engine.metrics().in_flight(), 0);
 }
 
 #[tokio::test]

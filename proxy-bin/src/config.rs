@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
-use tower_idempotency::{Policy, PolicyError, Routes};
+use tower_idempotency::{EngineConfig, Policy, PolicyError, Routes};
 
 /// The `[proxy]` table. Every key is optional; the command line overrides
 /// it, and [`ProxySettings::resolve`] fills in the defaults.
@@ -75,6 +75,9 @@ pub struct ProxySettings {
     pub sweep_interval: Option<Duration>,
     /// Worker threads for the proxy (default: one per CPU).
     pub threads: Option<usize>,
+    /// The most bytes of covered request bodies buffered at once (then
+    /// 503 `overloaded`, body unread).
+    pub max_buffered_bytes: Option<u64>,
 }
 
 /// [`ProxySettings`] with every default applied.
@@ -110,6 +113,8 @@ pub struct Resolved {
     pub sweep_interval: Duration,
     /// Proxy worker threads.
     pub threads: usize,
+    /// Buffered covered bodies, in bytes (default 64 MiB).
+    pub max_buffered_bytes: u64,
 }
 
 /// The default store: an SQLite file in the working directory.
@@ -134,6 +139,7 @@ impl ProxySettings {
             shutdown_timeout: over.shutdown_timeout.or(self.shutdown_timeout),
             sweep_interval: over.sweep_interval.or(self.sweep_interval),
             threads: over.threads.or(self.threads),
+            max_buffered_bytes: over.max_buffered_bytes.or(self.max_buffered_bytes),
         }
     }
 
@@ -155,6 +161,9 @@ impl ProxySettings {
             body_timeout: self.body_timeout.unwrap_or(secs(30)),
             shutdown_timeout: self.shutdown_timeout.unwrap_or(secs(30)),
             sweep_interval: self.sweep_interval.unwrap_or(secs(60)),
+            max_buffered_bytes: self
+                .max_buffered_bytes
+                .unwrap_or(EngineConfig::default().max_buffered_bytes),
             threads: self.threads.filter(|&n| n > 0).unwrap_or_else(|| {
                 std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
             }),

@@ -178,6 +178,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         config.routes.clone(),
         EngineConfig {
             store_timeout: settings.store_timeout,
+            max_buffered_bytes: settings.max_buffered_bytes,
             ..EngineConfig::default()
         },
     );
@@ -188,12 +189,15 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 
     let mut conf = ServerConf::new().ok_or("Pingora configuration")?;
     conf.threads = settings.threads;
-    conf.grace_period_seconds = Some(settings.shutdown_timeout.as_secs().max(1));
+    // The shutdown thread (`shutdown.rs`) exits at `shutdown_timeout`;
+    // Pingora's own grace period is the backstop.
+    conf.grace_period_seconds = Some(settings.shutdown_timeout.as_secs() + 1);
     conf.graceful_shutdown_timeout_seconds = Some(1);
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
 
     let drain = Drain::default();
+    let engine_for_shutdown = engine.clone();
     let mut proxy = pingora_proxy::http_proxy_service(
         &server.configuration,
         proxy::IdempotencyProxy::new(
@@ -232,8 +236,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         admin = settings.admin.as_deref().unwrap_or("off"),
         "idempotency-proxy started"
     );
+    let signals = Signals {
+        drain,
+        engine: engine_for_shutdown,
+        runtime: runtime.handle().clone(),
+        timeout: settings.shutdown_timeout,
+    };
     server.run(RunArgs {
-        shutdown_signal: Box::new(Signals { drain }),
+        shutdown_signal: Box::new(signals),
     });
     drop(runtime);
     Ok(())

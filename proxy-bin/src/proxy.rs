@@ -69,14 +69,32 @@ impl IdempotencyProxy {
 
     /// Handles a covered request whole; always answers the client itself.
     async fn covered(&self, session: &mut Session, covered: &Covered) -> Result<bool> {
+        // Room in the engine's buffer budget, held until decided; refused,
+        // the body is not read (and the connection not reused).
+        let permit = match self
+            .engine
+            .body_permit(covered, &session.req_header().headers)
+        {
+            Ok(permit) => permit,
+            Err(refused) => {
+                session.set_keepalive(None);
+                write_response(session, refused).await?;
+                return Ok(true);
+            }
+        };
         let read = read_body(session, covered.max_body_bytes());
         let read = tokio::time::timeout(self.body_timeout, read).await;
         let body = match read.unwrap_or(Err(BodyFailure::Unreadable { timed_out: true })) {
             Ok(body) => body,
-            Err(failure) => return self.refuse_body(session, covered, failure).await,
+            Err(failure) => {
+                drop(permit);
+                return self.refuse_body(session, covered, failure).await;
+            }
         };
         let head = request_head(session.req_header());
-        let reservation = match self.engine.begin(covered, head, &body).await {
+        let decision = self.engine.begin(covered, head, &body).await;
+        drop(permit);
+        let reservation = match decision {
             Decision::Respond(response) => {
                 write_response(session, response).await?;
                 return Ok(true);

@@ -1,20 +1,24 @@
 //! Graceful shutdown: on SIGTERM, stop accepting, let every request in
-//! flight finish (and its response be stored), then exit — as soon as the
-//! last one is done, not after a fixed grace period.
+//! flight finish (and its response be stored), then wait for the engine's
+//! background work (answers whose storing failed and is being retried,
+//! releases), then exit — as soon as all of it is done, not after a fixed
+//! grace period, and at the latest after `shutdown_timeout`.
 //!
 //! Pingora stops its listeners and closes idle keep-alive connections on
 //! `GracefulTerminate`, then sleeps a fixed grace period. [`Drain`] counts
 //! what is still running (downstream requests and detached upstream
-//! exchanges) so the process can exit the moment that count reaches zero;
-//! Pingora's grace period is only the upper bound.
+//! exchanges) and [`Engine::drain`] waits for the engine's background work,
+//! so the process can exit the moment both are done; Pingora's grace period
+//! (a second longer than `shutdown_timeout`) is only a backstop.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora_core::server::{ShutdownSignal, ShutdownSignalWatch};
 use tokio::signal::unix::{signal, SignalKind};
+use tower_idempotency::Engine;
 
 /// Counts the work that must finish before the process may exit.
 #[derive(Clone, Debug, Default)]
@@ -50,11 +54,40 @@ impl Drop for Active {
 }
 
 /// Pingora's shutdown trigger: SIGTERM is a graceful terminate (and starts
-/// a thread that exits the process once [`Drain`] is empty), SIGINT a fast
-/// shutdown.
+/// a thread that exits the process once [`Drain`] is empty and the engine
+/// is drained, or `timeout` after the signal), SIGINT a fast shutdown.
 pub struct Signals {
     /// The work to wait for.
     pub drain: Drain,
+    /// The engine whose background work is waited for.
+    pub engine: Engine,
+    /// A runtime to wait for the engine on (its timers).
+    pub runtime: tokio::runtime::Handle,
+    /// The longest the whole shutdown may take (`shutdown_timeout`).
+    pub timeout: Duration,
+}
+
+impl Signals {
+    /// Waits for the requests in flight, then for the engine's background
+    /// work, until `deadline`; logs what it had to abandon.
+    fn drain_until(&self, deadline: Instant) -> (usize, usize) {
+        while self.drain.active() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let requests = self.drain.active();
+        if requests > 0 {
+            tracing::error!(
+                requests,
+                "shutdown_timeout passed with requests in flight; abandoning them"
+            );
+        }
+        // Requests that ended may have left work behind (an answer still
+        // being stored): the client has its answer, so this is in flight
+        // too. The engine logs each key it abandons.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let report = self.runtime.block_on(self.engine.drain(left));
+        (requests, report.abandoned.len())
+    }
 }
 
 #[async_trait]
@@ -65,14 +98,22 @@ impl ShutdownSignalWatch for Signals {
         tokio::select! {
             _ = term.recv() => {
                 tracing::info!(in_flight = self.drain.active(), "SIGTERM: draining");
-                let drain = self.drain.clone();
+                let deadline = Instant::now() + self.timeout;
+                let signals = Signals {
+                    drain: self.drain.clone(),
+                    engine: self.engine.clone(),
+                    runtime: self.runtime.clone(),
+                    timeout: self.timeout,
+                };
                 std::thread::spawn(move || {
                     // Let Pingora stop its listeners first.
                     std::thread::sleep(Duration::from_millis(100));
-                    while drain.active() > 0 {
-                        std::thread::sleep(Duration::from_millis(20));
+                    let (requests, background) = signals.drain_until(deadline);
+                    if requests + background == 0 {
+                        tracing::info!("drained; exiting");
+                    } else {
+                        tracing::error!(requests, background, "shutdown_timeout passed; exiting with work abandoned");
                     }
-                    tracing::info!("drained; exiting");
                     std::process::exit(0);
                 });
                 ShutdownSignal::GracefulTerminate

@@ -599,3 +599,107 @@ async fn chunked_answers_stream_through_and_replay_and_oversized_ones_run_once()
     assert!(retry.text().contains("response-not-stored"));
     assert_eq!(backend.hits("/chunked"), 2);
 }
+
+/// A number from the admin listener's `/metrics`.
+async fn metric(proxy: &Proxy, name: &str) -> u64 {
+    let text = proxy.admin("/metrics").await.text();
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+}
+
+/// 60 concurrent duplicates with 1000-byte bodies against a budget of five
+/// such bodies: the first is held at the backend while the others wait with
+/// their bodies buffered; those that do not fit get 503 `overloaded`
+/// before their body is read, and the budget is given back afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn covered_bodies_buffered_at_once_are_capped() {
+    const BODY: usize = 1000;
+    const SENT: u64 = 60;
+    let config = r#"
+[proxy]
+max_buffered_bytes = 5000
+"#;
+    let (backend, proxy) = start("budget", config).await;
+    let body = format!(r#"{{"pad":"{}"}}"#, "x".repeat(BODY - 10));
+    let sends: Vec<_> = (0..SENT)
+        .map(|_| {
+            let (addr, body) = (proxy.addr, body.clone());
+            tokio::spawn(async move {
+                let headers = [
+                    ("idempotency-key", "budget"),
+                    ("content-type", "application/json"),
+                ];
+                common::send(
+                    &common::client(),
+                    addr,
+                    "POST",
+                    "/slow?ms=gate",
+                    &headers,
+                    body,
+                )
+                .await
+            })
+        })
+        .collect();
+    // Every request but the held one is refused or waiting with its body
+    // buffered (readiness: gives up after a minute).
+    let mut settled = false;
+    for _ in 0..3000 {
+        let refused = metric(&proxy, "idempotency_overloaded_total").await;
+        let buffered = metric(&proxy, "idempotency_buffered_bytes").await;
+        if backend.hits("/slow") == 1 && refused + buffered / BODY as u64 >= SENT - 1 {
+            settled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(settled, "requests neither refused nor waiting");
+    // Opened until the held request passes (it may not be at the gate yet).
+    let opener = {
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            loop {
+                backend.open_gate();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let mut refused = 0;
+    for send in sends {
+        let reply = send.await.unwrap();
+        if reply.status == 503 {
+            assert_eq!(
+                reply.json()["type"],
+                "urn:tower-idempotency:overloaded",
+                "{}",
+                reply.text()
+            );
+            assert!(reply.header("retry-after").is_some());
+            refused += 1;
+        } else {
+            assert_eq!(reply.status, 201, "{}", reply.text());
+        }
+    }
+    opener.abort();
+    assert_eq!(backend.hits("/slow"), 1);
+    assert!(refused >= SENT - 1 - 5, "refused {refused}");
+    assert_eq!(
+        refused,
+        metric(&proxy, "idempotency_overloaded_total").await
+    );
+    assert_eq!(metric(&proxy, "idempotency_buffered_bytes").await, 0);
+    // Room is back: the key replays.
+    let reply = proxy
+        .send(
+            "POST",
+            "/slow?ms=gate",
+            &[
+                ("idempotency-key", "budget"),
+                ("content-type", "application/json"),
+            ],
+            body,
+        )
+        .await;
+    assert!(reply.replayed(), "{}", reply.text());
+}

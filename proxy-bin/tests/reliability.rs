@@ -755,6 +755,111 @@ async fn postgres_stopped_under_load_is_503_then_recovers_without_duplicates() {
     drop(pg);
 }
 
+/// SIGTERM right after the client got its 201, while PostgreSQL is down so
+/// the answer is still being stored in the background: the proxy waits for
+/// it before exiting, and the proxy started next on the same database
+/// replays it instead of executing the retry again.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_waits_for_an_answer_still_being_stored() {
+    let _heavy = HEAVY.lock().await;
+    let pg = tokio::task::spawn_blocking(PrivatePostgres::start)
+        .await
+        .unwrap();
+    let backend = Backend::start().await;
+    let mut proxy = start_proxy(backend.url(), &pg.url(), None, "10s").await;
+    let client = client();
+    let first = try_request(&client, post(proxy.addr, "/slow?ms=gate", "drain-1", "{}"));
+    let mut first = std::pin::pin!(first);
+    tokio::select! {
+        biased;
+        _ = backend.held() => {}
+        reply = &mut first => panic!("answered before the backend held it: {reply:?}"),
+    }
+    // The key is reserved; PostgreSQL goes down before the answer is stored.
+    let pg = tokio::task::spawn_blocking(move || {
+        pg.stop();
+        pg
+    })
+    .await
+    .unwrap();
+    backend.open_gate();
+    let reply = first.await.expect("an answer");
+    assert_eq!(
+        (reply.status, reply.replayed()),
+        (201, false),
+        "{}",
+        reply.text()
+    );
+    proxy.terminate();
+    let pg = tokio::task::spawn_blocking(move || {
+        pg.start_again();
+        pg
+    })
+    .await
+    .unwrap();
+    assert!(proxy.wait_exit().await, "a clean exit");
+    let proxy = start_proxy(backend.url(), &pg.url(), None, "10s").await;
+    let retry = try_request(&client, post(proxy.addr, "/slow?ms=gate", "drain-1", "{}"))
+        .await
+        .expect("an answer");
+    assert_eq!(backend.hits("/slow"), 1, "the retry executed again");
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (201, true),
+        "{}",
+        retry.text()
+    );
+    assert_eq!(retry.body, reply.body);
+    drop(pg);
+}
+
+/// The same, but PostgreSQL stays down past `shutdown_timeout`: the proxy
+/// exits at that bound and logs the answer it had to abandon (by its key's
+/// hash, never the key).
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_logs_an_answer_it_could_not_store_in_time() {
+    let _heavy = HEAVY.lock().await;
+    let pg = tokio::task::spawn_blocking(PrivatePostgres::start)
+        .await
+        .unwrap();
+    let backend = Backend::start().await;
+    let dir = temp_dir("abandon");
+    let config = config("30s").replacen("[proxy]\n", "[proxy]\nshutdown_timeout = \"2s\"\n", 1);
+    assert!(config.contains("shutdown_timeout"));
+    let mut args = ProxyArgs::new(backend.url(), &config, &dir);
+    args.store = pg.url();
+    let log = dir.join("proxy.log");
+    let mut proxy = Proxy::start_logged(args, &log, "info").await;
+    let client = client();
+    let first = try_request(&client, post(proxy.addr, "/slow?ms=gate", "drain-2", "{}"));
+    let mut first = std::pin::pin!(first);
+    tokio::select! {
+        biased;
+        _ = backend.held() => {}
+        reply = &mut first => panic!("answered before the backend held it: {reply:?}"),
+    }
+    let pg = tokio::task::spawn_blocking(move || {
+        pg.stop();
+        pg
+    })
+    .await
+    .unwrap();
+    backend.open_gate();
+    let reply = first.await.expect("an answer");
+    assert_eq!(reply.status, 201, "{}", reply.text());
+    proxy.terminate();
+    proxy.wait_exit().await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let abandoned: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("abandoned background work"))
+        .collect();
+    assert_eq!(abandoned.len(), 1, "{text}");
+    assert!(abandoned[0].contains("key="), "{}", abandoned[0]);
+    assert!(!text.contains("drain-2"), "the raw key is logged");
+    drop(pg);
+}
+
 /// Three proxies share one PostgreSQL database; every key is sent three
 /// times to each of them at once: each key executes exactly once and all
 /// nine requests get the same answer.

@@ -1,10 +1,162 @@
 //! Running the engine beside the requests: health checks, the sweeper
-//! that deletes expired records, and the metrics text.
+//! that deletes expired records, the metrics text, and draining the
+//! background work on shutdown.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
+use tokio::sync::Notify;
+
 use super::Engine;
-use crate::store::StoreError;
+use crate::store::{ScopeKey, StoreError};
+
+/// The engine's work that outlives its request: an outcome whose storing
+/// failed and is retried, a release of an abandoned reservation. Each is a
+/// promise made to a client (its answer is stored, its key freed), so a
+/// graceful shutdown waits for them ([`Engine::drain`]).
+#[derive(Debug, Default)]
+pub(super) struct Background {
+    /// The pending tasks by id, with the scope they work for.
+    pending: Mutex<Pending>,
+    /// Woken whenever a task ends.
+    ended: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    next: u64,
+    tasks: HashMap<u64, (ScopeKey, &'static str)>,
+}
+
+/// One pending background task; counted until dropped.
+#[derive(Debug)]
+pub(super) struct BackgroundTask {
+    engine: Engine,
+    id: u64,
+}
+
+impl Engine {
+    /// Registers background work for `key` (`what` it does, for the log);
+    /// it counts as pending for [`Engine::drain`] until the returned guard
+    /// is dropped.
+    pub(super) fn background_task(&self, key: ScopeKey, what: &'static str) -> BackgroundTask {
+        let mut pending = self.inner.background.pending.lock().unwrap();
+        pending.next += 1;
+        let id = pending.next;
+        pending.tasks.insert(id, (key, what));
+        BackgroundTask {
+            engine: self.clone(),
+            id,
+        }
+    }
+
+    /// How many background tasks are pending: outcomes whose storing failed
+    /// and is being retried, releases of abandoned reservations.
+    pub fn pending_background(&self) -> usize {
+        self.inner.background.pending.lock().unwrap().tasks.len()
+    }
+
+    /// Waits, at most `timeout`, for the engine's work in flight to end:
+    /// reservations still held (an execution whose caller went away runs
+    /// on in a task of its own), outcomes whose storing failed and is being
+    /// retried (their clients already have their answers; if the process
+    /// exits first, the key stays in flight until its lease runs out, and
+    /// then a retry executes again), and releases of abandoned
+    /// reservations. Call it on graceful shutdown, after the server stopped
+    /// accepting and its requests ended (they may leave such work behind).
+    /// Work started while it waits is waited for too.
+    ///
+    /// What is still pending at the timeout is abandoned: each background
+    /// task is logged (its scope's short hash only) and listed in the
+    /// report, held reservations are counted. The work itself goes on as
+    /// long as its runtime does.
+    pub async fn drain(&self, timeout: Duration) -> DrainReport {
+        let background = &self.inner.background;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let held = || self.inner.metrics.in_flight().max(0) as usize;
+        let waited_for = self.pending_background() + held();
+        loop {
+            let ended = background.ended.notified();
+            let mut ended = std::pin::pin!(ended);
+            // Registered before looking, so an end in between is not missed.
+            ended.as_mut().enable();
+            if self.pending_background() == 0 && held() == 0 {
+                return DrainReport {
+                    waited_for,
+                    ..DrainReport::default()
+                };
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                break;
+            }
+        }
+        let held = held();
+        if held > 0 {
+            tracing::error!(
+                reservations = held,
+                "idempotency shutdown abandoned executions still running"
+            );
+        }
+        let mut abandoned: Vec<(u64, String, &'static str)> = {
+            let pending = background.pending.lock().unwrap();
+            let tasks = pending.tasks.iter();
+            tasks
+                .map(|(id, (key, what))| (*id, key.short(), *what))
+                .collect()
+        };
+        abandoned.sort();
+        for (_, key, what) in &abandoned {
+            tracing::error!(key = %key, work = what, "idempotency shutdown abandoned background work; the key frees when its lease expires");
+        }
+        DrainReport {
+            waited_for,
+            abandoned: abandoned.into_iter().map(|(_, key, _)| key).collect(),
+            held,
+        }
+    }
+
+    /// Wakes [`Engine::drain`]: some work in flight ended.
+    fn work_ended(&self) {
+        self.inner.background.ended.notify_waiters();
+    }
+
+    /// A reservation ended (it no longer counts as in flight).
+    pub(super) fn left_flight(&self) {
+        self.inner.metrics.in_flight_add(-1);
+        self.work_ended();
+    }
+}
+
+impl Drop for BackgroundTask {
+    fn drop(&mut self) {
+        let background = &self.engine.inner.background;
+        background.pending.lock().unwrap().tasks.remove(&self.id);
+        self.engine.work_ended();
+    }
+}
+
+/// What [`Engine::drain`] waited for and what it had to abandon.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DrainReport {
+    /// Reservations held and background tasks pending when the drain
+    /// started.
+    pub waited_for: usize,
+    /// The short scope hashes of the background tasks still pending at the
+    /// timeout (empty: all ended). Such a key stays in flight until its
+    /// lease runs out; a retry after that executes again.
+    pub abandoned: Vec<String>,
+    /// Reservations still held at the timeout (executions still running).
+    pub held: usize,
+}
+
+impl DrainReport {
+    /// Whether all work in flight ended in time.
+    pub fn is_complete(&self) -> bool {
+        self.abandoned.is_empty() && self.held == 0
+    }
+}
 
 impl Engine {
     /// Renders the engine's and the store's metrics in Prometheus text.

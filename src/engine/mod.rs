@@ -6,8 +6,9 @@
 //! 1. asks [`Engine::classify`] whether a request is covered — if not
 //!    ([`Coverage::PassThrough`]), it forwards the request untouched,
 //!    without buffering;
-//! 2. buffers a covered request's body up to [`Covered::max_body_bytes`]
-//!    (over it: [`Engine::body_too_large`]);
+//! 2. takes a [`BodyPermit`] from [`Engine::body_permit`] (refused: the
+//!    engine's 503, the body unread) and buffers a covered request's body up
+//!    to [`Covered::max_body_bytes`] (over it: [`Engine::body_too_large`]);
 //! 3. calls [`Engine::begin`] and obeys the [`Decision`];
 //! 4. after [`Decision::Proceed`], hands the upstream's answer to the
 //!    [`Recorder`] that [`Reservation::record`] returns — chunk by chunk,
@@ -27,15 +28,18 @@
 //! * `recorder.rs` — the upstream's answer as it streams ([`Recorder`]);
 //! * `headers.rs` — header hygiene shared with the proxy;
 //! * `lease.rs` — the lease renewer;
-//! * `maintenance.rs` — health, sweeping, metrics rendering.
+//! * `maintenance.rs` — health, sweeping, metrics rendering, and
+//!   [`Engine::drain`] (waiting for background work on shutdown).
 
 use std::future::Future;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
+mod budget;
 mod classify;
 mod decide;
+mod execution;
 pub mod headers;
 mod lease;
 mod maintenance;
@@ -46,8 +50,10 @@ mod scope;
 #[cfg(test)]
 mod tests;
 
+pub use self::budget::BodyPermit;
 pub use self::classify::{Coverage, Covered, RequestHead};
 pub use self::decide::Decision;
+pub use self::maintenance::DrainReport;
 pub use self::recorder::{Flow, Recorder};
 pub use self::reservation::Reservation;
 pub use self::responses::REPLAYED_HEADER;
@@ -66,6 +72,14 @@ pub struct EngineConfig {
     /// The `Retry-After` seconds sent with 503 when the store fails.
     /// Default 1.
     pub store_retry_after: u64,
+    /// The most bytes of covered request bodies buffered at once, across
+    /// all requests (each waiting duplicate holds its body until it is
+    /// answered). A request is counted, before its body is read, at its
+    /// `Content-Length`, or at its route's `max_body_bytes` without one;
+    /// one that does not fit is refused with 503 `overloaded` and
+    /// `Retry-After`, nothing reserved (see [`Engine::body_permit`]).
+    /// Default 64 MiB.
+    pub max_buffered_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +87,7 @@ impl Default for EngineConfig {
         EngineConfig {
             store_timeout: Duration::from_secs(5),
             store_retry_after: 1,
+            max_buffered_bytes: 64 * 1024 * 1024,
         }
     }
 }
@@ -93,6 +108,9 @@ struct Inner {
     config: EngineConfig,
     metrics: Metrics,
     leases: Arc<Leases>,
+    /// Work still running after its request ended (see
+    /// [`Engine::drain`]).
+    background: maintenance::Background,
 }
 
 impl Drop for Inner {
@@ -117,6 +135,7 @@ impl Engine {
                 config,
                 metrics: Metrics::default(),
                 leases: Arc::default(),
+                background: maintenance::Background::default(),
             }),
         }
     }

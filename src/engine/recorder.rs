@@ -146,6 +146,21 @@ impl Recorder {
     }
 }
 
+impl Recorder {
+    /// The body did not end within the route's `execution_timeout`: like
+    /// [`Reservation::execution_timed_out`] (504, stored as the outcome).
+    pub async fn execution_timed_out(mut self, request: &http::HeaderMap) -> http::Response<Bytes> {
+        match self.reservation.take() {
+            Some(reservation) => reservation.execution_timed_out(request).await,
+            None => crate::problem::Problem::new(
+                crate::problem::ProblemKind::UpstreamTimeout,
+                "The request did not finish within the time allowed.",
+            )
+            .into_response_for(request),
+        }
+    }
+}
+
 /// A body collected chunk by chunk: one chunk is kept as it came, several
 /// are joined.
 #[derive(Debug, Default)]

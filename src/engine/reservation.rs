@@ -119,8 +119,11 @@ impl Reservation {
                 // keep trying in the background — with the heartbeat still
                 // renewing the lease — for as long as the lease may be ours,
                 // and let the caller have its response now. The owner check
-                // makes a late success harmless.
+                // makes a late success harmless. A graceful shutdown waits
+                // for it (`Engine::drain`).
+                let task = self.engine.background_task(self.key, "storing an outcome");
                 tokio::spawn(async move {
+                    let _task = task;
                     let deadline = Instant::now() + self.policy.policy().lease;
                     let mut attempt = 0;
                     let result = loop {
@@ -199,15 +202,17 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.stop_renewing();
-        self.engine.inner.metrics.in_flight_add(-1);
         if self.settled {
+            self.engine.left_flight();
             return;
         }
         // Abandoned (panic or cancellation): free the key in the background.
         let engine = self.engine.clone();
         let (key, owner) = (self.key, self.owner);
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let task = engine.background_task(key, "releasing an abandoned key");
             handle.spawn(async move {
+                let _task = task;
                 engine.inner.metrics.record(Event::Released);
                 let _ = engine
                     .store_call(engine.inner.store.release(&key, &owner))
@@ -215,5 +220,8 @@ impl Drop for Reservation {
                 tracing::info!(outcome = "released", key = %key.short(), "idempotency reservation abandoned");
             });
         }
+        // Only now, the release already pending: `Engine::drain` never sees
+        // the key as neither held nor pending.
+        self.engine.left_flight();
     }
 }

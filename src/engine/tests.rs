@@ -576,3 +576,158 @@ async fn fail_open_releases_the_lost_reservation_before_the_retry() {
         Decision::Respond(response) if response.headers().contains_key(REPLAYED_HEADER)
     ));
 }
+
+/// An engine over a fault injector with a long lease (so a failed
+/// completion is retried for a long time), and a reservation of key `k`.
+async fn reserved_over_faulty() -> (Engine, Faults, Covered, Reservation) {
+    let (store, faults) = faulty();
+    let policy = Policy {
+        lease: Duration::from_secs(60),
+        ..Policy::default()
+    };
+    let engine = Engine::with_config(store, Routes::all(policy).unwrap(), EngineConfig::default());
+    let policy = covered(&engine, "/orders");
+    let reservation = proceed(begin(&engine, &policy, "k").await);
+    (engine, faults, policy, reservation)
+}
+
+#[tokio::test(start_paused = true)]
+async fn drain_waits_for_a_completion_being_retried() {
+    let (engine, faults, policy, reservation) = reserved_over_faulty().await;
+    // Storing fails for a while: the client gets its answer, the outcome is
+    // retried in the background.
+    faults.set_next(Op::Complete, Fault::Down, 20);
+    let _ = reservation
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+    assert_eq!(engine.pending_background(), 1, "the completion is pending");
+    let report = engine.drain(Duration::from_secs(30)).await;
+    assert!(report.is_complete(), "{report:?}");
+    // The completion, and the reservation it still holds.
+    assert_eq!(report.waited_for, 2);
+    assert_eq!(engine.pending_background(), 0);
+    assert_eq!(faults.remaining(Op::Complete), 0, "storing was retried");
+    // The moment drain returns the outcome is stored: a retry replays.
+    let decision = begin(&engine, &policy, "k").await;
+    let Decision::Respond(response) = decision else {
+        panic!("the retry executed again: {decision:?}");
+    };
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+}
+
+#[tokio::test(start_paused = true)]
+async fn drain_reports_what_it_abandons_at_its_timeout() {
+    let (engine, faults, _, reservation) = reserved_over_faulty().await;
+    let key = reservation.key_hash();
+    // Storing keeps failing, and so does releasing an abandoned key.
+    faults.set(Op::Complete, Fault::Down);
+    faults.set(Op::Release, Fault::Down);
+    let _ = reservation
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+    let report = engine.drain(Duration::from_secs(5)).await;
+    assert_eq!(report.waited_for, 2);
+    assert_eq!(report.abandoned, vec![key.clone()]);
+    assert_eq!(report.held, 1, "the reservation the completion holds");
+    assert!(!report.is_complete());
+    assert!(faults.calls(Op::Complete) > 1, "it was being retried");
+    // An abandoned reservation's release is background work too.
+    let (other, other_faults, _, held) = reserved_over_faulty().await;
+    other_faults.set(Op::Release, Fault::Stall(Duration::from_secs(3)));
+    let other_key = held.key_hash();
+    drop(held);
+    assert_eq!(other.pending_background(), 1);
+    let report = other.drain(Duration::from_secs(1)).await;
+    assert_eq!(report.abandoned, vec![other_key]);
+    let report = other.drain(Duration::from_secs(10)).await;
+    assert!(report.is_complete(), "{report:?}");
+    assert_eq!(other_faults.inner_calls(Op::Release), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn drain_waits_for_an_execution_still_holding_its_key() {
+    let (engine, _, policy) = engine(Policy::default());
+    let reservation = proceed(begin(&engine, &policy, "k").await);
+    let report = engine.drain(Duration::from_secs(1)).await;
+    assert_eq!((report.waited_for, report.held), (1, 1), "{report:?}");
+    assert!(!report.is_complete());
+    // The execution (e.g. one whose caller went away) ends later.
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let _ = reservation
+            .record(StatusCode::CREATED, &HeaderMap::new())
+            .await
+            .end()
+            .await;
+    });
+    let report = engine.drain(Duration::from_secs(10)).await;
+    assert!(report.is_complete(), "{report:?}");
+    let decision = begin(&engine, &policy, "k").await;
+    let Decision::Respond(response) = decision else {
+        panic!("the retry executed again: {decision:?}");
+    };
+    assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+}
+
+#[tokio::test]
+async fn a_body_counts_at_its_length_only_where_the_length_frames_it() {
+    let store = MemoryStore::new();
+    let config = EngineConfig {
+        max_buffered_bytes: 1500,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::with_config(
+        Arc::new(store),
+        Routes::all(Policy::default()).unwrap(),
+        config,
+    );
+    let policy = covered(&engine, "/orders");
+    let permit = |pairs: &[(header::HeaderName, &'static str)]| {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.append(name.clone(), HeaderValue::from_static(value));
+        }
+        engine
+            .body_permit(&policy, &headers)
+            .map(|permit| permit.bytes())
+            .map_err(|refused| {
+                let retry_after = refused.headers().contains_key(header::RETRY_AFTER);
+                (refused.status(), retry_after)
+            })
+    };
+    assert_eq!(permit(&[(header::CONTENT_LENGTH, "1000")]).unwrap(), 1000);
+    // Unknown, ignored or ambiguous lengths count at the route's limit
+    // (1 MiB), which this budget cannot hold.
+    for unframed in [
+        vec![],
+        vec![
+            (header::CONTENT_LENGTH, "0"),
+            (header::TRANSFER_ENCODING, "chunked"),
+        ],
+        vec![(header::CONTENT_LENGTH, "0"), (header::CONTENT_LENGTH, "0")],
+    ] {
+        let refused = permit(&unframed).unwrap_err();
+        assert_eq!(refused, (StatusCode::SERVICE_UNAVAILABLE, true));
+    }
+    // Two permits that together pass the budget: the second is refused,
+    // and room comes back when the first is dropped.
+    let first = engine
+        .body_permit(&policy, &{
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("1000"));
+            h
+        })
+        .unwrap();
+    assert!(permit(&[(header::CONTENT_LENGTH, "1000")]).is_err());
+    assert_eq!(engine.metrics().buffered_bytes(), 1000);
+    drop(first);
+    assert_eq!(engine.metrics().buffered_bytes(), 0);
+    assert!(permit(&[(header::CONTENT_LENGTH, "1000")]).is_ok());
+    assert_eq!(engine.metrics().overloaded(), 4);
+    assert!(engine.metrics().buffered_bytes_peak() <= 1500);
+}

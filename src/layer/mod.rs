@@ -32,8 +32,35 @@
 //! * The response is stored *before* it is returned, so a client that got
 //!   an answer and retries always gets a replay. A response larger than the
 //!   storage cap is still returned whole; only a marker is stored.
+//! * An execution still running after its route's
+//!   [`execution_timeout`](crate::Policy::execution_timeout) (default
+//!   5 min, to the end of its response body) is no longer waited for: the
+//!   caller gets 504 `upstream-timeout`, and that answer is stored as the
+//!   key's outcome, since the handler may still act: retries replay it and
+//!   never execute again.
+//! * Covered bodies buffered at once are capped engine-wide
+//!   ([`EngineConfig::max_buffered_bytes`](crate::EngineConfig)): past it,
+//!   503 `overloaded` before the body is read.
 //! * The engine's own answers (400, 409, 413, 422, 503) are responses, not
 //!   errors. The inner service's errors pass through (and release the key).
+//!
+//! # Graceful shutdown
+//!
+//! An answer whose storing failed is returned anyway and stored in the
+//! background, and an execution whose caller went away runs on in a task
+//! of its own. After your server's graceful shutdown, call
+//! [`Engine::drain`](crate::Engine::drain) with a bound before the process
+//! exits, or such a key stays in flight until its lease runs out and its
+//! retry executes again:
+//!
+//! ```no_run
+//! # async fn run(engine: tower_idempotency::Engine) {
+//! // axum::serve(listener, app).with_graceful_shutdown(signal).await?;
+//! // Logs each key it had to abandon; the report lists them too.
+//! let report = engine.drain(std::time::Duration::from_secs(30)).await;
+//! # let _ = report;
+//! # }
+//! ```
 //!
 //! Requires a Tokio runtime.
 

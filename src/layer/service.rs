@@ -87,6 +87,11 @@ where
             if let Some(refused) = engine.unsupported_transfer_coding(&parts.headers) {
                 return Step::Done(Ok(refused.map(ResponseBody::full)));
             }
+            // Room in the engine's buffer budget, held until decided.
+            let permit = match engine.body_permit(&covered, &parts.headers) {
+                Ok(permit) => permit,
+                Err(refused) => return Step::Done(Ok(refused.map(ResponseBody::full))),
+            };
             let body = match read_body(body, covered.max_body_bytes()).await {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
@@ -106,6 +111,7 @@ where
                 principal: principal.as_deref(),
             };
             let decision = engine.begin(&covered, head, &body).await;
+            drop(permit);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
             match decision {
@@ -181,7 +187,8 @@ where
 
 /// Calls the inner service while holding the reservation and hands its
 /// answer to the engine's recorder; the answer is stored before the caller
-/// gets it.
+/// gets it. Past the route's `execution_timeout` (to the end of the
+/// recorded body) it stops waiting: 504, stored as the key's outcome.
 async fn execute<S, ReqB, ResB>(
     mut inner: S,
     request: Request<RequestBody<ReqB>>,
@@ -191,7 +198,19 @@ where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
     ResB: Body<Data = Bytes> + Unpin,
 {
-    let response = match inner.call(request).await {
+    let deadline = tokio::time::Instant::now() + reservation.policy().policy().execution_timeout;
+    // What the 504 is written for (HTML or JSON), kept before the request
+    // goes to the inner service.
+    let mut accept = http::HeaderMap::new();
+    for value in request.headers().get_all(http::header::ACCEPT) {
+        accept.append(http::header::ACCEPT, value.clone());
+    }
+    let call = tokio::time::timeout_at(deadline, inner.call(request)).await;
+    let Ok(call) = call else {
+        let response = reservation.execution_timed_out(&accept).await;
+        return Ok(response.map(ResponseBody::full));
+    };
+    let response = match call {
         Ok(response) => response,
         Err(error) => {
             reservation.release().await;
@@ -205,7 +224,11 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::streaming(body)));
     }
     loop {
-        let data = match body.frame().await {
+        let Ok(frame) = tokio::time::timeout_at(deadline, body.frame()).await else {
+            let response = recorder.execution_timed_out(&accept).await;
+            return Ok(response.map(ResponseBody::full));
+        };
+        let data = match frame {
             None => break,
             Some(Err(error)) => {
                 let received = recorder.fail().await;

@@ -1,0 +1,87 @@
+//! The engine-wide budget for buffered covered request bodies: each
+//! waiting duplicate holds its body (up to its route's `max_body_bytes`)
+//! for up to `wait_timeout`, so without a cap a burst of them could take
+//! any amount of memory.
+
+use bytes::Bytes;
+use http::{header, HeaderMap, Response};
+
+use super::{Covered, Engine};
+use crate::problem::{Problem, ProblemKind};
+
+/// Room for one covered request's body in the engine-wide budget
+/// ([`EngineConfig::max_buffered_bytes`](super::EngineConfig)). Hold it
+/// while the body is read and [`Engine::begin`] decides; the room is given
+/// back when it is dropped.
+#[derive(Debug)]
+#[must_use = "the room is given back when the permit is dropped"]
+pub struct BodyPermit {
+    engine: Engine,
+    bytes: u64,
+}
+
+impl BodyPermit {
+    /// The bytes this permit holds.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for BodyPermit {
+    fn drop(&mut self) {
+        self.engine.inner.metrics.unbuffer(self.bytes);
+    }
+}
+
+impl Engine {
+    /// Takes room for a covered request's body before it is read: its
+    /// `Content-Length` (the HTTP framing bounds the body to it; ignored
+    /// beside a `Transfer-Encoding` or when repeated), or, for a body of
+    /// unknown length, the route's `max_body_bytes` (a declared
+    /// length over that is counted at that limit; the body is refused with
+    /// 413 anyway). When the bytes already held by other requests leave no
+    /// room, the answer is 503 `overloaded` with `Retry-After`: send it
+    /// without reading the body; nothing is reserved. The total held never
+    /// exceeds `max_buffered_bytes`.
+    // The refusal is the answer itself, like the engine's other answers;
+    // it is the rare path, so it is not boxed.
+    #[allow(clippy::result_large_err)]
+    pub fn body_permit(
+        &self,
+        covered: &Covered,
+        request: &HeaderMap,
+    ) -> Result<BodyPermit, Response<Bytes>> {
+        let limit = covered.max_body_bytes() as u64;
+        // A length is trusted only where it frames the body: alone (with a
+        // `Transfer-Encoding` it is ignored, so `chunked` + `Content-Length:
+        // 0` must not buffer a body at no cost) and given once.
+        let mut lengths = request.get_all(header::CONTENT_LENGTH).iter();
+        let declared = match (lengths.next(), lengths.next()) {
+            (Some(value), None) if !request.contains_key(header::TRANSFER_ENCODING) => value
+                .to_str()
+                .ok()
+                .and_then(|value| value.trim().parse::<u64>().ok()),
+            _ => None,
+        };
+        let bytes = declared.map_or(limit, |length| length.min(limit));
+        let max = self.inner.config.max_buffered_bytes;
+        if self.inner.metrics.try_buffer(bytes, max) {
+            return Ok(BodyPermit {
+                engine: self.clone(),
+                bytes,
+            });
+        }
+        tracing::info!(
+            outcome = "overloaded",
+            bytes,
+            max_buffered_bytes = max,
+            "idempotency body budget used up; request refused"
+        );
+        Err(Problem::new(
+            ProblemKind::Overloaded,
+            "Too many requests are in progress; the request was not executed.",
+        )
+        .retry_after(self.inner.config.store_retry_after)
+        .into_response_for(request))
+    }
+}
