@@ -41,6 +41,7 @@ pub mod key;
 pub mod layer;
 pub mod metrics;
 pub mod policy;
+pub mod principal;
 pub mod problem;
 pub mod store;
 
@@ -49,7 +50,8 @@ pub use engine::{Engine, EngineConfig};
 pub use layer::{Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};
 pub use policy::{
-    FailMode, InFlightPolicy, KeySource, MismatchPolicy, Policy, PolicyError, RoutePolicy, Routes,
+    FailMode, InFlightPolicy, JwtPolicy, KeySource, MismatchPolicy, Policy, PolicyError,
+    PrincipalPolicy, RoutePolicy, Routes,
 };
 pub use problem::{Problem, ProblemKind};
 #[cfg(feature = "postgres")]
