@@ -45,6 +45,7 @@ pub mod metrics;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 pub mod policy;
+pub mod principal;
 pub mod problem;
 pub mod store;
 
@@ -55,7 +56,8 @@ pub use metrics::{Event, Metrics};
 #[cfg(feature = "outbox")]
 pub use outbox::{Outbox, Worker, WorkerConfig};
 pub use policy::{
-    FailMode, InFlightPolicy, KeySource, MismatchPolicy, Policy, PolicyError, RoutePolicy, Routes,
+    FailMode, InFlightPolicy, JwtPolicy, KeySource, MismatchPolicy, Policy, PolicyError,
+    PrincipalPolicy, RoutePolicy, Routes,
 };
 pub use problem::{Problem, ProblemKind};
 #[cfg(feature = "postgres")]

@@ -47,11 +47,14 @@ pub enum Event {
     /// The upstream's answer — or, for one too large to store, the marker
     /// that it ran — was stored.
     Stored,
+    /// 401: the route's principal is missing where required, or its
+    /// credential failed verification; nothing reserved.
+    PrincipalRefused,
 }
 
 impl Event {
     /// Every event, in a stable order.
-    pub const ALL: [Event; 11] = [
+    pub const ALL: [Event; 12] = [
         Event::Passthrough,
         Event::Executed,
         Event::Replayed,
@@ -63,6 +66,7 @@ impl Event {
         Event::StoreError,
         Event::Released,
         Event::Stored,
+        Event::PrincipalRefused,
     ];
 
     /// When the counter moves, in a few words (the metric's help text).
@@ -79,6 +83,7 @@ impl Event {
             Event::StoreError => "store call failed or timed out (deciding or storing)",
             Event::Released => "reservation ended without storing; key free again",
             Event::Stored => "upstream answer (or too-large marker) stored",
+            Event::PrincipalRefused => "401, principal missing where required or not verified",
         }
     }
 
@@ -96,6 +101,7 @@ impl Event {
             Event::StoreError => "store_error",
             Event::Released => "released",
             Event::Stored => "stored",
+            Event::PrincipalRefused => "principal_refused",
         }
     }
 }

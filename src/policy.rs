@@ -14,6 +14,9 @@ use std::time::Duration;
 use http::{header, HeaderMap, HeaderName, Method, StatusCode};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::principal::PrincipalSource;
+pub use crate::principal::{JwtPolicy, PrincipalPolicy};
+
 /// One mebibyte, the default request and response size cap.
 pub const MIB: usize = 1024 * 1024;
 
@@ -284,6 +287,17 @@ pub struct Policy {
     /// one and the same application and a retry may arrive under another
     /// name.
     pub scope_authority: bool,
+    /// The caller's stable identity, hashed into the key's scope: a
+    /// header set by a trusted gateway, or a verified JWT's `sub` (see
+    /// [`PrincipalPolicy`] and the [`principal`](crate::principal) module).
+    /// Unlike `scope_headers = ["Authorization"]`, a refreshed token of the
+    /// same caller is the same scope, so its retry replays. A present but
+    /// unverifiable credential is refused (401 `principal-invalid`); a
+    /// missing one is refused when `required` (401 `principal-missing`).
+    /// Default none. In the tower layer, a [`Principal`](crate::Principal)
+    /// request extension wins over it when set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub principal: Option<PrincipalPolicy>,
 }
 
 impl Default for Policy {
@@ -311,6 +325,7 @@ impl Default for Policy {
             max_response_bytes: MIB,
             replay_set_cookie: false,
             scope_authority: true,
+            principal: None,
         }
     }
 }
@@ -399,6 +414,10 @@ impl Policy {
         }
         let scope_headers = header_names("scope_headers", &self.scope_headers)?;
         let fingerprint_headers = header_names("fingerprint_headers", &self.fingerprint_headers)?;
+        let principal = match &self.principal {
+            Some(principal) => Some(Arc::new(principal.load(&scope_headers)?)),
+            None => None,
+        };
         if self.lease < Duration::from_millis(10) {
             return Err(invalid("lease", "must be at least 10ms"));
         }
@@ -466,6 +485,7 @@ impl Policy {
                 .collect(),
             form_exclude,
             case_insensitive_paths: false,
+            principal,
             policy: self.clone(),
         }))
     }
@@ -489,6 +509,8 @@ pub struct RoutePolicy {
     /// Whether its table routes paths case-insensitively (set by
     /// [`Routes`]); the scope then uses the lowercased path too.
     pub(crate) case_insensitive_paths: bool,
+    /// `Policy::principal`, its keys loaded.
+    pub(crate) principal: Option<Arc<PrincipalSource>>,
     pub(crate) policy: Policy,
 }
 

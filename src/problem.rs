@@ -53,6 +53,14 @@ pub enum ProblemKind {
     /// as `gzip, chunked`), which the engine does not decode; refused
     /// before anything is reserved. 501.
     TransferCodingUnsupported,
+    /// The route requires a principal (`Policy::principal`) and the request
+    /// names none. 401; nothing reserved.
+    PrincipalMissing,
+    /// The request's credential for the route's principal failed its
+    /// checks (a JWT's signature, algorithm, `exp`, `nbf`, `iss`, `aud`; a
+    /// repeated or empty gateway header). 401; nothing reserved, and it
+    /// never picks a scope.
+    PrincipalInvalid,
 }
 
 impl ProblemKind {
@@ -74,6 +82,8 @@ impl ProblemKind {
             ProblemKind::TransferCodingUnsupported => {
                 "urn:tower-idempotency:transfer-coding-unsupported"
             }
+            ProblemKind::PrincipalMissing => "urn:tower-idempotency:principal-missing",
+            ProblemKind::PrincipalInvalid => "urn:tower-idempotency:principal-invalid",
         }
     }
 
@@ -92,6 +102,8 @@ impl ProblemKind {
             ProblemKind::UpstreamUnavailable => "Upstream unavailable",
             ProblemKind::UpstreamTimeout => "Upstream timed out",
             ProblemKind::TransferCodingUnsupported => "Transfer coding not implemented",
+            ProblemKind::PrincipalMissing => "Principal missing",
+            ProblemKind::PrincipalInvalid => "Principal invalid",
         }
     }
 
@@ -111,6 +123,9 @@ impl ProblemKind {
             ProblemKind::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ProblemKind::TransferCodingUnsupported => StatusCode::NOT_IMPLEMENTED,
+            ProblemKind::PrincipalMissing | ProblemKind::PrincipalInvalid => {
+                StatusCode::UNAUTHORIZED
+            }
         }
     }
 }

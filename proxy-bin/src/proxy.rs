@@ -284,7 +284,8 @@ impl ProxyHttp for IdempotencyProxy {
 }
 
 /// What the engine sees of a request. The proxy knows no principal of its
-/// own; callers are told apart by the route's `scope_headers`.
+/// own; callers are told apart by the route's `scope_headers` and
+/// `principal` (a gateway header or a JWT the engine verifies).
 fn request_head(request: &RequestHeader) -> RequestHead<'_> {
     RequestHead {
         method: &request.method,

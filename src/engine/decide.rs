@@ -11,6 +11,7 @@ use http::Response;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::principal::PrincipalRead;
 use super::responses::replay;
 use super::scope::scope_key;
 use super::{Covered, Engine, RequestHead, Reservation};
@@ -81,6 +82,16 @@ impl Engine {
                 return Decision::Forward;
             }
             KeyRead::Refused(response) => return Decision::Respond(response),
+        };
+        // Checked before anything is reserved: a credential that fails
+        // never picks a scope.
+        let principal = match self.resolve_principal(policy, &head) {
+            PrincipalRead::Scope(principal) => principal,
+            PrincipalRead::Refused(refused) => return Decision::Respond(refused),
+        };
+        let head = RequestHead {
+            principal: principal.as_deref().or(head.principal),
+            ..head
         };
         let key = scope_key(policy, &head, &raw_key);
         let fingerprint = fingerprint_view(

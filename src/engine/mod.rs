@@ -21,6 +21,7 @@
 //! * `decide.rs` — the key, the fingerprint, and the decision loop
 //!   ([`Engine::begin`]);
 //! * `scope.rs` — the scope identity a key is stored under;
+//! * `principal.rs` — the caller a key is scoped by, verified;
 //! * `responses.rs` — the answers the engine makes itself (replays,
 //!   problems);
 //! * `reservation.rs` — a held key: recording its outcome, releasing it,
@@ -43,6 +44,7 @@ mod execution;
 pub mod headers;
 mod lease;
 mod maintenance;
+mod principal;
 mod recorder;
 mod reservation;
 mod responses;

@@ -15,6 +15,12 @@ use crate::Engine;
 /// that runs before [`Idempotency`]. It is hashed into the key's scope, so
 /// two principals using the same key never see each other's responses. It
 /// is never stored or logged.
+///
+/// When set, it wins over the route's configured
+/// [`Policy::principal`](crate::Policy::principal): the route's header or
+/// JWT is then not read (the application has authenticated the caller).
+/// When not set, the route's principal, if any, is resolved and verified
+/// by the engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Principal(pub Bytes);
 

@@ -1,0 +1,72 @@
+//! The principal a covered request is scoped by: the front end's own (the
+//! layer's `Principal` extension), else the route's configured source
+//! (a trusted gateway header or a verified JWT), checked here before
+//! anything is reserved.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response};
+
+use super::{Engine, RequestHead};
+use crate::metrics::Event;
+use crate::policy::RoutePolicy;
+use crate::principal::Resolved;
+use crate::problem::{Problem, ProblemKind};
+
+/// What [`Engine::resolve_principal`] found.
+pub(super) enum PrincipalRead {
+    /// Scope by this principal; `None`: by the front end's, or by none.
+    Scope(Option<Vec<u8>>),
+    /// The 401 to answer.
+    Refused(Response<Bytes>),
+}
+
+impl Engine {
+    /// The principal the request's key is scoped by, when the route
+    /// configures one and the front end set none (a principal the front
+    /// end set wins: it comes from the application's own authentication).
+    /// `Scope(None)`: scope by the front end's principal or by none.
+    /// `Refused`: the 401 to answer — the credential failed its checks, or the route
+    /// requires a principal and there is none. A credential that failed
+    /// never picks a scope, whatever `required` says.
+    pub(super) fn resolve_principal(
+        &self,
+        policy: &RoutePolicy,
+        head: &RequestHead<'_>,
+    ) -> PrincipalRead {
+        let Some(source) = &policy.principal else {
+            return PrincipalRead::Scope(None);
+        };
+        if head.principal.is_some() {
+            return PrincipalRead::Scope(None);
+        }
+        let (kind, detail, challenge) = match source.resolve(head.headers) {
+            Resolved::Found(principal) => return PrincipalRead::Scope(Some(principal)),
+            Resolved::Missing if !source.required() => return PrincipalRead::Scope(None),
+            Resolved::Missing => (
+                ProblemKind::PrincipalMissing,
+                "This endpoint requires an authenticated caller for its idempotency key; \
+                 the request was not executed.",
+                "Bearer",
+            ),
+            Resolved::Invalid(reason) => {
+                tracing::debug!(reason, "idempotency principal refused");
+                (
+                    ProblemKind::PrincipalInvalid,
+                    "The caller's credential could not be verified; the request was not \
+                     executed.",
+                    "Bearer error=\"invalid_token\"",
+                )
+            }
+        };
+        self.inner.metrics.record(Event::PrincipalRefused);
+        tracing::info!(outcome = %Event::PrincipalRefused, status = 401, "idempotency");
+        let mut response = Problem::new(kind, detail).into_response_for(head.headers);
+        if source.is_jwt() {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(challenge),
+            );
+        }
+        PrincipalRead::Refused(response)
+    }
+}
