@@ -45,7 +45,6 @@ pub mod metrics;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 pub mod policy;
-pub mod principal;
 pub mod problem;
 pub mod store;
 

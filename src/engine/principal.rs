@@ -8,8 +8,8 @@ use http::{header, HeaderValue, Response};
 
 use super::{Engine, RequestHead};
 use crate::metrics::Event;
+use crate::policy::principal::Resolved;
 use crate::policy::RoutePolicy;
-use crate::principal::Resolved;
 use crate::problem::{Problem, ProblemKind};
 
 /// What [`Engine::resolve_principal`] found.

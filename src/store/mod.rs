@@ -453,7 +453,7 @@ pub trait Store: fmt::Debug + Send + Sync + 'static {
     /// A stable name of the records this store holds: the same for every
     /// connection to the same records (every instance on one database),
     /// different for another database. A cache in front of the store
-    /// ([`RedisCache`](crate::RedisCache)) puts it into its key namespace,
+    /// ([`RedisCache`]) puts it into its key namespace,
     /// so two deployments that share a cache never see each other's
     /// records. `None` (the default) means the store has no such name: the
     /// cache's configured prefix alone must then keep deployments apart.

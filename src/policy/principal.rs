@@ -35,7 +35,7 @@ use http::{HeaderMap, HeaderName};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::policy::PolicyError;
+use super::PolicyError;
 
 /// Where a route reads its caller's stable identity. Exactly one of
 /// `header` and `jwt` is set.

@@ -1,0 +1,144 @@
+//! The path a request is routed and scoped by, the host its key is scoped
+//! by, and the path a redirect points to: each in one normal form, so that
+//! no spelling bypasses a route or splits a scope.
+
+/// The path a `Location` points to: the path of an absolute URL
+/// (`http://host/contact/thanks`), of a network-path reference
+/// (`//host/x`), an absolute path (`/x?y`), or a relative reference
+/// resolved against `base` (`thanks` from `/contact` is `/thanks`),
+/// normalised as request paths are (see [`normalize_path`]). `None` for a
+/// value that is not UTF-8.
+pub(super) fn location_path(location: &[u8], base: &str) -> Option<String> {
+    let location = std::str::from_utf8(location).ok()?.trim();
+    let location = location.split(['?', '#']).next().unwrap_or_default();
+    let path = if let Some(rest) = location.strip_prefix("//") {
+        rest.find('/').map_or("/", |i| &rest[i..]).to_owned()
+    } else if location.starts_with('/') {
+        location.to_owned()
+    } else if let Some(scheme) = location.find("://").filter(|&i| {
+        location[..i]
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+    }) {
+        let rest = &location[scheme + 3..];
+        rest.find('/').map_or("/", |i| &rest[i..]).to_owned()
+    } else {
+        let directory = base.rfind('/').map_or("/", |i| &base[..=i]);
+        format!("{directory}{location}")
+    };
+    Some(normalize_path(&path, false).into_owned())
+}
+
+/// The host a request's key is scoped by: the URI's authority, else the
+/// `Host` header, without port or trailing dot, lowercased; empty when
+/// there is none. Host names select tenants; the port does not (instances
+/// of one deployment listen on different ports, and `example.com` and
+/// `example.com:443` are one target).
+pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
+    let host = match uri.authority() {
+        Some(authority) => authority.host().to_owned(),
+        None => match headers.get(http::header::HOST) {
+            Some(value) => match http::uri::Authority::try_from(value.as_bytes()) {
+                Ok(authority) => authority.host().to_owned(),
+                // Not a valid authority: the value itself, as it came.
+                Err(_) => String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            },
+            None => String::new(),
+        },
+    };
+    let host = host.strip_suffix('.').unwrap_or(&host);
+    host.to_ascii_lowercase()
+}
+
+/// The form a path is routed and scoped by; the request itself is
+/// forwarded unchanged.
+///
+/// * percent-encoded unreserved characters (`A-Z a-z 0-9 - . _ ~`) are
+///   decoded (`/%61pi` is `/api`); other escapes keep their meaning and get
+///   upper-case hex digits (`%2f` is `%2F`, never `/`);
+/// * repeated slashes are merged (`//api` is `/api`);
+/// * `.` and `..` segments are removed (`/./api`, `/x/../api` are `/api`;
+///   `..` never climbs above the root);
+/// * a trailing slash is dropped (`/api/pay/` is `/api/pay`); `/` stays;
+/// * with `case_insensitive`, ASCII letters are lowercased.
+///
+/// An empty path is `/`.
+pub fn normalize_path(path: &str, case_insensitive: bool) -> std::borrow::Cow<'_, str> {
+    normalize(path, case_insensitive, true)
+}
+
+/// Whether `path` holds a percent-encoded dot (`%2e`): backends disagree
+/// on whether `/%2e%2e/` is a `..` segment.
+pub(super) fn has_encoded_dot(path: &str) -> bool {
+    path.as_bytes()
+        .windows(3)
+        .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'e'))
+}
+
+/// [`normalize_path`]; with `decode_dots` off, `%2e` stays encoded (as
+/// `%2E`), so it never makes a dot segment.
+pub(super) fn normalize(
+    path: &str,
+    case_insensitive: bool,
+    decode_dots: bool,
+) -> std::borrow::Cow<'_, str> {
+    let bytes = path.as_bytes();
+    let simple = bytes.first() == Some(&b'/')
+        && !bytes.contains(&b'%')
+        && !bytes.windows(2).any(|w| w == b"//" || w == b"/.")
+        && (bytes.len() == 1 || bytes.last() != Some(&b'/'))
+        && !(case_insensitive && bytes.iter().any(u8::is_ascii_uppercase));
+    if simple {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    // Percent-decoding of unreserved characters first (RFC 3986 6.2.2.2),
+    // then dot segments (6.2.2.3), so `/%2e%2e/` is a `..` segment too.
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        if byte == b'%' && i + 2 < bytes.len() {
+            let hex = |b: u8| (b as char).to_digit(16);
+            if let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                let value = (hi * 16 + lo) as u8;
+                let unreserved = value.is_ascii_alphanumeric()
+                    || matches!(value, b'-' | b'_' | b'~')
+                    || (value == b'.' && decode_dots);
+                if unreserved {
+                    decoded.push(value);
+                } else {
+                    decoded.push(b'%');
+                    decoded.push(bytes[i + 1].to_ascii_uppercase());
+                    decoded.push(bytes[i + 2].to_ascii_uppercase());
+                }
+                i += 3;
+                continue;
+            }
+        }
+        decoded.push(byte);
+        i += 1;
+    }
+    if case_insensitive {
+        decoded.make_ascii_lowercase();
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for segment in decoded.split(|&b| b == b'/') {
+        match segment {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            segment => segments.push(segment),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len());
+    for segment in &segments {
+        out.push('/');
+        // Only ASCII bytes were decoded; the rest is the input's own text.
+        out.push_str(&String::from_utf8_lossy(segment));
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    std::borrow::Cow::Owned(out)
+}

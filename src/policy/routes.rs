@@ -1,0 +1,287 @@
+//! The route table: path patterns (prefixes and globs, matched in linear
+//! time) and the first route matching path and method.
+
+use std::sync::Arc;
+
+use http::Method;
+
+use super::paths::{has_encoded_dot, normalize};
+use super::{invalid, Policy, PolicyError, RoutePolicy};
+
+/// How a route matches request paths. Paths are matched in their
+/// normalised form (see [`normalize_path`](super::normalize_path)), and patterns must be written
+/// in that form.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PathPattern {
+    /// `/orders` matches `/orders` and `/orders/…`, not `/orders-archive`.
+    /// `/` matches every path.
+    Prefix(String),
+    /// A glob: `*` matches within one segment, `**` matches anything,
+    /// e.g. `/api/*/submit` or `/forms/**`. Matched in time linear in the
+    /// path's length (times the pattern's), whatever the pattern.
+    Glob(String),
+}
+
+impl PathPattern {
+    /// Parses `pattern`: a glob when it contains `*`, a prefix otherwise.
+    ///
+    /// Refused: a pattern that does not start with `/`; one that ends with
+    /// `/` (other than `/` itself: paths are matched without their
+    /// trailing slash, so `/orders/` would never match `/orders`); and one
+    /// that is not in normal form (`//`, `.` or `..` segments, `%`
+    /// escapes), which no normalised path could match.
+    pub fn parse(pattern: &str) -> Result<Self, PolicyError> {
+        if !pattern.starts_with('/') {
+            return Err(invalid(
+                "path",
+                format!("`{pattern}` does not start with `/`"),
+            ));
+        }
+        if pattern.len() > 1 && pattern.ends_with('/') {
+            return Err(invalid(
+                "path",
+                format!(
+                    "`{pattern}` ends with `/`; write `{}`, which covers that path with or \
+                     without the slash and everything under it",
+                    pattern.trim_end_matches('/')
+                ),
+            ));
+        }
+        if pattern.contains('%')
+            || pattern.contains("//")
+            || pattern
+                .split('/')
+                .any(|segment| segment == "." || segment == "..")
+        {
+            return Err(invalid(
+                "path",
+                format!(
+                    "`{pattern}` is not a normalised path (no `//`, `.` or `..` segments, or \
+                     `%` escapes): requests are matched in that form"
+                ),
+            ));
+        }
+        Ok(if pattern.contains('*') {
+            PathPattern::Glob(pattern.to_owned())
+        } else {
+            PathPattern::Prefix(pattern.to_owned())
+        })
+    }
+
+    /// Whether `path` (without query, already normalised) matches.
+    pub fn matches(&self, path: &str) -> bool {
+        match self {
+            PathPattern::Prefix(prefix) => match path.strip_prefix(prefix.as_str()) {
+                Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+                None => false,
+            },
+            PathPattern::Glob(glob) => glob_match(glob.as_bytes(), path.as_bytes()),
+        }
+    }
+
+    fn make_ascii_lowercase(&mut self) {
+        match self {
+            PathPattern::Prefix(p) | PathPattern::Glob(p) => p.make_ascii_lowercase(),
+        }
+    }
+}
+
+/// One step of a glob.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum GlobToken {
+    Byte(u8),
+    /// `*`: any bytes but `/`.
+    Star,
+    /// `**`: any bytes.
+    AnyStar,
+}
+
+pub(super) fn glob_tokens(pattern: &[u8]) -> Vec<GlobToken> {
+    let mut tokens = Vec::with_capacity(pattern.len());
+    let mut i = 0;
+    while i < pattern.len() {
+        if pattern[i] == b'*' {
+            if pattern.get(i + 1) == Some(&b'*') {
+                tokens.push(GlobToken::AnyStar);
+                i += 2;
+            } else {
+                tokens.push(GlobToken::Star);
+                i += 1;
+            }
+        } else {
+            tokens.push(GlobToken::Byte(pattern[i]));
+            i += 1;
+        }
+    }
+    tokens
+}
+
+/// Glob matching as a simulation of the pattern's automaton: the set of
+/// pattern positions the path read so far can be at is carried along the
+/// path, one byte at a time. Each byte costs at most one step per pattern
+/// token, so a match costs O(path × pattern) steps whatever the input: no
+/// backtracking, however many `*` and `**` the pattern has.
+pub(super) fn glob_match(pattern: &[u8], path: &[u8]) -> bool {
+    glob_match_counting(pattern, path, &mut 0)
+}
+
+/// [`glob_match`], adding the steps it takes to `steps`.
+pub(super) fn glob_match_counting(pattern: &[u8], path: &[u8], steps: &mut u64) -> bool {
+    let tokens = glob_tokens(pattern);
+    let m = tokens.len();
+    // `now[i]`: the path read so far can end before token `i`.
+    let mut now = vec![false; m + 1];
+    let mut next = vec![false; m + 1];
+    now[0] = true;
+    close(&tokens, &mut now);
+    for &byte in path {
+        next.iter_mut().for_each(|state| *state = false);
+        let mut any = false;
+        for (i, token) in tokens.iter().enumerate() {
+            *steps += 1;
+            if !now[i] {
+                continue;
+            }
+            match *token {
+                GlobToken::Byte(expected) if expected == byte => next[i + 1] = true,
+                GlobToken::Star if byte != b'/' => next[i] = true,
+                GlobToken::AnyStar => next[i] = true,
+                _ => continue,
+            }
+            any = true;
+        }
+        if !any {
+            return false;
+        }
+        close(&tokens, &mut next);
+        std::mem::swap(&mut now, &mut next);
+    }
+    now[m]
+}
+
+/// Adds the positions reachable without reading: past any `*` or `**`
+/// (they may match nothing).
+fn close(tokens: &[GlobToken], states: &mut [bool]) {
+    for (i, token) in tokens.iter().enumerate() {
+        if states[i] && !matches!(token, GlobToken::Byte(_)) {
+            states[i + 1] = true;
+        }
+    }
+}
+
+/// One route: a path pattern and its policy, or `None` to leave matching
+/// paths alone entirely.
+#[derive(Clone, Debug)]
+pub struct Route {
+    /// Which paths it covers.
+    pub path: PathPattern,
+    /// The policy, or `None` for "no idempotency here".
+    pub policy: Option<Arc<RoutePolicy>>,
+}
+
+/// An ordered route table. A request is decided by the first route whose
+/// pattern matches its normalised path (see [`normalize_path`](super::normalize_path)) **and**
+/// that covers its method: an exclusion (any method), or a route whose
+/// policy lists the method. A route whose pattern matches but whose
+/// methods do not is skipped, so a later route can still cover the
+/// request. A request no route decides is left alone.
+#[derive(Clone, Debug, Default)]
+pub struct Routes {
+    routes: Vec<Route>,
+    case_insensitive: bool,
+}
+
+impl Routes {
+    /// An empty table: nothing is covered.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// One policy for every path.
+    pub fn all(policy: Policy) -> Result<Self, PolicyError> {
+        Routes::new().route("/", policy)
+    }
+
+    /// Routes paths without regard to ASCII case (`/API/Pay` is `/api/pay`),
+    /// for backends that do the same (ASP.NET, IIS): the scope then uses
+    /// the lowercased path too, so both spellings share one key space.
+    /// Applies to every route, added before or after this call (their
+    /// patterns are kept lowercased from then on, so turning it off again
+    /// needs a new table). Default off.
+    pub fn case_insensitive(mut self, on: bool) -> Self {
+        self.case_insensitive = on;
+        for route in &mut self.routes {
+            if on {
+                route.path.make_ascii_lowercase();
+            }
+            if let Some(policy) = &mut route.policy {
+                Arc::make_mut(policy).case_insensitive_paths = on;
+            }
+        }
+        self
+    }
+
+    /// Appends a route covering `pattern` with `policy`.
+    pub fn route(mut self, pattern: &str, policy: Policy) -> Result<Self, PolicyError> {
+        let mut policy = policy.validate()?;
+        Arc::make_mut(&mut policy).case_insensitive_paths = self.case_insensitive;
+        let path = self.pattern(pattern)?;
+        self.routes.push(Route {
+            path,
+            policy: Some(policy),
+        });
+        Ok(self)
+    }
+
+    fn pattern(&self, pattern: &str) -> Result<PathPattern, PolicyError> {
+        let mut path = PathPattern::parse(pattern)?;
+        if self.case_insensitive {
+            path.make_ascii_lowercase();
+        }
+        Ok(path)
+    }
+
+    /// Appends a route that leaves `pattern` alone (no idempotency), for
+    /// every method.
+    pub fn exclude(mut self, pattern: &str) -> Result<Self, PolicyError> {
+        let path = self.pattern(pattern)?;
+        self.routes.push(Route { path, policy: None });
+        Ok(self)
+    }
+
+    /// The policy that applies to `method` on `path` (raw, as in the
+    /// request; it is normalised here), if any.
+    ///
+    /// A path with an encoded dot (`/api/pay/%2e%2e`) is read both ways, as
+    /// backends differ on it (some decode `%2e` and then remove dot
+    /// segments, others take it as text): it is covered when either reading
+    /// is, so neither kind of backend can be reached around a route. The
+    /// first reading (dots decoded) wins when both are covered.
+    pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+        let decoded = self.decide(method, &normalize(path, self.case_insensitive, true));
+        if decoded.is_some() || !has_encoded_dot(path) {
+            return decoded;
+        }
+        self.decide(method, &normalize(path, self.case_insensitive, false))
+    }
+
+    /// The first route matching normalised `path` and `method` decides.
+    fn decide(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+        for route in &self.routes {
+            if !route.path.matches(path) {
+                continue;
+            }
+            match &route.policy {
+                None => return None,
+                Some(policy) if policy.applies_to(method) => return Some(policy),
+                Some(_) => {}
+            }
+        }
+        None
+    }
+
+    /// The routes, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &Route> {
+        self.routes.iter()
+    }
+}

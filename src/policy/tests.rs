@@ -1,0 +1,236 @@
+//! Unit tests of policies, status sets, paths and the route table.
+
+use super::paths::normalize;
+use super::routes::{glob_match, glob_match_counting, glob_tokens};
+use super::*;
+
+#[test]
+fn status_sets_parse_and_match() {
+    let set: StatusSet = "2xx, 303,400-401".parse().unwrap();
+    assert!(set.contains(StatusCode::CREATED));
+    assert!(set.contains(StatusCode::SEE_OTHER));
+    assert!(set.contains(StatusCode::UNAUTHORIZED));
+    assert!(!set.contains(StatusCode::FOUND));
+    assert!("6xx".parse::<StatusSet>().is_err());
+    assert!("300-200".parse::<StatusSet>().is_err());
+    assert_eq!(set.to_string(), "2xx,303,400-401");
+    let default = StatusSet::default();
+    assert!(default.contains(StatusCode::SEE_OTHER));
+    assert!(!default.contains(StatusCode::UNPROCESSABLE_ENTITY));
+}
+
+#[test]
+fn prefixes_respect_segments() {
+    let p = PathPattern::parse("/orders").unwrap();
+    assert!(p.matches("/orders"));
+    assert!(p.matches("/orders/7"));
+    assert!(!p.matches("/orders-archive"));
+    assert!(PathPattern::parse("/").unwrap().matches("/anything"));
+    assert!(PathPattern::parse("orders").is_err());
+}
+
+#[test]
+fn globs() {
+    let p = PathPattern::parse("/api/*/submit").unwrap();
+    assert!(p.matches("/api/forms/submit"));
+    assert!(!p.matches("/api/a/b/submit"));
+    let p = PathPattern::parse("/forms/**").unwrap();
+    assert!(p.matches("/forms/a/b/c"));
+    assert!(!p.matches("/other/a"));
+}
+
+#[test]
+fn first_matching_route_decides() {
+    let routes = Routes::new()
+        .exclude("/health")
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    assert!(routes.find(&Method::POST, "/health").is_none());
+    assert!(routes.find(&Method::POST, "/orders").is_some());
+    assert!(routes.find(&Method::GET, "/orders").is_none());
+    assert!(routes.find(&Method::PUT, "/orders").is_none());
+}
+
+/// The old backtracking matcher: obviously right on short inputs, and
+/// the reference for the automaton.
+fn reference_glob(pattern: &[u8], path: &[u8]) -> bool {
+    match pattern.split_first() {
+        None => path.is_empty(),
+        Some((b'*', rest)) => {
+            if let Some(rest) = rest.strip_prefix(b"*") {
+                (0..=path.len()).any(|i| reference_glob(rest, &path[i..]))
+            } else {
+                let segment_end = path.iter().position(|&b| b == b'/').unwrap_or(path.len());
+                (0..=segment_end).any(|i| reference_glob(rest, &path[i..]))
+            }
+        }
+        Some((&c, rest)) => path.first() == Some(&c) && reference_glob(rest, &path[1..]),
+    }
+}
+
+/// A 40 KB path of near-matches against `/a/**/b/**/c` (2.3 s of CPU
+/// with the backtracking matcher) takes one step per path byte and
+/// pattern token, and still matches right.
+#[test]
+fn a_long_path_costs_linear_steps() {
+    let pattern = b"/a/**/b/**/c";
+    let tokens = glob_tokens(pattern).len() as u64;
+    let long = format!("/a/{}", "b/".repeat(20_000));
+    let mut steps = 0;
+    assert!(!glob_match_counting(pattern, long.as_bytes(), &mut steps));
+    assert!(steps <= long.len() as u64 * tokens, "{steps} steps");
+    let matching = format!("{long}c");
+    let mut steps = 0;
+    assert!(glob_match_counting(
+        pattern,
+        matching.as_bytes(),
+        &mut steps
+    ));
+    assert!(steps <= matching.len() as u64 * tokens, "{steps} steps");
+    assert!(PathPattern::parse("/a/**/b/**/c")
+        .unwrap()
+        .matches(&matching));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4000))]
+
+    /// The automaton agrees with the backtracking reference.
+    #[test]
+    fn globs_agree_with_the_reference(
+        pattern in "[ab/*]{0,8}",
+        path in "[ab/]{0,10}",
+    ) {
+        proptest::prop_assert_eq!(
+            glob_match(pattern.as_bytes(), path.as_bytes()),
+            reference_glob(pattern.as_bytes(), path.as_bytes()),
+            "pattern {:?} path {:?}", pattern, path
+        );
+    }
+}
+
+#[test]
+fn paths_are_normalised() {
+    for (raw, normal) in [
+        ("/api/pay", "/api/pay"),
+        ("//api/pay", "/api/pay"),
+        ("/./api/pay", "/api/pay"),
+        ("/%61pi/pay", "/api/pay"),
+        ("/api/pay/", "/api/pay"),
+        ("/api//pay//", "/api/pay"),
+        ("/x/../api/pay", "/api/pay"),
+        ("/../../api/pay", "/api/pay"),
+        ("/%2e%2E/api/./pay", "/api/pay"),
+        ("/a%2fb", "/a%2Fb"),
+        ("/a%2Fb", "/a%2Fb"),
+        ("/%7euser", "/~user"),
+        ("/", "/"),
+        ("", "/"),
+        ("//", "/"),
+        ("/.well-known/x", "/.well-known/x"),
+        ("/é/%zz", "/é/%zz"),
+    ] {
+        assert_eq!(normalize_path(raw, false), normal, "{raw}");
+    }
+    assert_eq!(normalize_path("/API/Pay/", true), "/api/pay");
+    assert_eq!(normalize_path("/API/Pay", false), "/API/Pay");
+}
+
+#[test]
+fn the_first_route_matching_path_and_method_decides() {
+    let routes = Routes::new()
+        .route("/api/payments", Policy::default())
+        .unwrap()
+        .route(
+            "/api/**",
+            Policy {
+                methods: vec!["PUT".into(), "DELETE".into()],
+                ..Policy::default()
+            },
+        )
+        .unwrap();
+    assert!(routes.find(&Method::PUT, "/api/payments/7").is_some());
+    assert!(routes.find(&Method::POST, "/api/payments/7").is_some());
+    assert!(routes.find(&Method::PATCH, "/api/other").is_none());
+    // An exclusion decides for every method.
+    let routes = Routes::new()
+        .exclude("/health")
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    assert!(routes.find(&Method::POST, "/health").is_none());
+    assert!(routes.find(&Method::POST, "//health/").is_none());
+}
+
+/// `%2e%2e` is a `..` segment to some backends and text to others: a
+/// path is covered when either reading is.
+#[test]
+fn encoded_dots_are_covered_either_way() {
+    let routes = Routes::new().route("/api/pay", Policy::default()).unwrap();
+    // Read as text: `/api/pay/%2E%2E` is under `/api/pay`.
+    assert!(routes.find(&Method::POST, "/api/pay/%2e%2e").is_some());
+    // Read as a dot segment: `/api/x/../pay` is `/api/pay`.
+    assert!(routes.find(&Method::POST, "/api/x/%2e%2e/pay").is_some());
+    assert!(routes.find(&Method::POST, "/api/x/%2E./pay").is_some());
+    assert!(routes.find(&Method::POST, "/api/other/%2e").is_none());
+    assert_eq!(normalize("/a/%2e%2e/b", false, false), "/a/%2E%2E/b");
+}
+
+#[test]
+fn silent_gaps_are_refused_at_start() {
+    let empty = Policy {
+        methods: Vec::new(),
+        ..Policy::default()
+    };
+    assert_eq!(empty.validate().unwrap_err().field, "methods");
+    for pattern in [
+        "/orders/", "/api/*/", "//orders", "/a/./b", "/a/../b", "/%61pi",
+    ] {
+        assert_eq!(
+            Routes::new()
+                .route(pattern, Policy::default())
+                .unwrap_err()
+                .field,
+            "path",
+            "{pattern}"
+        );
+    }
+    assert!(Routes::new().route("/", Policy::default()).is_ok());
+}
+
+#[test]
+fn case_insensitive_routing() {
+    let routes = Routes::new()
+        .route("/Api/Pay", Policy::default().required(true))
+        .unwrap();
+    assert!(routes.find(&Method::POST, "/api/pay").is_none());
+    let routes = routes.case_insensitive(true);
+    assert!(routes.find(&Method::POST, "/API/pay").is_some());
+    let later = Routes::new()
+        .case_insensitive(true)
+        .route("/Api/**", Policy::default())
+        .unwrap();
+    assert!(later.find(&Method::POST, "/aPI/x").is_some());
+}
+
+#[test]
+fn validation_names_the_field() {
+    let bad = Policy {
+        mismatch_status: 400,
+        ..Policy::default()
+    };
+    assert_eq!(bad.validate().unwrap_err().field, "mismatch_status");
+    let bad = Policy {
+        methods: vec!["GET".into()],
+        ..Policy::default()
+    };
+    assert_eq!(bad.validate().unwrap_err().field, "methods");
+    let bad = Policy {
+        scope_headers: vec!["bad header".into()],
+        ..Policy::default()
+    };
+    assert_eq!(bad.validate().unwrap_err().field, "scope_headers");
+    let bad = Policy::default().key(KeySource::JsonPointer("key".into()));
+    assert_eq!(bad.validate().unwrap_err().field, "key");
+}
