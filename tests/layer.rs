@@ -1140,3 +1140,29 @@ async fn a_failing_store_fails_closed_unless_the_route_opts_in() {
     assert_eq!(upstream.calls(), 2);
     assert_eq!(open.metrics().count(Event::StoreError), 2);
 }
+
+/// A stored 204 is replayed as a 204: no `Content-Length` (RFC 9110 forbids
+/// it on 204), the replay marker, and the inner service ran once.
+#[tokio::test]
+async fn a_replayed_204_carries_no_content_length() {
+    let (engine, _) = memory_engine(Policy::default());
+    let upstream = layered(&engine, |_, _| async {
+        Response::builder()
+            .status(StatusCode::NO_CONTENT)
+            .header("x-deleted", "7")
+            .body(Body::empty())
+            .unwrap()
+    });
+    let first = upstream.send(order("k-204", "{}")).await;
+    assert_eq!(first.status, StatusCode::NO_CONTENT);
+    let again = upstream.send(order("k-204", "{}")).await;
+    assert_eq!(again.status, StatusCode::NO_CONTENT);
+    assert!(again.replayed());
+    assert_eq!(again.headers["x-deleted"], "7");
+    assert!(
+        !again.headers.contains_key(header::CONTENT_LENGTH),
+        "{:?}",
+        again.headers
+    );
+    assert_eq!(upstream.calls(), 1);
+}

@@ -206,7 +206,8 @@ impl Engine {
 }
 
 /// A stored response as the client gets it again: its status, headers and
-/// body, with `Content-Length` and `Idempotent-Replayed: true`.
+/// body, with `Content-Length` and `Idempotent-Replayed: true`. A 204 (or
+/// 304) never carries `Content-Length` (RFC 9110, 8.6).
 pub(super) fn replay(stored: StoredResponse) -> Response<Bytes> {
     let length = stored.body.len();
     let mut response = Response::new(stored.body);
@@ -215,7 +216,18 @@ pub(super) fn replay(stored: StoredResponse) -> Response<Bytes> {
     for (name, value) in stored.headers {
         headers.append(name, value);
     }
-    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    if matches!(
+        response.status(),
+        StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+    ) || response.status().is_informational()
+    {
+        response.headers_mut().remove(header::CONTENT_LENGTH);
+    } else {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    }
+    let headers = response.headers_mut();
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     response
 }
