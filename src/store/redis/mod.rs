@@ -3,14 +3,12 @@
 //! The cached records, the connection and the counters live here; the
 //! guarantees are documented on [`RedisCache`].
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::{Client, Cmd, FromRedisValue, RedisError};
+use ::redis::Client;
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
@@ -18,6 +16,10 @@ use super::{
     Claim, Fingerprint, Maintenance, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
     StoreError,
 };
+
+mod link;
+
+use link::{Link, Write};
 
 /// How [`RedisCache`] reaches Redis.
 #[derive(Clone)]
@@ -88,7 +90,7 @@ impl fmt::Debug for RedisCacheConfig {
 }
 
 /// The URL without its credentials, for logs and `Debug`.
-fn redact(url: &str) -> String {
+pub(super) fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             format!("{}***{}", &url[..scheme + 3], &url[at..])
@@ -412,7 +414,7 @@ impl<S: Store> Maintenance for RedisCache<S> {
 const FORMAT: u8 = 1;
 
 /// `FORMAT`, the 32-byte fingerprint, then [`Outcome::encode`].
-fn encode(fingerprint: &Fingerprint, outcome: &Outcome) -> Vec<u8> {
+pub(super) fn encode(fingerprint: &Fingerprint, outcome: &Outcome) -> Vec<u8> {
     let outcome = outcome.encode();
     let mut value = Vec::with_capacity(1 + 32 + outcome.len());
     value.push(FORMAT);
@@ -421,277 +423,13 @@ fn encode(fingerprint: &Fingerprint, outcome: &Outcome) -> Vec<u8> {
     value
 }
 
-fn decode(value: &[u8]) -> Result<Record, StoreError> {
+pub(super) fn decode(value: &[u8]) -> Result<Record, StoreError> {
     match value.split_first() {
         Some((&FORMAT, rest)) if rest.len() >= 32 => Ok(Record {
             fingerprint: Fingerprint::from_slice(&rest[..32])?,
             state: RecordState::Completed(Outcome::decode(&rest[32..])?),
         }),
         _ => Err(StoreError::Corrupt("cached record".into())),
-    }
-}
-
-/// Whether a write may replace an existing entry.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Write {
-    /// A completion: the newest truth, replaces anything.
-    Overwrite,
-    /// A copy from the inner store: never replaces an entry, which may come
-    /// from a newer completion.
-    IfAbsent,
-}
-
-/// The connection, settings and counters shared by clones of a cache.
-struct Link {
-    client: Client,
-    /// Set once the first connection succeeded; it reconnects by itself.
-    manager: OnceLock<ConnectionManager>,
-    /// A background connect is under way.
-    connecting: AtomicBool,
-    /// Woken when a background connect ends, either way.
-    connected: Notify,
-    config: RedisCacheConfig,
-    /// The origin of the millisecond clock below.
-    epoch: Instant,
-    skip_until_ms: AtomicU64,
-    last_warn_ms: AtomicU64,
-    warned_errors: AtomicU64,
-    hits: AtomicU64,
-    misses: AtomicU64,
-    errors: AtomicU64,
-    skipped: AtomicU64,
-    pending: Mutex<Pending>,
-    /// Background writes under way, and their end.
-    writing: AtomicUsize,
-    written: Notify,
-    /// `prefix + store id + ":"`, once the inner store's identity is known.
-    namespace: OnceLock<String>,
-}
-
-/// The fingerprint of every reservation this cache granted and that is not
-/// settled yet: `complete` needs it for the cached value but is not given
-/// it. An entry leaves at `complete` or `release`; one whose reservation
-/// was abandoned (its completion failed for good, its task was cancelled)
-/// is dropped once older than [`PENDING_MAX_AGE`], when the map has doubled
-/// since the last look — a dropped entry only means one completion is not
-/// cached.
-#[derive(Default)]
-struct Pending {
-    entries: HashMap<OwnerToken, (Fingerprint, Instant)>,
-    prune_at: usize,
-}
-
-/// No reservation outlives this without being settled, in practice.
-const PENDING_MAX_AGE: Duration = Duration::from_secs(60 * 60);
-
-/// How long after the last warning a Redis failure is logged again.
-const WARN_EVERY_MS: u64 = 10_000;
-
-impl Link {
-    /// The Redis key of `key`; `None` while the namespace is unknown.
-    fn key(&self, key: &ScopeKey) -> Option<String> {
-        let namespace = self.namespace.get()?;
-        Some(format!("{namespace}{}", key.to_hex()))
-    }
-
-    fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
-        // Every mutation leaves the map whole: a poisoned one can be used.
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn remember(&self, owner: OwnerToken, fingerprint: Fingerprint) {
-        let mut pending = self.pending();
-        pending.entries.insert(owner, (fingerprint, Instant::now()));
-        if pending.entries.len() >= pending.prune_at {
-            pending
-                .entries
-                .retain(|_, (_, since)| since.elapsed() < PENDING_MAX_AGE);
-            pending.prune_at = (pending.entries.len() * 2).max(1024);
-        }
-    }
-
-    fn fingerprint_of(&self, owner: &OwnerToken) -> Option<Fingerprint> {
-        self.pending().entries.get(owner).map(|(fp, _)| *fp)
-    }
-
-    fn forget(&self, owner: &OwnerToken) {
-        self.pending().entries.remove(owner);
-    }
-
-    /// The cached completed record for `key`, or `None` (miss, failure,
-    /// cooling down, undecodable entry) to ask the inner store.
-    async fn lookup(self: &Arc<Self>, key: &ScopeKey) -> Option<Record> {
-        let value: Option<Vec<u8>> = self.call(::redis::cmd("GET").arg(self.key(key)?)).await?;
-        let Some(value) = value else {
-            self.misses.fetch_add(1, Relaxed);
-            return None;
-        };
-        match decode(&value) {
-            Ok(record) => {
-                self.hits.fetch_add(1, Relaxed);
-                Some(record)
-            }
-            Err(error) => {
-                // Redis answered: no cooldown. A completion overwrites it.
-                self.failed(&error);
-                None
-            }
-        }
-    }
-
-    /// Copies a completed `record` found in the inner store into Redis.
-    fn fill(self: &Arc<Self>, key: &ScopeKey, record: &Record, ttl: Duration) {
-        if let RecordState::Completed(outcome) = &record.state {
-            let value = encode(&record.fingerprint, outcome);
-            self.write_behind(key, value, Instant::now() + ttl, Write::IfAbsent);
-        }
-    }
-
-    /// Writes an entry in the background, so the caller's answer never
-    /// waits for Redis. The entry expires at `expires` (its remaining time
-    /// is taken when the write is sent, so a write that ran late cannot
-    /// outlive the record it copies).
-    fn write_behind(
-        self: &Arc<Self>,
-        key: &ScopeKey,
-        value: Vec<u8>,
-        expires: Instant,
-        mode: Write,
-    ) {
-        self.writing.fetch_add(1, SeqCst);
-        let (link, key) = (self.clone(), *key);
-        tokio::spawn(async move {
-            let left = expires.saturating_duration_since(Instant::now());
-            link.write(&key, value, left, mode).await;
-            if link.writing.fetch_sub(1, SeqCst) == 1 {
-                link.written.notify_waiters();
-            }
-        });
-    }
-
-    /// Waits until no background write is under way.
-    async fn settled(&self) {
-        loop {
-            let written = self.written.notified();
-            tokio::pin!(written);
-            // Register before looking, so a last write ending in between
-            // still wakes us.
-            written.as_mut().enable();
-            if self.writing.load(SeqCst) == 0 {
-                return;
-            }
-            written.await;
-        }
-    }
-
-    async fn write(self: &Arc<Self>, key: &ScopeKey, value: Vec<u8>, ttl: Duration, mode: Write) {
-        let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
-        let Some(key) = self.key(key).filter(|_| ms > 0) else {
-            return;
-        };
-        let mut cmd = ::redis::cmd("SET");
-        cmd.arg(key).arg(value).arg("PX").arg(ms);
-        if mode == Write::IfAbsent {
-            cmd.arg("NX");
-        }
-        let _: Option<::redis::Value> = self.call(&cmd).await;
-    }
-
-    /// Runs `cmd` within the timeout; `None` when skipped or failed.
-    async fn call<T: FromRedisValue>(self: &Arc<Self>, cmd: &Cmd) -> Option<T> {
-        if self.now_ms() < self.skip_until_ms.load(Relaxed) {
-            self.skipped.fetch_add(1, Relaxed);
-            return None;
-        }
-        let result = tokio::time::timeout(self.config.timeout, async {
-            let mut connection = self.connection().await?;
-            cmd.query_async::<T>(&mut connection).await
-        })
-        .await;
-        let error = match result {
-            Ok(Ok(value)) => return Some(value),
-            Ok(Err(error)) => error.to_string(),
-            Err(_) => "timed out".to_owned(),
-        };
-        self.cool_down();
-        self.failed(&error);
-        None
-    }
-
-    /// The connection manager, connecting in the background on first use
-    /// (so a slow connect outlives the caller's timeout) and after a failed
-    /// connect.
-    async fn connection(self: &Arc<Self>) -> Result<ConnectionManager, RedisError> {
-        // The common case, without registering as a waiter.
-        if let Some(manager) = self.manager.get() {
-            return Ok(manager.clone());
-        }
-        let connected = self.connected.notified();
-        tokio::pin!(connected);
-        // Register before looking, so an end of the connect in between
-        // still wakes us.
-        connected.as_mut().enable();
-        if let Some(manager) = self.manager.get() {
-            return Ok(manager.clone());
-        }
-        if !self.connecting.swap(true, Relaxed) {
-            let link = self.clone();
-            tokio::spawn(async move { link.connect().await });
-        }
-        connected.await;
-        self.manager.get().cloned().ok_or_else(|| {
-            RedisError::from((::redis::ErrorKind::IoError, "Redis is not connected"))
-        })
-    }
-
-    async fn connect(&self) {
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(self.config.timeout.max(Duration::from_secs(1)))
-            .set_response_timeout(self.config.timeout)
-            .set_number_of_retries(2)
-            .set_max_delay(500);
-        match ConnectionManager::new_with_config(self.client.clone(), config).await {
-            Ok(manager) => {
-                let _ = self.manager.set(manager);
-                tracing::info!(url = %redact(&self.config.url), "redis cache connected");
-            }
-            Err(error) => {
-                self.cool_down();
-                self.failed(&error);
-            }
-        }
-        self.connecting.store(false, Relaxed);
-        self.connected.notify_waiters();
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
-    }
-
-    fn cool_down(&self) {
-        let until = self.now_ms() + self.config.cooldown.as_millis() as u64;
-        self.skip_until_ms.fetch_max(until, Relaxed);
-    }
-
-    /// Counts a failure and logs it, at most once per [`WARN_EVERY_MS`].
-    fn failed(&self, error: &dyn fmt::Display) {
-        let total = self.errors.fetch_add(1, Relaxed) + 1;
-        // +1: 0 means "never warned".
-        let now = self.now_ms() + 1;
-        let last = self.last_warn_ms.load(Relaxed);
-        if (last == 0 || now >= last + WARN_EVERY_MS)
-            && self
-                .last_warn_ms
-                .compare_exchange(last, now, Relaxed, Relaxed)
-                .is_ok()
-        {
-            let errors = total - self.warned_errors.swap(total, Relaxed);
-            tracing::warn!(
-                %error,
-                errors,
-                "redis cache failing; answering from the inner store"
-            );
-        }
     }
 }
 

@@ -1,0 +1,286 @@
+//! The connection to Redis shared by clones of a [`RedisCache`](super::RedisCache):
+//! settings, counters, and the writes made behind the answer.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::{Client, Cmd, FromRedisValue, RedisError};
+use tokio::sync::Notify;
+
+use super::super::{Fingerprint, OwnerToken, Record, RecordState, ScopeKey};
+use super::RedisCacheConfig;
+use super::{decode, encode, redact};
+
+/// Whether a write may replace an existing entry.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Write {
+    /// A completion: the newest truth, replaces anything.
+    Overwrite,
+    /// A copy from the inner store: never replaces an entry, which may come
+    /// from a newer completion.
+    IfAbsent,
+}
+
+/// The connection, settings and counters shared by clones of a cache.
+pub(super) struct Link {
+    pub(super) client: Client,
+    /// Set once the first connection succeeded; it reconnects by itself.
+    pub(super) manager: OnceLock<ConnectionManager>,
+    /// A background connect is under way.
+    pub(super) connecting: AtomicBool,
+    /// Woken when a background connect ends, either way.
+    pub(super) connected: Notify,
+    pub(super) config: RedisCacheConfig,
+    /// The origin of the millisecond clock below.
+    pub(super) epoch: Instant,
+    pub(super) skip_until_ms: AtomicU64,
+    pub(super) last_warn_ms: AtomicU64,
+    pub(super) warned_errors: AtomicU64,
+    pub(super) hits: AtomicU64,
+    pub(super) misses: AtomicU64,
+    pub(super) errors: AtomicU64,
+    pub(super) skipped: AtomicU64,
+    pub(super) pending: Mutex<Pending>,
+    /// Background writes under way, and their end.
+    pub(super) writing: AtomicUsize,
+    pub(super) written: Notify,
+    /// `prefix + store id + ":"`, once the inner store's identity is known.
+    pub(super) namespace: OnceLock<String>,
+}
+
+/// The fingerprint of every reservation this cache granted and that is not
+/// settled yet: `complete` needs it for the cached value but is not given
+/// it. An entry leaves at `complete` or `release`; one whose reservation
+/// was abandoned (its completion failed for good, its task was cancelled)
+/// is dropped once older than [`PENDING_MAX_AGE`], when the map has doubled
+/// since the last look — a dropped entry only means one completion is not
+/// cached.
+#[derive(Default)]
+pub(super) struct Pending {
+    pub(super) entries: HashMap<OwnerToken, (Fingerprint, Instant)>,
+    pub(super) prune_at: usize,
+}
+
+/// No reservation outlives this without being settled, in practice.
+const PENDING_MAX_AGE: Duration = Duration::from_secs(60 * 60);
+
+/// How long after the last warning a Redis failure is logged again.
+const WARN_EVERY_MS: u64 = 10_000;
+
+impl Link {
+    /// The Redis key of `key`; `None` while the namespace is unknown.
+    pub(super) fn key(&self, key: &ScopeKey) -> Option<String> {
+        let namespace = self.namespace.get()?;
+        Some(format!("{namespace}{}", key.to_hex()))
+    }
+
+    pub(super) fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
+        // Every mutation leaves the map whole: a poisoned one can be used.
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn remember(&self, owner: OwnerToken, fingerprint: Fingerprint) {
+        let mut pending = self.pending();
+        pending.entries.insert(owner, (fingerprint, Instant::now()));
+        if pending.entries.len() >= pending.prune_at {
+            pending
+                .entries
+                .retain(|_, (_, since)| since.elapsed() < PENDING_MAX_AGE);
+            pending.prune_at = (pending.entries.len() * 2).max(1024);
+        }
+    }
+
+    pub(super) fn fingerprint_of(&self, owner: &OwnerToken) -> Option<Fingerprint> {
+        self.pending().entries.get(owner).map(|(fp, _)| *fp)
+    }
+
+    pub(super) fn forget(&self, owner: &OwnerToken) {
+        self.pending().entries.remove(owner);
+    }
+
+    /// The cached completed record for `key`, or `None` (miss, failure,
+    /// cooling down, undecodable entry) to ask the inner store.
+    pub(super) async fn lookup(self: &Arc<Self>, key: &ScopeKey) -> Option<Record> {
+        let value: Option<Vec<u8>> = self.call(::redis::cmd("GET").arg(self.key(key)?)).await?;
+        let Some(value) = value else {
+            self.misses.fetch_add(1, Relaxed);
+            return None;
+        };
+        match decode(&value) {
+            Ok(record) => {
+                self.hits.fetch_add(1, Relaxed);
+                Some(record)
+            }
+            Err(error) => {
+                // Redis answered: no cooldown. A completion overwrites it.
+                self.failed(&error);
+                None
+            }
+        }
+    }
+
+    /// Copies a completed `record` found in the inner store into Redis.
+    pub(super) fn fill(self: &Arc<Self>, key: &ScopeKey, record: &Record, ttl: Duration) {
+        if let RecordState::Completed(outcome) = &record.state {
+            let value = encode(&record.fingerprint, outcome);
+            self.write_behind(key, value, Instant::now() + ttl, Write::IfAbsent);
+        }
+    }
+
+    /// Writes an entry in the background, so the caller's answer never
+    /// waits for Redis. The entry expires at `expires` (its remaining time
+    /// is taken when the write is sent, so a write that ran late cannot
+    /// outlive the record it copies).
+    pub(super) fn write_behind(
+        self: &Arc<Self>,
+        key: &ScopeKey,
+        value: Vec<u8>,
+        expires: Instant,
+        mode: Write,
+    ) {
+        self.writing.fetch_add(1, SeqCst);
+        let (link, key) = (self.clone(), *key);
+        tokio::spawn(async move {
+            let left = expires.saturating_duration_since(Instant::now());
+            link.write(&key, value, left, mode).await;
+            if link.writing.fetch_sub(1, SeqCst) == 1 {
+                link.written.notify_waiters();
+            }
+        });
+    }
+
+    /// Waits until no background write is under way.
+    pub(super) async fn settled(&self) {
+        loop {
+            let written = self.written.notified();
+            tokio::pin!(written);
+            // Register before looking, so a last write ending in between
+            // still wakes us.
+            written.as_mut().enable();
+            if self.writing.load(SeqCst) == 0 {
+                return;
+            }
+            written.await;
+        }
+    }
+
+    pub(super) async fn write(
+        self: &Arc<Self>,
+        key: &ScopeKey,
+        value: Vec<u8>,
+        ttl: Duration,
+        mode: Write,
+    ) {
+        let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
+        let Some(key) = self.key(key).filter(|_| ms > 0) else {
+            return;
+        };
+        let mut cmd = ::redis::cmd("SET");
+        cmd.arg(key).arg(value).arg("PX").arg(ms);
+        if mode == Write::IfAbsent {
+            cmd.arg("NX");
+        }
+        let _: Option<::redis::Value> = self.call(&cmd).await;
+    }
+
+    /// Runs `cmd` within the timeout; `None` when skipped or failed.
+    pub(super) async fn call<T: FromRedisValue>(self: &Arc<Self>, cmd: &Cmd) -> Option<T> {
+        if self.now_ms() < self.skip_until_ms.load(Relaxed) {
+            self.skipped.fetch_add(1, Relaxed);
+            return None;
+        }
+        let result = tokio::time::timeout(self.config.timeout, async {
+            let mut connection = self.connection().await?;
+            cmd.query_async::<T>(&mut connection).await
+        })
+        .await;
+        let error = match result {
+            Ok(Ok(value)) => return Some(value),
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => "timed out".to_owned(),
+        };
+        self.cool_down();
+        self.failed(&error);
+        None
+    }
+
+    /// The connection manager, connecting in the background on first use
+    /// (so a slow connect outlives the caller's timeout) and after a failed
+    /// connect.
+    pub(super) async fn connection(self: &Arc<Self>) -> Result<ConnectionManager, RedisError> {
+        // The common case, without registering as a waiter.
+        if let Some(manager) = self.manager.get() {
+            return Ok(manager.clone());
+        }
+        let connected = self.connected.notified();
+        tokio::pin!(connected);
+        // Register before looking, so an end of the connect in between
+        // still wakes us.
+        connected.as_mut().enable();
+        if let Some(manager) = self.manager.get() {
+            return Ok(manager.clone());
+        }
+        if !self.connecting.swap(true, Relaxed) {
+            let link = self.clone();
+            tokio::spawn(async move { link.connect().await });
+        }
+        connected.await;
+        self.manager.get().cloned().ok_or_else(|| {
+            RedisError::from((::redis::ErrorKind::IoError, "Redis is not connected"))
+        })
+    }
+
+    pub(super) async fn connect(&self) {
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(self.config.timeout.max(Duration::from_secs(1)))
+            .set_response_timeout(self.config.timeout)
+            .set_number_of_retries(2)
+            .set_max_delay(500);
+        match ConnectionManager::new_with_config(self.client.clone(), config).await {
+            Ok(manager) => {
+                let _ = self.manager.set(manager);
+                tracing::info!(url = %redact(&self.config.url), "redis cache connected");
+            }
+            Err(error) => {
+                self.cool_down();
+                self.failed(&error);
+            }
+        }
+        self.connecting.store(false, Relaxed);
+        self.connected.notify_waiters();
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub(super) fn cool_down(&self) {
+        let until = self.now_ms() + self.config.cooldown.as_millis() as u64;
+        self.skip_until_ms.fetch_max(until, Relaxed);
+    }
+
+    /// Counts a failure and logs it, at most once per [`WARN_EVERY_MS`].
+    pub(super) fn failed(&self, error: &dyn fmt::Display) {
+        let total = self.errors.fetch_add(1, Relaxed) + 1;
+        // +1: 0 means "never warned".
+        let now = self.now_ms() + 1;
+        let last = self.last_warn_ms.load(Relaxed);
+        if (last == 0 || now >= last + WARN_EVERY_MS)
+            && self
+                .last_warn_ms
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
+        {
+            let errors = total - self.warned_errors.swap(total, Relaxed);
+            tracing::warn!(
+                %error,
+                errors,
+                "redis cache failing; answering from the inner store"
+            );
+        }
+    }
+}
