@@ -59,6 +59,47 @@ fn bench(c: &mut Criterion<CpuTime>) {
         }
     }
     group.finish();
+    multipart_near_matches(c);
+}
+
+/// The worst multipart body for a boundary search: 1 MiB of near-matches
+/// of a 70-byte boundary (each one byte short), next to the same bytes
+/// fingerprinted raw. A search that backtracked would cost ~70 comparisons
+/// per byte; the ratio shows it does not.
+fn multipart_near_matches(c: &mut Criterion<CpuTime>) {
+    let uri = Uri::from_static("/upload");
+    let fingerprinted = [CONTENT_TYPE];
+    let boundary = "b".repeat(70);
+    let near = format!("\r\n--{}x", &boundary[..69]);
+    let mut body = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\n");
+    while body.len() < 1 << 20 {
+        body.push_str(&near);
+    }
+    body.push_str(&format!("\r\n--{boundary}--\r\n"));
+    let body = body.into_bytes();
+    let multipart: &'static str =
+        Box::leak(format!("multipart/form-data; boundary={boundary}").into_boxed_str());
+    let mut group = c.benchmark_group("multipart_worst");
+    group.throughput(Throughput::Bytes(body.len() as u64));
+    for (name, content_type) in [
+        ("raw", "application/octet-stream"),
+        ("multipart", multipart),
+    ] {
+        let headers = headers(content_type);
+        group.bench_with_input(BenchmarkId::new(name, "1MiB"), &body, |b, body| {
+            b.iter(|| {
+                fingerprint(
+                    &Method::POST,
+                    &uri,
+                    &headers,
+                    &fingerprinted,
+                    black_box(body),
+                    Exclusions::default(),
+                )
+            })
+        });
+    }
+    group.finish();
 }
 
 criterion_group! {
