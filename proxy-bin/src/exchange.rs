@@ -136,7 +136,7 @@ impl Exchange {
             Err(failure) => {
                 tracing::warn!(error = %failure.error, timed_out = failure.timed_out, "upstream failed");
                 if let Some(reservation) = reservation {
-                    reservation.release().await;
+                    reservation.release_upstream_failed(failure.timed_out).await;
                 }
                 let problem = self
                     .engine

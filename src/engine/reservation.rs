@@ -100,6 +100,18 @@ impl Reservation {
         self.release_as(StatusCode::BAD_GATEWAY).await;
     }
 
+    /// Releases the key after the upstream failed before its response head
+    /// ([`release`](Reservation::release)), logging the status the client
+    /// gets: 504 when it `timed_out`, else 502.
+    pub async fn release_upstream_failed(self, timed_out: bool) {
+        let status = if timed_out {
+            StatusCode::GATEWAY_TIMEOUT
+        } else {
+            StatusCode::BAD_GATEWAY
+        };
+        self.release_as(status).await;
+    }
+
     /// Stores `outcome` (replayed from now on). Never fails and never holds
     /// the caller up for long: when storing fails, it is retried in the
     /// background (the renewer still renewing the lease) for up to the
