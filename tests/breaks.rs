@@ -225,3 +225,54 @@ async fn lone_surrogate_keys_read_differently_never_share_a_fingerprint() {
     );
     assert_eq!(second.status, StatusCode::UNPROCESSABLE_ENTITY);
 }
+
+/// Scenario: an inner service answering with trailers, as every gRPC
+/// service does (`grpc-status` is a trailer), on a covered route. The
+/// layer records the body frame by frame and skips every non-data frame,
+/// then answers the first caller with the recorded bytes only
+/// (`ResponseBody::full`): the trailers are dropped, and the replay has
+/// none either. Impact ("no lost response"): the first caller of an
+/// executed request does not get the response the service produced (a
+/// gRPC client sees no `grpc-status` and reports an error for a call that
+/// ran), and its retry is replayed the same truncated answer forever.
+#[tokio::test]
+#[ignore = "confirmed break: response trailers are dropped for the first caller and the replay"]
+async fn response_trailers_reach_the_first_caller() {
+    use http_body_util::StreamBody;
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let app = layered(&engine, |_, _request| async move {
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        let frames = vec![
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from_static(
+                b"\0\0\0\0\x02hi",
+            ))),
+            Ok(http_body::Frame::trailers(trailers)),
+        ];
+        Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "application/grpc")
+            .body(Body::new(StreamBody::new(futures::stream::iter(frames))))
+            .unwrap()
+    });
+    let request = || {
+        Request::post("/pkg.Payments/Pay")
+            .header("idempotency-key", "k-grpc")
+            .header(header::CONTENT_TYPE, "application/grpc")
+            .body(Body::from(Bytes::from_static(b"\0\0\0\0\0")))
+            .unwrap()
+    };
+    let first = app
+        .call(request())
+        .await
+        .into_body()
+        .collect()
+        .await
+        .unwrap();
+    let trailers = first.trailers().cloned();
+    assert_eq!(
+        trailers.as_ref().and_then(|t| t.get("grpc-status")),
+        Some(&http::HeaderValue::from_static("0")),
+        "the first caller lost the trailers: {trailers:?}"
+    );
+}
