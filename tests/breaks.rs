@@ -320,3 +320,61 @@ async fn tenants_behind_a_host_rewriting_proxy_never_share_a_scope() {
     );
     assert_eq!(app.calls(), 2);
 }
+
+/// Scenario: one engine whose routes name full paths (`/shop-a/orders`,
+/// what a user sees and what the layer scopes by behind `Router::nest`),
+/// with the layer applied inside routers nested under `/shop-a` and
+/// `/shop-b`. The layer classifies the request by the *nested* URI
+/// (`/orders`) but scopes it by axum's `OriginalUri`
+/// (`/shop-a/orders`), so the `required` route `/shop-a/orders` never
+/// matches: a keyless order passes through and every retry with the same
+/// key executes again. Impact ("once"): a required route is silently
+/// unprotected; routes and scopes use two different paths.
+#[tokio::test]
+#[ignore = "confirmed break: behind Router::nest, routes match the nested path while scopes use the original one"]
+async fn a_required_full_path_route_is_covered_behind_nest() {
+    use axum::routing::post;
+    use axum::Router;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    use tower::ServiceExt;
+    use tower_idempotency::IdempotencyLayer;
+
+    let routes = Routes::new()
+        .route("/shop-a/orders", Policy::default().required(true))
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let shop = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = counted.fetch_add(1, SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("order {n}")) }
+            }),
+        )
+        .layer(IdempotencyLayer::new(engine.clone()));
+    let app = Router::new().nest("/shop-a", shop);
+    let order = |key: Option<&str>| {
+        let mut request = Request::post("/shop-a/orders");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request.body(Body::empty()).unwrap()
+    };
+    let keyless = app.clone().oneshot(order(None)).await.unwrap();
+    assert_eq!(
+        keyless.status(),
+        StatusCode::BAD_REQUEST,
+        "a keyless order ran on a required route"
+    );
+    for _ in 0..2 {
+        app.clone().oneshot(order(Some("k-nest"))).await.unwrap();
+    }
+    assert!(
+        calls.load(SeqCst) <= 1,
+        "orders executed: {}",
+        calls.load(SeqCst)
+    );
+}
