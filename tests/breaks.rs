@@ -378,3 +378,45 @@ async fn a_required_full_path_route_is_covered_behind_nest() {
         calls.load(SeqCst)
     );
 }
+
+/// Scenario: a `required` route `/api/pay` in front of a backend that reads
+/// `\` as `/` in paths, as IIS and ASP.NET do (the backends
+/// `Routes::case_insensitive` is documented for). The engine's normal
+/// form keeps `\` as text, so `/api\pay` is not covered: a keyless payment
+/// passes through and each retry with the same key executes. Impact
+/// ("once"): the same class as the `;` spelling above.
+#[tokio::test]
+#[ignore = "confirmed break: a backslash spelling skips a required route for IIS-like backends"]
+async fn a_backslash_does_not_skip_a_required_route() {
+    let routes = Routes::new()
+        .route("/api/pay", Policy::default().required(true))
+        .unwrap()
+        .case_insensitive(true);
+    let engine = Engine::new(MemoryStore::new(), routes);
+    // The backend routes as IIS does: `\` is `/`, case ignored.
+    let app = layered(&engine, |n, request| async move {
+        let path = request.uri().path().replace('\\', "/").to_ascii_lowercase();
+        let status = if path == "/api/pay" {
+            StatusCode::CREATED
+        } else {
+            StatusCode::NOT_FOUND
+        };
+        Response::builder()
+            .status(status)
+            .header("x-payment", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let keyless = app
+        .send(
+            Request::post("/api\\Pay")
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(
+        keyless.status,
+        StatusCode::BAD_REQUEST,
+        "a keyless payment reached the backend: {keyless:?}"
+    );
+}
