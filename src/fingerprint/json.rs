@@ -548,6 +548,13 @@ fn decode_key(raw: &[u8], out: &mut Vec<u8>) {
                 i += 6;
             }
         }
+        // An unpaired surrogate: most parsers (Go, Java, JavaScript's
+        // `JSON.parse` then UTF-8) read it as U+FFFD, so two such keys may
+        // be one key to the backend: sort them as that key, keeping their
+        // order (the sort is stable), like any other duplicates.
+        if (0xd800..0xe000).contains(&code) {
+            code = 0xfffd;
+        }
         push_code_point(code, out);
     }
 }

@@ -57,7 +57,7 @@ struct Canonicalizer<'a, 'x> {
 /// A member written to the output.
 struct Member {
     /// Its key as a parser reads it: code points, surrogate pairs joined,
-    /// lone surrogates kept as they are.
+    /// lone surrogates read as U+FFFD.
     key: Vec<u32>,
     /// Its bytes in the output: `"key":value`, without a comma.
     out: Range<usize>,
@@ -349,6 +349,11 @@ fn decode(raw: &[u8]) -> Vec<u32> {
             Some(&low) if (0xd800..0xdc00).contains(&unit) && (0xdc00..0xe000).contains(&low) => {
                 points.push(0x10000 + ((unit - 0xd800) << 10) + (low - 0xdc00));
                 i += 2;
+            }
+            // A lone surrogate is U+FFFD to most parsers.
+            _ if (0xd800..0xe000).contains(&unit) => {
+                points.push(0xfffd);
+                i += 1;
             }
             _ => {
                 points.push(unit);

@@ -5,9 +5,10 @@
 /// The path a `Location` points to: the path of an absolute URL
 /// (`http://host/contact/thanks`), of a network-path reference
 /// (`//host/x`), an absolute path (`/x?y`), or a relative reference
-/// resolved against `base` (`thanks` from `/contact` is `/thanks`),
-/// normalised as request paths are (see [`normalize_path`]). `None` for a
-/// value that is not UTF-8.
+/// resolved against `base` (`thanks` from `/contact` is `/thanks`; a
+/// query- or fragment-only reference is `base` itself), without segment
+/// parameters (`;jsessionid=…`), normalised as request paths are (see
+/// [`normalize_path`]). `None` for a value that is not UTF-8.
 pub(super) fn location_path(location: &[u8], base: &str) -> Option<String> {
     let location = std::str::from_utf8(location).ok()?.trim();
     let location = location.split(['?', '#']).next().unwrap_or_default();
@@ -22,11 +23,29 @@ pub(super) fn location_path(location: &[u8], base: &str) -> Option<String> {
     }) {
         let rest = &location[scheme + 3..];
         rest.find('/').map_or("/", |i| &rest[i..]).to_owned()
+    } else if location.is_empty() {
+        // `?error=1`, `#top` or an empty reference: the request's own path
+        // (RFC 3986, 5.2.2), not its directory.
+        base.to_owned()
     } else {
         let directory = base.rfind('/').map_or("/", |i| &base[..=i]);
         format!("{directory}{location}")
     };
-    Some(normalize_path(&path, false).into_owned())
+    Some(normalize_path(&strip_segment_parameters(&path), false).into_owned())
+}
+
+/// `path` without the parameters of its segments (`/thanks;jsessionid=1`
+/// is `/thanks`): servlet containers append them to paths and redirects,
+/// and route by the path without them.
+pub(super) fn strip_segment_parameters(path: &str) -> std::borrow::Cow<'_, str> {
+    if !path.contains(';') {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let stripped: Vec<&str> = path
+        .split('/')
+        .map(|segment| segment.split(';').next().unwrap_or_default())
+        .collect();
+    std::borrow::Cow::Owned(stripped.join("/"))
 }
 
 /// The host a request's key is scoped by: the URI's authority, else the

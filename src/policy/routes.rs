@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use http::Method;
 
-use super::paths::{has_encoded_dot, normalize};
+use super::paths::{has_encoded_dot, normalize, strip_segment_parameters};
 use super::{invalid, Policy, PolicyError, RoutePolicy};
 
 /// How a route matches request paths. Paths are matched in their
@@ -257,7 +257,30 @@ impl Routes {
     /// segments, others take it as text): it is covered when either reading
     /// is, so neither kind of backend can be reached around a route. The
     /// first reading (dots decoded) wins when both are covered.
+    ///
+    /// Likewise, a path with segment parameters (`/api/pay;x=1`, which
+    /// servlet containers route as `/api/pay`) is also read without them,
+    /// and with case-insensitive routing (IIS, ASP.NET) a backslash is also
+    /// read as `/`.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+        let found = self.find_spelled(method, path);
+        if found.is_some() {
+            return found;
+        }
+        if path.contains(';') {
+            let found = self.find_spelled(method, &strip_segment_parameters(path));
+            if found.is_some() {
+                return found;
+            }
+        }
+        if self.case_insensitive && path.contains('\\') {
+            return self.find(method, &path.replace('\\', "/"));
+        }
+        None
+    }
+
+    /// [`Routes::find`] for one spelling: dots decoded, else kept.
+    fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         let decoded = self.decide(method, &normalize(path, self.case_insensitive, true));
         if decoded.is_some() || !has_encoded_dot(path) {
             return decoded;

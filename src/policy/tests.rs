@@ -234,3 +234,23 @@ fn validation_names_the_field() {
     let bad = Policy::default().key(KeySource::JsonPointer("key".into()));
     assert_eq!(bad.validate().unwrap_err().field, "key");
 }
+
+#[test]
+fn redirect_targets_resolve_as_rfc_3986_says() {
+    let path =
+        |location: &str| super::paths::location_path(location.as_bytes(), "/contact").unwrap();
+    // A query- or fragment-only reference is the request's own path.
+    assert_eq!(path("?error=email"), "/contact");
+    assert_eq!(path("#top"), "/contact");
+    assert_eq!(path(""), "/contact");
+    // Relative references resolve against its directory.
+    assert_eq!(path("thanks"), "/thanks");
+    assert_eq!(path("./contact/thanks?x=1"), "/contact/thanks");
+    // Servlet containers' segment parameters are not part of the target.
+    assert_eq!(path("/contact/thanks;jsessionid=A1B2"), "/contact/thanks");
+    assert_eq!(
+        path("http://shop.test/contact/thanks;jsessionid=A1"),
+        "/contact/thanks"
+    );
+    assert_eq!(path("//shop.test/a/../contact/thanks"), "/contact/thanks");
+}
