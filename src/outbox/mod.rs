@@ -75,6 +75,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod store;
+mod types;
 mod webhook;
 mod worker;
 
