@@ -349,7 +349,7 @@ fn key_on_line(text: &str, line: usize) -> Option<&str> {
 /// A deserializer's message with what the value should look like, where
 /// the message alone leaves a newcomer guessing.
 fn explain(message: &str) -> String {
-    let hint = if message.contains("expected a duration") || message.contains("duration") {
+    let hint = if message.contains("duration") {
         Some("write a quoted duration with its unit, e.g. \"30s\", \"500ms\", \"10m\"")
     } else if message.contains("variant") && message.contains("header") {
         Some(
