@@ -46,6 +46,9 @@ pub struct ProxySettings {
     pub redis_prefix: Option<String>,
     /// The admin listener for `/healthz` and `/metrics` (`--admin`).
     pub admin: Option<String>,
+    /// A file holding the operator API's bearer token (the environment
+    /// variable `IDEMPOTENCY_ADMIN_TOKEN` takes precedence). Never a flag.
+    pub admin_token_file: Option<PathBuf>,
     /// How long connecting to the upstream may take (502 after it).
     #[serde(default, with = "humantime_serde::option")]
     pub connect_timeout: Option<Duration>,
@@ -95,6 +98,8 @@ pub struct Resolved {
     pub redis_prefix: Option<String>,
     /// The admin address, if any.
     pub admin: Option<String>,
+    /// The admin token's file, if any.
+    pub admin_token_file: Option<PathBuf>,
     /// Upstream connect timeout (default 5 s).
     pub connect_timeout: Duration,
     /// Upstream read timeout (default 60 s).
@@ -130,6 +135,7 @@ impl ProxySettings {
             redis: over.redis.or(self.redis),
             redis_prefix: over.redis_prefix.or(self.redis_prefix),
             admin: over.admin.or(self.admin),
+            admin_token_file: over.admin_token_file.or(self.admin_token_file),
             connect_timeout: over.connect_timeout.or(self.connect_timeout),
             read_timeout: over.read_timeout.or(self.read_timeout),
             write_timeout: over.write_timeout.or(self.write_timeout),
@@ -153,6 +159,7 @@ impl ProxySettings {
             redis: self.redis,
             redis_prefix: self.redis_prefix,
             admin: self.admin,
+            admin_token_file: self.admin_token_file,
             connect_timeout: self.connect_timeout.unwrap_or(secs(5)),
             read_timeout: self.read_timeout.unwrap_or(secs(60)),
             write_timeout: self.write_timeout.unwrap_or(secs(60)),

@@ -150,6 +150,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             idle: settings.idle_timeout,
         },
     )?);
+    let admin_token = admin::AdminToken::load(settings.admin_token_file.as_deref())?;
     let listeners = [
         Some(&settings.listen),
         settings.admin.as_ref(),
@@ -209,10 +210,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     );
     proxy.add_tcp(&settings.listen);
     server.add_service(proxy);
+    let operator_api = admin_token.is_some();
     if let Some(address) = &settings.admin {
         let mut admin = pingora_core::services::listening::Service::new(
             "admin".to_owned(),
-            admin::Admin { engine },
+            admin::Admin {
+                engine,
+                token: admin_token,
+            },
         );
         admin.threads = Some(1);
         admin.add_tcp(address);
@@ -234,6 +239,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         store = store_kind(&settings.store),
         redis = settings.redis.is_some(),
         admin = settings.admin.as_deref().unwrap_or("off"),
+        operator_api,
         "idempotency-proxy started"
     );
     let signals = Signals {

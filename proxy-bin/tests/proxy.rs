@@ -522,6 +522,61 @@ async fn admin_serves_health_and_metrics() {
     assert!(text.contains("idempotency_in_flight 0"), "{text}");
 }
 
+/// The operator API answers only a bearer of the configured token; without
+/// one configured it is off, and health and metrics stay open either way.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_operator_api_needs_its_bearer_token() {
+    let (_backend, off) = start("admin-off", FORMS).await;
+    let reply = off
+        .admin_send(
+            "GET",
+            "/keys/counts",
+            &[("authorization", "Bearer anything")],
+            "",
+        )
+        .await;
+    assert_eq!(reply.status, 404);
+    assert!(
+        reply.text().contains("IDEMPOTENCY_ADMIN_TOKEN"),
+        "{}",
+        reply.text()
+    );
+
+    let backend = Backend::start().await;
+    let dir = temp_dir("admin-on");
+    let secret = "an-operator-token-of-some-length";
+    std::fs::write(dir.join("admin.token"), format!("{secret}\n")).unwrap();
+    let config = format!("[proxy]\nadmin_token_file = \"admin.token\"\n{FORMS}");
+    let on = Proxy::start(ProxyArgs::new(backend.url(), &config, &dir))
+        .await
+        .owning(dir);
+    assert_eq!(on.admin("/healthz").await.status, 200);
+    assert_eq!(on.admin("/metrics").await.status, 200);
+    for authorization in [
+        None,
+        Some("Bearer wrong-token-of-some-length"),
+        Some(secret),
+    ] {
+        let headers: Vec<_> = authorization
+            .map(|a| ("authorization", a))
+            .into_iter()
+            .collect();
+        let reply = on.admin_send("GET", "/keys/counts", &headers, "").await;
+        assert_eq!(reply.status, 401, "{authorization:?}");
+        assert_eq!(reply.header("www-authenticate"), Some("Bearer"));
+    }
+    let bearer = format!("Bearer {secret}");
+    let reply = on
+        .admin_send("GET", "/no-such-route", &[("authorization", &bearer)], "")
+        .await;
+    assert_eq!(reply.status, 404);
+    assert!(
+        reply.text().contains("no operator route"),
+        "{}",
+        reply.text()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn replays_come_from_the_redis_front_cache() {
     let redis = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());

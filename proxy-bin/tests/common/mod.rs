@@ -385,6 +385,17 @@ impl Proxy {
         send(&self.client, self.admin, "GET", path, &[], Bytes::new()).await
     }
 
+    /// Any request to the admin listener.
+    pub async fn admin_send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Reply {
+        send(&self.client, self.admin, method, path, headers, body.into()).await
+    }
+
     /// The process id (for `/proc/<pid>/status`).
     pub fn pid(&self) -> u32 {
         self.child.id()
