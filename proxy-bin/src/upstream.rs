@@ -35,13 +35,17 @@ pub struct Upstream {
     timeouts: Timeouts,
 }
 
-/// Why an exchange failed before the upstream's response head arrived. The
-/// key is released either way; the client gets 502 or 504.
+/// Why an exchange failed before the upstream's response head arrived; the
+/// client gets 502 or 504, and the engine decides from `sent` whether the
+/// key may be released.
 #[derive(Debug)]
 pub struct ExchangeError {
     /// The upstream did not answer in time (504) rather than being
     /// unreachable or breaking the connection (502).
     pub timed_out: bool,
+    /// The whole request had been written: the upstream may have acted on
+    /// it, so its key must never be released.
+    pub sent: bool,
     /// Pingora's error, for the log.
     pub error: Box<Error>,
 }
@@ -117,6 +121,7 @@ impl Upstream {
                     .map_err(|error| ExchangeError {
                         // A connect timeout is an unreachable upstream: 502.
                         timed_out: false,
+                        sent: false,
                         error,
                     })?;
             session.read_timeout = Some(self.timeouts.read);
@@ -135,7 +140,11 @@ impl Upstream {
                         error.etype,
                         ErrorType::ReadTimedout | ErrorType::WriteTimedout
                     );
-                    return Err(ExchangeError { timed_out, error });
+                    return Err(ExchangeError {
+                        timed_out,
+                        sent,
+                        error,
+                    });
                 }
             }
         }

@@ -357,18 +357,37 @@ async fn backend_down_is_502_and_the_key_is_usable_again() {
     assert_eq!(backend.hits("/api/orders"), 1);
 }
 
+/// The upstream got the whole request and did not answer within
+/// `read_timeout`: it may still act, so the 504 is the key's outcome and a
+/// retry never executes a second time.
 #[tokio::test(flavor = "multi_thread")]
-async fn upstream_timeout_is_504_and_releases_the_key() {
+async fn upstream_timeout_after_the_request_is_504_and_never_runs_twice() {
     let config = format!("[proxy]\nread_timeout = \"300ms\"\n{FORMS}");
     let (backend, proxy) = start("timeout", &config).await;
     let key = uuid();
     let headers = [("idempotency-key", key.as_str())];
     let reply = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
     assert_eq!(reply.status, 504, "{}", reply.text());
-    // Released: the same key executes again (same path and body).
-    let reply = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
-    assert_eq!(reply.status, 504);
-    assert_eq!(backend.hits("/slow"), 2);
+    assert!(!reply.replayed());
+    assert!(
+        reply.text().contains("will not be executed again"),
+        "{}",
+        reply.text()
+    );
+    let retry = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (504, true),
+        "{}",
+        retry.text()
+    );
+    assert_eq!(backend.hits("/slow"), 1, "the retry must not execute again");
+    // A new key is a new attempt.
+    let fresh = uuid();
+    let reply = proxy
+        .send("POST", "/slow?ms=0", &[("idempotency-key", &fresh)], "x")
+        .await;
+    assert_eq!(reply.status, 201);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -100,16 +100,17 @@ impl Reservation {
         self.release_as(StatusCode::BAD_GATEWAY).await;
     }
 
-    /// Releases the key after the upstream failed before its response head
-    /// ([`release`](Reservation::release)), logging the status the client
-    /// gets: 504 when it `timed_out`, else 502.
-    pub async fn release_upstream_failed(self, timed_out: bool) {
-        let status = if timed_out {
-            StatusCode::GATEWAY_TIMEOUT
-        } else {
-            StatusCode::BAD_GATEWAY
-        };
-        self.release_as(status).await;
+    /// Releases the key after the upstream failed before the whole request
+    /// reached it ([`release`](Reservation::release)), and returns the
+    /// caller's answer: 504 when it `timed_out`, else 502.
+    pub(super) async fn release_upstream_failed(
+        self,
+        timed_out: bool,
+        request: &http::HeaderMap,
+    ) -> http::Response<bytes::Bytes> {
+        let answer = self.engine.upstream_failed(timed_out, request);
+        self.release_as(answer.status()).await;
+        answer
     }
 
     /// Stores `outcome` (replayed from now on). Never fails and never holds
