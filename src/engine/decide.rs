@@ -2,6 +2,7 @@
 //! it, then reserve the key, replay, wait for the first request, or refuse.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -21,7 +22,7 @@ use crate::key;
 use crate::metrics::Event;
 use crate::policy::{FailMode, InFlightPolicy, MismatchPolicy, RoutePolicy};
 use crate::store::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoreError,
+    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store, StoreError,
 };
 
 /// The engine's answer to [`Engine::begin`].
@@ -240,34 +241,47 @@ impl Engine {
     ) -> Result<(OwnerToken, Claim), StoreError> {
         let owner = OwnerToken::random();
         let store = self.inner.store.clone();
-        let mut call =
-            Box::pin(async move { store.reserve(&key, &fingerprint, &owner, lease, ttl).await });
-        let started = std::time::Instant::now();
         let limit = self.inner.config.store_timeout;
+        let call: PendingCall =
+            Box::pin(async move { store.reserve(&key, &fingerprint, &owner, lease, ttl).await });
+        // Until the call is answered, dropping this future (the caller went
+        // away) hands the call to the guard, which releases what it wrote.
+        let mut pending = Unanswered {
+            store: self.inner.store.clone(),
+            key,
+            owner,
+            lease,
+            limit,
+            call: Some(call),
+        };
+        let started = std::time::Instant::now();
+        let call = pending.call.as_mut().expect("set above");
         // A store that answers at once (the memory store) needs no timer.
         let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
         let (result, abandoned) = match first {
-            Poll::Ready(result) => (result, None),
-            Poll::Pending => match tokio::time::timeout(limit, &mut call).await {
-                Ok(result) => (result, None),
-                Err(_) => (Err(StoreError::Timeout), Some(call)),
+            Poll::Ready(result) => (result, false),
+            Poll::Pending => match tokio::time::timeout(limit, call).await {
+                Ok(result) => (result, false),
+                Err(_) => (Err(StoreError::Timeout), true),
             },
         };
         self.inner.metrics.observe_store(started.elapsed());
         let error = match result {
-            Ok(claim) => return Ok((owner, claim)),
+            Ok(claim) => {
+                pending.call = None;
+                return Ok((owner, claim));
+            }
             Err(error) => error,
         };
+        // Released at once, and again when an abandoned call ends.
         let store = self.inner.store.clone();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                let release = || tokio::time::timeout(limit, store.release(&key, &owner));
-                let _ = release().await;
-                if let Some(call) = abandoned {
-                    let _ = tokio::time::timeout(lease, call).await;
-                    let _ = release().await;
-                }
+                let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
             });
+        }
+        if !abandoned {
+            pending.call = None;
         }
         Err(error)
     }
@@ -355,5 +369,43 @@ impl Engine {
             FailMode::Open => Decision::Forward,
             FailMode::Closed => Decision::Respond(self.store_unavailable(head.headers)),
         }
+    }
+}
+
+/// A store's reserve call in progress.
+type PendingCall = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
+
+/// A reserve call whose answer nobody will act on: the caller went away
+/// while it was pending, or it outlived `store_timeout`. The store may have
+/// written it all the same, under a token only this guard knows; on drop,
+/// it lets the call end (waiting at most the lease, after which the record
+/// could be taken over anyway) and then releases, owner-checked, so the key
+/// is free for the retry instead of in flight for a whole lease, and no one
+/// else's record is touched.
+struct Unanswered {
+    store: Arc<dyn Store>,
+    key: ScopeKey,
+    owner: OwnerToken,
+    lease: Duration,
+    limit: Duration,
+    /// `None` once the call was answered and its answer is acted on.
+    call: Option<PendingCall>,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, key, owner) = (self.store.clone(), self.key, self.owner);
+        let (lease, limit) = (self.lease, self.limit);
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(lease, call).await;
+            let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
+            tracing::debug!(key = %key.short(), "idempotency reservation without a caller released");
+        });
     }
 }

@@ -556,6 +556,30 @@ async fn a_reservation_written_after_its_timeout_is_released() {
     proceed(begin(&engine, &policy, "k").await).release().await;
 }
 
+/// The caller goes away (its future dropped: a client that disconnects
+/// under the tower layer) while its reservation is on its way to the
+/// store, which writes it: nobody owns that record, so the engine releases
+/// it when the call ends, and a retry executes at once instead of meeting
+/// 409 `in-flight` for a whole lease.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_whose_caller_went_away_is_released() {
+    let (store, faults) = faulty();
+    let (engine, policy) = over(store.clone(), FailMode::Closed);
+    // Written at once, answered late (a database that committed and has
+    // not answered yet).
+    faults.set_next(
+        Op::Reserve,
+        Fault::CommitThenStall(Duration::from_millis(50)),
+        1,
+    );
+    let abandoned = tokio::time::timeout(Duration::from_millis(10), begin(&engine, &policy, "k"));
+    assert!(abandoned.await.is_err(), "the caller gave up first");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(faults.inner_calls(Op::Reserve), 1, "it was written");
+    assert!(store.inner().is_empty(), "and released");
+    proceed(begin(&engine, &policy, "k").await).release().await;
+}
+
 /// Fail-open: the request whose reservation was lost runs unprotected
 /// (one execution); the reservation is released at once, independently
 /// of that request, so the retry is reserved normally (the second
