@@ -66,18 +66,22 @@ SET lease_expires_at = now() + $3::bigint * interval '1 microsecond',
     expires_at = greatest(expires_at, now() + $3::bigint * interval '1 microsecond')
 WHERE key = $1 AND owner = $2 AND state = 'in_flight'";
 
-/// Oldest expired rows first, through the `expires_at` index. `SKIP LOCKED`
+/// Oldest expired rows first, through the `expires_at` index, at most `$1`
+/// (the materialized CTE is evaluated once, so the batch bound holds). `SKIP LOCKED`
 /// lets sweepers of several instances run side by side; the outer condition
 /// is checked again on the locked row, so a key reserved anew a moment ago
 /// is never deleted.
 const SWEEP: &str = "
-DELETE FROM idempotency_records
-WHERE key IN (SELECT key FROM idempotency_records
-              WHERE expires_at <= now()
-              ORDER BY expires_at
-              LIMIT $1
-              FOR UPDATE SKIP LOCKED)
-  AND expires_at <= now()";
+WITH doomed AS MATERIALIZED (
+    SELECT key FROM idempotency_records
+    WHERE expires_at <= now()
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED)
+DELETE FROM idempotency_records AS r
+USING doomed
+WHERE r.key = doomed.key
+  AND r.expires_at <= now()";
 
 /// The id every instance on this database shares (see the migration).
 const IDENTITY: &str = "SELECT id FROM idempotency_store";
