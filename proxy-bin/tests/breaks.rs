@@ -258,3 +258,52 @@ async fn php_form_fields_read_differently_never_share_a_fingerprint() {
     );
     drop(php);
 }
+
+/// `docs/frameworks.md`'s Express recipe, as `tests/frameworks.rs` runs it.
+const EXPRESS: &str = r#"
+[[route]]
+path = "/api/forms/*/submit"
+methods = ["POST"]
+required = true
+uuid_only = true
+store_statuses = ["2xx"]
+mismatch_status = 409
+in_flight_status = 425
+"#;
+
+/// Scenario: the Express recipe in front of the real Express app, and a
+/// client (or a link, a proxy, a hand-typed URL) that spells the path in
+/// another case: `/API/Forms/contact/Submit`. Express routes
+/// case-insensitively by default (`caseSensitive: false`), so the app
+/// accepts the submission; the proxy routes case-sensitively
+/// (`case_insensitive_paths` is off, and the recipe does not set it), so
+/// the request is not covered. Two identical submissions with one
+/// `Idempotency-Key` are two submissions. Impact ("at most one
+/// execution"; a `required` route skipped) behind the documented recipe.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "BREAK: the Express recipe is case-sensitive, Express is not: `/API/forms/contact/submit` runs twice with one key"]
+async fn express_runs_a_submission_once_in_any_case() {
+    let app = App::start(Framework::Express, 0);
+    let dir = temp_dir("breaks-express-case");
+    let proxy = Proxy::start(ProxyArgs::new(app.url(), EXPRESS, &dir))
+        .await
+        .owning(dir);
+    let key = common::uuid();
+    let headers = [
+        ("content-type", "application/json"),
+        ("idempotency-key", key.as_str()),
+    ];
+    let body = r#"{"email":"ada@example.com","name":"Ada"}"#;
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let reply = proxy
+            .send("POST", "/API/Forms/contact/Submit", &headers, body)
+            .await;
+        answers.push((reply.status, reply.replayed()));
+    }
+    assert_eq!(
+        app.records().await,
+        1,
+        "one key, two submissions; answers: {answers:?}"
+    );
+}
