@@ -52,7 +52,6 @@ async fn early_answering_backend() -> (String, Arc<AtomicUsize>) {
 /// response"): the caller never sees the 201, and its retry with the same
 /// key executes the order again.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "BREAK: an upstream that answers before reading a large body: 502 + key released, the retry executes again"]
 async fn an_upstream_answering_before_the_body_is_read_executes_once() {
     let (upstream, calls) = early_answering_backend().await;
     let dir = temp_dir("breaks-early-answer");

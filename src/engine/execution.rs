@@ -31,11 +31,12 @@ impl Reservation {
     /// `upstream-timeout`) or could not be reached or broke the connection
     /// (502 `upstream-unavailable`). Returns the answer for the caller.
     ///
-    /// Before the whole request reached the upstream (`sent` is `false`:
-    /// connecting or writing failed), the upstream cannot have acted on it:
-    /// the key is released and a retry executes. Once it was `sent`, the
-    /// upstream may have acted (it may have committed and then crashed, or
-    /// still be working): the answer is stored as the key's outcome
+    /// Before any of the request reached the upstream (`sent` is `false`:
+    /// connecting or writing the request head failed), the upstream cannot
+    /// have acted on it: the key is released and a retry executes. Once it
+    /// was `sent` (a request head is enough for a handler that ignores the
+    /// body), the upstream may have acted (it may have committed and then
+    /// crashed, or still be working): the answer is stored as the key's outcome
     /// ("executed, outcome unknown"), like [`execution_timed_out`], so no
     /// retry with this key ever executes it a second time.
     ///
