@@ -82,7 +82,7 @@ pub fn fingerprint_view(
     exclude: Exclusions<'_>,
 ) -> Fingerprint {
     let mut hasher = Sha256::new();
-    put(&mut hasher, method.as_str().as_bytes());
+    put(&mut hasher, crate::policy::method_name(method).as_bytes());
     // The path in the form it is routed and scoped by: two spellings of
     // one path are the same request.
     let path = crate::policy::normalize_path(uri.path(), false);

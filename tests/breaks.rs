@@ -503,7 +503,6 @@ async fn a_compressed_body_never_hides_its_key() {
 /// key executes. Impact ("at most one execution"; "never skip a `required`
 /// route"): the same class as the path spellings above, for the method.
 #[tokio::test]
-#[ignore = "BREAK: a lower-case method (`post`) skips a required route that Django/Symfony dispatch as POST"]
 async fn a_lower_case_method_does_not_skip_a_required_route() {
     let routes = Routes::new()
         .route("/api/pay", Policy::default().required(true))
@@ -562,7 +561,6 @@ async fn a_lower_case_method_does_not_skip_a_required_route() {
 /// `;` and `\` spellings above, which the README says are "covered if any
 /// reading is"; `%2F` is such a spelling.
 #[tokio::test]
-#[ignore = "BREAK: `/api%2Fpay` skips the required route `/api/pay` that Django and Laravel route it to"]
 async fn an_encoded_slash_does_not_skip_a_required_route() {
     let routes = Routes::new()
         .route("/api/pay", Policy::default().required(true))

@@ -111,7 +111,6 @@ mismatch = "replay"
 /// twice, is two records and two notifications. Impact ("at most one
 /// execution"; a `required` route skipped).
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "BREAK: `post` (lower case) passes a POST-only required route; Django runs it as POST: the same token twice is two records"]
 async fn django_runs_a_lower_case_post_once() {
     let app = App::start(Framework::Django, 0);
     let dir = temp_dir("breaks-django-method");
@@ -260,6 +259,7 @@ async fn php_form_fields_read_differently_never_share_a_fingerprint() {
 
 /// `docs/frameworks.md`'s Express recipe, as `tests/frameworks.rs` runs it.
 const EXPRESS: &str = r#"
+case_insensitive_paths = true
 [[route]]
 path = "/api/forms/*/submit"
 methods = ["POST"]
@@ -280,7 +280,6 @@ in_flight_status = 425
 /// `Idempotency-Key` are two submissions. Impact ("at most one
 /// execution"; a `required` route skipped) behind the documented recipe.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "BREAK: the Express recipe is case-sensitive, Express is not: `/API/forms/contact/submit` runs twice with one key"]
 async fn express_runs_a_submission_once_in_any_case() {
     let app = App::start(Framework::Express, 0);
     let dir = temp_dir("breaks-express-case");

@@ -29,7 +29,7 @@ pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &
             put(value.as_bytes());
         }
     }
-    put(head.method.as_str().as_bytes());
+    put(crate::policy::method_name(head.method).as_bytes());
     policy.scope_target(head.uri, head.headers, &mut put);
     put(raw_key);
     ScopeKey(hasher.finalize().into())
