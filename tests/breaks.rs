@@ -476,7 +476,6 @@ fn gzip_stored(data: &[u8]) -> Vec<u8> {
 /// executes again; on a `required` route it is refused with 400
 /// `key-missing` although it has a key.
 #[tokio::test]
-#[ignore = "BREAK: a Content-Encoding: gzip body hides its body key: retries execute again"]
 async fn a_compressed_body_never_hides_its_key() {
     let (_engine, app) = json_keyed(false);
     let body = gzip_stored(br#"{"idempotency_key":"order-4","item":"book"}"#);
@@ -489,8 +488,25 @@ async fn a_compressed_body_never_hides_its_key() {
     };
     let first = app.send(gzipped()).await;
     let retry = app.send(gzipped()).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    assert_eq!(app.calls(), 1, "the retry executed again: {retry:?}");
+    assert!(app.calls() <= 1, "the retry executed again: {retry:?}");
+    // The engine does not decode bodies: a body-keyed route refuses an
+    // encoded one, clearly, before anything runs.
+    for answer in [&first, &retry] {
+        assert_eq!(
+            answer.status,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "{answer:?}"
+        );
+        assert_eq!(
+            answer.headers["problem-type"],
+            "urn:tower-idempotency:content-encoding-unsupported"
+        );
+    }
+    // Without the encoding, the same submission runs once.
+    let plain = || json_post(br#"{"idempotency_key":"order-4","item":"book"}"#.to_vec());
+    assert_eq!(app.send(plain()).await.status, StatusCode::CREATED);
+    assert_eq!(app.send(plain()).await.status, StatusCode::CREATED);
+    assert_eq!(app.calls(), 1);
 }
 
 /// Scenario: a `required` route in front of Django, which upper-cases the

@@ -20,7 +20,8 @@ use crate::fingerprint::{fingerprint_view, Exclusions};
 use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
-use crate::policy::{FailMode, InFlightPolicy, MismatchPolicy, RoutePolicy};
+use crate::policy::{FailMode, InFlightPolicy, KeySource, MismatchPolicy, RoutePolicy};
+use crate::problem::{Problem, ProblemKind};
 use crate::store::{
     Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store, StoreError,
 };
@@ -116,6 +117,20 @@ impl Engine {
     /// require one, or the 400 to answer.
     fn read_key(&self, policy: &RoutePolicy, head: &RequestHead<'_>, body: &View<'_>) -> KeyRead {
         let settings = policy.policy();
+        let in_body = matches!(
+            settings.key,
+            KeySource::FormField(_) | KeySource::JsonPointer(_)
+        );
+        if in_body && encoded(head.headers) {
+            return KeyRead::Refused(
+                Problem::new(
+                    ProblemKind::ContentEncodingUnsupported,
+                    "This route reads its idempotency key from the request body; send the \
+                     body without Content-Encoding.",
+                )
+                .into_response_for(head.headers),
+            );
+        }
         let found =
             key::extract_from(&settings.key, head.uri, head.headers, body).and_then(|key| {
                 if let Some(key) = &key {
@@ -370,6 +385,17 @@ impl Engine {
             FailMode::Closed => Decision::Respond(self.store_unavailable(head.headers)),
         }
     }
+}
+
+/// Whether the body carries a `Content-Encoding` other than `identity`
+/// (which a backend may decode before reading it, but the engine does not).
+fn encoded(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(http::header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
 }
 
 /// A store's reserve call in progress.
