@@ -190,7 +190,6 @@ impl Drop for Php {
 /// response (200 "charged 1000") instead of 422, and never executed; the
 /// form analogue of the `\u0061mount` JSON case the README rules out.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "BREAK: form names PHP reads as one (`total.amount`/`total_amount`) reordered share a fingerprint: a changed request is replayed"]
 async fn php_form_fields_read_differently_never_share_a_fingerprint() {
     let dir = temp_dir("breaks-php-names");
     let script = dir.join("pay.php");
