@@ -412,7 +412,6 @@ fn json_post(body: Vec<u8>) -> Request<Full<Bytes>> {
 /// executed again. On a `required` route the same bodies get 400
 /// `key-missing` although they carry a key.
 #[tokio::test]
-#[ignore = "BREAK: a JSON body serde_json refuses but backends read (lone surrogate, BOM, depth > 128) hides its key: retries execute again"]
 async fn a_json_body_key_is_found_in_every_body_a_backend_reads() {
     let (_engine, app) = json_keyed(false);
     let deep = format!(
