@@ -198,11 +198,14 @@ fn refused(dir: &Path, config: &str, env: &[(&str, &str)]) -> (Option<i32>, Stri
     (output.status.code(), text)
 }
 
+/// A configuration, the variables set, what the refusal must say.
+type Case<'a> = (String, Vec<(&'a str, &'a str)>, Vec<String>);
+
 #[test]
 fn bad_secrets_are_refused_at_start_naming_the_key() {
     let dir = temp_dir("secrets-refused");
     let short = "ab".repeat(16);
-    let cases: Vec<(String, Vec<(&str, &str)>, Vec<String>)> = vec![
+    let cases: Vec<Case> = vec![
         // Wrong length.
         (
             config(&dir, &["2"], "2"),

@@ -36,5 +36,5 @@ pub(super) fn scope_key(
     put(head.method.as_str().as_bytes());
     policy.scope_target(head.uri, head.headers, &mut put);
     put(raw_key);
-    ScopeKey(hasher.finalize().into())
+    ScopeKey(hasher.finalize())
 }
