@@ -88,7 +88,13 @@ where
     B::Error: std::fmt::Debug,
 {
     let response = service.ready().await.unwrap().call(request).await.unwrap();
-    response.into_body().collect().await.unwrap().to_bytes().len()
+    response
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .len()
 }
 
 /// The parts the engine hashes for `POST /orders` with a key and no
@@ -243,7 +249,11 @@ fn summary(sample_size: usize) {
     println!("\n| CPU time per call | without | with | added | ratio |");
     println!("|---|---:|---:|---:|---:|");
     let pairs = [
-        ("scope hash: SHA-256 → HMAC-SHA-256", "scope_sha256", "scope_hmac"),
+        (
+            "scope hash: SHA-256 → HMAC-SHA-256",
+            "scope_sha256",
+            "scope_hmac",
+        ),
         (
             "1 KiB response: encode + decode → seal + open",
             "encode_decode_1k",
