@@ -438,6 +438,8 @@ pub enum StoreError {
 ///   timestamps.
 /// * Records are stored under the [`ScopeKey`] hash only; no raw key,
 ///   principal or request body ever reaches a store.
+/// * An [`Outcome::Sealed`] (encryption at rest) is kept and returned byte
+///   for byte; a store never opens it and never needs a key.
 #[async_trait]
 pub trait Store: fmt::Debug + Send + Sync + 'static {
     /// Atomically reserves `key` for `owner` with a lease of `lease`, or
