@@ -174,6 +174,102 @@ async fn the_file_holds_ciphertext_and_rotation_fails_closed_without_the_old_key
     assert_eq!(backend.total(), 3);
 }
 
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// `redis-cli` against the test Redis; its raw output.
+fn redis_cli(args: &[&str]) -> Vec<u8> {
+    let output = Command::new("redis-cli")
+        .args(["-u", &redis_url(), "--raw"])
+        .args(args)
+        .output()
+        .expect("redis-cli on the PATH");
+    assert!(output.status.success(), "redis-cli {args:?}");
+    output.stdout
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn postgresql_and_redis_hold_ciphertext_only() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("secrets-pg");
+    let url = database_url();
+    let schema = format!(
+        "proxy_secrets_{}_{}",
+        std::process::id(),
+        &common::uuid()[..8]
+    );
+    let mut admin = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let store = format!("{url}{separator}options=-c%20search_path%3D{schema}");
+    let prefix = format!("test:secrets:{}:", &common::uuid()[..8]);
+    let args = ProxyArgs {
+        store,
+        redis: Some(redis_url()),
+        extra: vec!["--redis-prefix".into(), prefix.clone()],
+        ..ProxyArgs::new(backend.url(), &config(&dir, &["1"], "1"), &dir)
+    };
+    let proxy = Proxy::start_with(args, |command| {
+        command.env(SECRET_ENV, SECRET).env(KEY_2_ENV, KEY_2);
+    })
+    .await;
+    let first = post(&proxy, "order-1001").await;
+    assert_eq!(first.status, 200);
+    // The second answer comes from Redis or PostgreSQL; both hold the record.
+    let replay = post(&proxy, "order-1001").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(backend.total(), 1);
+
+    let row: (Option<i16>, Option<Vec<u8>>, Vec<u8>) = sqlx::query_as(&format!(
+        "SELECT status, headers, body FROM {schema}.idempotency_records"
+    ))
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        (row.0, row.1),
+        (None, None),
+        "status and headers are sealed"
+    );
+    assert!(!contains(&row.2, BODY_MARKER) && !contains(&row.2, HEADER_MARKER));
+    assert_eq!(key_id(&row.2), "1");
+
+    // The cache is written behind the answer: wait for its entry.
+    let mut keys = Vec::new();
+    for _ in 0..250 {
+        keys = redis_cli(&["KEYS", &format!("{prefix}*")]);
+        if !keys.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let keys = String::from_utf8(keys).unwrap();
+    let keys: Vec<&str> = keys.lines().filter(|key| !key.is_empty()).collect();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let value = redis_cli(&["GET", keys[0]]);
+    assert!(value.len() > 100, "the cached record");
+    assert!(!contains(&value, BODY_MARKER) && !contains(&value, HEADER_MARKER));
+    assert!(!contains(keys[0].as_bytes(), "order-1001"));
+
+    drop(proxy);
+    redis_cli(&["DEL", keys[0]]);
+    sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    admin.close().await.ok();
+}
+
 /// Runs the binary with `config` and the key variables set as given; its
 /// exit code and what it printed.
 fn refused(dir: &Path, config: &str, env: &[(&str, &str)]) -> (Option<i32>, String) {
