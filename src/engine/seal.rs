@@ -239,7 +239,10 @@ fn parse_header(bytes: &[u8]) -> Result<(&str, usize), StoreError> {
     match bytes {
         [VERSION, len, rest @ ..] if rest.len() >= usize::from(*len) => {
             let len = usize::from(*len);
+            // Only ids the keyring accepts (so an altered id never reaches
+            // a log line as anything but a plain id).
             let id = std::str::from_utf8(&rest[..len]).map_err(|_| unreadable())?;
+            check_id(id).map_err(|_| unreadable())?;
             Ok((id, 2 + len))
         }
         _ => Err(unreadable()),
