@@ -1,9 +1,11 @@
 //! The configuration file (`--config idempotency.toml`).
 //!
-//! Three parts, all optional:
+//! Four parts, all optional:
 //!
 //! * `[proxy]`: where to listen, the upstream, the store, timeouts
 //!   ([`ProxySettings`]); every command-line flag overrides its key here;
+//! * `[secrets]`: where the key secret and the encryption keys are read
+//!   from, environment variables or files ([`SecretsSettings`]);
 //! * `[defaults]`: a [`Policy`] applied to every route (any policy key);
 //! * `[[route]]`: `path` (a prefix such as `/orders`, or a glob with `*` /
 //!   `**`), `enabled` (alias `idempotency`; `false` leaves matching paths as
@@ -27,6 +29,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 use tower_idempotency::{EngineConfig, Policy, PolicyError, Routes};
+
+use crate::secrets::SecretsSettings;
 
 /// The `[proxy]` table. Every key is optional; the command line overrides
 /// it, and [`ProxySettings::resolve`] fills in the defaults.
@@ -183,6 +187,8 @@ impl ProxySettings {
 pub struct Config {
     /// The `[proxy]` table.
     pub proxy: ProxySettings,
+    /// The `[secrets]` table.
+    pub secrets: SecretsSettings,
     /// The route table, in file order.
     pub routes: Routes,
 }
@@ -193,6 +199,7 @@ impl Config {
     pub fn builtin() -> Self {
         Config {
             proxy: ProxySettings::default(),
+            secrets: SecretsSettings::default(),
             routes: Routes::all(Policy::default()).expect("the default policy is valid"),
         }
     }
@@ -298,6 +305,7 @@ impl Config {
         }
         Ok(Config {
             proxy: file.proxy.unwrap_or_default(),
+            secrets: file.secrets.unwrap_or_default(),
             routes: routes.case_insensitive(file.case_insensitive_paths),
         })
     }
@@ -317,6 +325,7 @@ struct File {
     #[serde(default)]
     case_insensitive_paths: bool,
     proxy: Option<ProxySettings>,
+    secrets: Option<SecretsSettings>,
     defaults: Option<BTreeMap<Spanned<String>, Spanned<toml::Value>>>,
     #[serde(default)]
     route: Vec<Spanned<BTreeMap<Spanned<String>, Spanned<toml::Value>>>>,

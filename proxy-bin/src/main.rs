@@ -17,6 +17,7 @@ mod config;
 mod demo;
 mod exchange;
 mod proxy;
+mod secrets;
 mod shutdown;
 mod store;
 mod upstream;
@@ -151,6 +152,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         },
     )?);
     let admin_token = admin::AdminToken::load(settings.admin_token_file.as_deref())?;
+    let secrets = config.secrets.load()?;
+    let keyed_scopes = secrets.key_secret.is_some();
+    let encryption_key = secrets
+        .keyring
+        .as_ref()
+        .map_or("off".to_owned(), |keyring| keyring.current_id().to_owned());
     let listeners = [
         Some(&settings.listen),
         settings.admin.as_ref(),
@@ -180,6 +187,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         EngineConfig {
             store_timeout: settings.store_timeout,
             max_buffered_bytes: settings.max_buffered_bytes,
+            key_secret: secrets.key_secret,
+            encryption: secrets.keyring,
             ..EngineConfig::default()
         },
     );
@@ -240,6 +249,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         redis = settings.redis.is_some(),
         admin = settings.admin.as_deref().unwrap_or("off"),
         operator_api,
+        keyed_scopes,
+        encryption_key = %encryption_key,
         "idempotency-proxy started"
     );
     let signals = Signals {

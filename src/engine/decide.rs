@@ -95,7 +95,7 @@ impl Engine {
             principal: principal.as_deref().or(head.principal),
             ..head
         };
-        let key = scope_key(policy, &head, &raw_key);
+        let key = scope_key(&self.inner.hasher, policy, &head, &raw_key);
         let fingerprint = fingerprint_view(
             head.method,
             head.uri,
@@ -186,12 +186,16 @@ impl Engine {
             }
             match record.state {
                 RecordState::Completed(outcome) => {
+                    let outcome = match self.open_outcome(&key, outcome) {
+                        Ok(outcome) => outcome,
+                        Err(error) => return self.unreadable(head, &error),
+                    };
                     return Decision::Respond(self.completed(
                         outcome,
                         waiting.waited,
                         started,
                         head.headers,
-                    ))
+                    ));
                 }
                 RecordState::InFlight { lease_remaining } => {
                     if let Err(decision) = self
@@ -328,6 +332,8 @@ impl Engine {
             }
             Outcome::TooLarge { status } => self.not_stored(status, request),
             Outcome::Incomplete { status } => self.incomplete(status, request),
+            // Opened before it gets here (`Engine::open_outcome`).
+            Outcome::Sealed(_) => self.store_unavailable(request),
         }
     }
 
@@ -369,6 +375,16 @@ impl Engine {
         }
         waiting.attempt += 1;
         Ok(())
+    }
+
+    /// A completed record that cannot be opened (its key is not configured,
+    /// or it fails authentication): 503 whatever the route's fail mode,
+    /// because the record proves the request ran and forwarding would run
+    /// it again.
+    fn unreadable(&self, head: &RequestHead<'_>, error: &StoreError) -> Decision {
+        self.inner.metrics.record(Event::StoreError);
+        tracing::error!(%error, "idempotency record cannot be opened; answering 503");
+        Decision::Respond(self.store_unavailable(head.headers))
     }
 
     /// The store failed: forward unprotected (fail-open) or 503.

@@ -120,10 +120,9 @@ impl Reservation {
     /// to a second execution; after that it is logged and the key can be
     /// taken over.
     pub(super) async fn store(mut self, outcome: Outcome) {
-        let status = match &outcome {
-            Outcome::Stored(response) => response.status,
-            Outcome::TooLarge { status } | Outcome::Incomplete { status } => *status,
-        };
+        let status = outcome.status().unwrap_or(StatusCode::OK);
+        // Sealed once: a retry below stores the very same bytes.
+        let outcome = self.engine.seal(&self.key, outcome);
         match self.complete(&outcome).await {
             Ok(done) => self.completed(status, Ok(done)),
             Err(_) => {

@@ -1,16 +1,20 @@
 //! The scope identity a key is stored under: two requests share a record
 //! only when every part of it is equal.
 
-use sha2::{Digest, Sha256};
-
-use super::RequestHead;
+use super::{IdentityHasher, RequestHead};
 use crate::policy::RoutePolicy;
 use crate::store::ScopeKey;
 
-/// SHA-256 over (principal or its absence, scope headers, method,
-/// authority, normalised path, key), each length-prefixed.
-pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &[u8]) -> ScopeKey {
-    let mut hasher = Sha256::new();
+/// SHA-256 (or HMAC-SHA-256 under the engine's key secret) over (principal
+/// or its absence, scope headers, method, authority, normalised path, key),
+/// each length-prefixed.
+pub(super) fn scope_key(
+    hasher: &IdentityHasher,
+    policy: &RoutePolicy,
+    head: &RequestHead<'_>,
+    raw_key: &[u8],
+) -> ScopeKey {
+    let mut hasher = hasher.start();
     let mut put = |bytes: &[u8]| {
         hasher.update((bytes.len() as u64).to_be_bytes());
         hasher.update(bytes);
@@ -32,5 +36,5 @@ pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &
     put(crate::policy::method_name(head.method).as_bytes());
     policy.scope_target(head.uri, head.headers, &mut put);
     put(raw_key);
-    ScopeKey(hasher.finalize().into())
+    ScopeKey(hasher.finalize())
 }

@@ -328,7 +328,13 @@ fn every_part_of_the_scope_changes_the_key() {
     }
     .validate()
     .unwrap();
-    let key = |principal: Option<&[u8]>, auth: &str, method: Method, path: &str, raw: &[u8]| {
+    let plain = IdentityHasher::default();
+    let key_with = |hasher: &IdentityHasher,
+                    principal: Option<&[u8]>,
+                    auth: &str,
+                    method: Method,
+                    path: &str,
+                    raw: &[u8]| {
         let mut headers = HeaderMap::new();
         headers.insert(header::AUTHORIZATION, auth.parse().unwrap());
         let uri: Uri = path.parse().unwrap();
@@ -338,9 +344,21 @@ fn every_part_of_the_scope_changes_the_key() {
             headers: &headers,
             principal,
         };
-        scope_key(&policy, &head, raw)
+        scope_key(hasher, &policy, &head, raw)
+    };
+    let key = |principal: Option<&[u8]>, auth: &str, method: Method, path: &str, raw: &[u8]| {
+        key_with(&plain, principal, auth, method, path, raw)
     };
     let base = key(None, "a", Method::POST, "/o", b"k");
+    // Under a key secret the same scope has another key, and each secret
+    // its own.
+    let keyed = |byte: u8| {
+        let hasher = IdentityHasher::new(Some(KeySecret::new(vec![byte; 32]).unwrap()));
+        key_with(&hasher, None, "a", Method::POST, "/o", b"k")
+    };
+    assert_ne!(base, keyed(1));
+    assert_ne!(keyed(1), keyed(2));
+    assert_eq!(keyed(1), keyed(1));
     assert_eq!(base, key(None, "a", Method::POST, "/o?q=1", b"k"));
     for other in [
         key(Some(b"alice"), "a", Method::POST, "/o", b"k"),

@@ -51,8 +51,8 @@ pub mod prelude {
         PAST_SHORT, SHORT,
     };
     pub use crate::store::{
-        Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
-        StoredResponse,
+        Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, SealedOutcome,
+        Store, StoredResponse,
     };
     pub use bytes::Bytes;
     pub use http::StatusCode;
@@ -289,6 +289,28 @@ macro_rules! store_conformance {
                 assert!(store.complete(&key, &owner, &too_large, LONG).await.unwrap());
                 let record = store.get(&key).await.unwrap().unwrap();
                 assert_eq!(record.state, RecordState::Completed(too_large));
+            });
+        }
+        #[test]
+        fn sealed_outcome_round_trips_byte_for_byte() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                // Every byte value, and bytes that look like a plain outcome.
+                let mut bytes: Vec<u8> = (0..=255).collect();
+                bytes.extend_from_slice(&Outcome::TooLarge { status: StatusCode::OK }.encode());
+                let sealed = Outcome::Sealed(SealedOutcome::from_bytes(Bytes::from(bytes)));
+                let key = random_key();
+                let owner = acquire(&store, &key, 1, LONG, LONG).await;
+                assert!(store.complete(&key, &owner, &sealed, LONG).await.unwrap());
+                let record = store.get(&key).await.unwrap().unwrap();
+                assert_eq!(record.state, RecordState::Completed(sealed.clone()));
+                match store.reserve(&key, &fingerprint(1), &OwnerToken::random(), LONG, LONG).await {
+                    Ok(Claim::Existing(record)) => {
+                        assert_eq!(record.state, RecordState::Completed(sealed))
+                    }
+                    other => panic!("expected the sealed record, got {other:?}"),
+                }
             });
         }
         #[test]

@@ -116,6 +116,7 @@ impl Entry {
                             .map(|(name, value)| name.as_str().len() + value.len() + 16)
                             .sum::<usize>()
                 }
+                State::Completed(Outcome::Sealed(sealed)) => sealed.as_bytes().len(),
                 State::Completed(Outcome::TooLarge { .. } | Outcome::Incomplete { .. }) => 0,
             }
     }

@@ -12,7 +12,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 
-use super::{Claim, Fingerprint, Outcome, Record, RecordState, StoreError, StoredResponse};
+use super::{
+    Claim, Fingerprint, Outcome, Record, RecordState, SealedOutcome, StoreError, StoredResponse,
+};
 
 /// The `state` column of a record still held by its owner.
 pub(super) const IN_FLIGHT: &str = "in_flight";
@@ -24,6 +26,11 @@ pub(super) const IN_FLIGHT: &str = "in_flight";
 /// `too_large` row marked here (a plain marker has no headers), and the
 /// deployed schema and its rows stay as they are.
 const INCOMPLETE_MARKER: &[u8] = b"incomplete";
+
+// A sealed outcome ([`Outcome::Sealed`]) is a `completed` row whose
+// `status` and `headers` are NULL and whose `body` holds the sealed bytes:
+// status, headers and body are all inside the ciphertext, and the schema
+// stays as it is. A plain completed row always has a status.
 
 /// A live record as both stores select it.
 #[derive(sqlx::FromRow)]
@@ -55,6 +62,12 @@ impl RecordRow {
                     self.lease_remaining_us.unwrap_or(0).max(0) as u64
                 ),
             },
+            "completed" if self.status.is_none() && self.headers.is_none() => {
+                let Some(sealed) = self.body else {
+                    return Err(corrupt("sealed response"));
+                };
+                RecordState::Completed(Outcome::Sealed(SealedOutcome::from_bytes(sealed.into())))
+            }
             "completed" => {
                 let (Some(headers), Some(body)) = (&self.headers, &self.body) else {
                     return Err(corrupt("response"));
@@ -83,7 +96,8 @@ pub(super) struct OutcomeColumns<'a> {
     /// `completed` or `too_large` (also for an incomplete response, see
     /// `INCOMPLETE_MARKER`).
     pub(super) state: &'static str,
-    pub(super) status: i16,
+    /// NULL for a sealed outcome.
+    pub(super) status: Option<i16>,
     pub(super) headers: Option<Vec<u8>>,
     pub(super) body: Option<&'a [u8]>,
 }
@@ -91,8 +105,14 @@ pub(super) struct OutcomeColumns<'a> {
 impl<'a> From<&'a Outcome> for OutcomeColumns<'a> {
     fn from(outcome: &'a Outcome) -> Self {
         // Status codes are 100..=999, so they always fit a smallint.
-        let status = outcome.status().as_u16() as i16;
+        let status = outcome.status().map(|status| status.as_u16() as i16);
         match outcome {
+            Outcome::Sealed(sealed) => OutcomeColumns {
+                state: "completed",
+                status: None,
+                headers: None,
+                body: Some(sealed.as_bytes()),
+            },
             Outcome::Stored(response) => OutcomeColumns {
                 state: "completed",
                 status,
