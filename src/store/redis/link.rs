@@ -263,10 +263,7 @@ impl Link {
                     .await
                     .map(Connection::Single)
             }
-            Target::Cluster(client) => client
-                .get_async_connection()
-                .await
-                .map(Connection::Cluster),
+            Target::Cluster(client) => client.get_async_connection().await.map(Connection::Cluster),
         };
         match connected {
             Ok(manager) => {

@@ -493,7 +493,10 @@ mod tests {
         assert!(cluster_nodes("redis://h:6379").is_none());
         assert_eq!(
             cluster_nodes("redis+cluster://a:7000,b:7001").unwrap(),
-            Ok(vec!["redis://a:7000".to_owned(), "redis://b:7001".to_owned()])
+            Ok(vec![
+                "redis://a:7000".to_owned(),
+                "redis://b:7001".to_owned()
+            ])
         );
         assert_eq!(
             cluster_nodes("rediss+cluster://u:p@a:7000,b:7001").unwrap(),
@@ -502,7 +505,11 @@ mod tests {
                 "rediss://u:p@b:7001".to_owned()
             ])
         );
-        for bad in ["redis+cluster://a:7000/2", "redis+cluster://", "redis+cluster://a,,b"] {
+        for bad in [
+            "redis+cluster://a:7000/2",
+            "redis+cluster://",
+            "redis+cluster://a,,b",
+        ] {
             let error = cluster_nodes(bad).unwrap().unwrap_err();
             assert!(error.contains("redis+cluster://"), "{bad}: {error}");
         }
