@@ -3,6 +3,7 @@
 
 /// A three-node Redis Cluster on loopback, shared with the library's tests.
 #[path = "../../tests/fixtures/cluster.rs"]
+#[allow(dead_code)] // not every helper is used here
 mod cluster;
 mod common;
 
