@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! idempotency-proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
-//!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL] \
+//!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL | redis+cluster://HOST:PORT,…] \
 //!     [--config idempotency.toml] [--admin 127.0.0.1:9090]
 //! ```
 //!
@@ -60,8 +60,10 @@ struct Cli {
     #[arg(long, value_name = "STORE")]
     store: Option<String>,
 
-    /// A Redis front cache (redis://HOST:PORT) in front of the store: replays
-    /// are answered from Redis; Redis never decides who runs a request.
+    /// A Redis front cache (redis://HOST:PORT, or
+    /// redis+cluster://HOST:PORT,HOST:PORT for a Redis Cluster) in front of
+    /// the store: replays are answered from Redis; Redis never decides who
+    /// runs a request.
     #[arg(long, value_name = "URL")]
     redis: Option<String>,
 
@@ -180,6 +182,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         &settings.store,
         settings.redis.as_deref(),
         settings.redis_prefix.as_deref(),
+        settings.store_timeout,
     ))?;
     let engine = Engine::with_config(
         store,

@@ -44,6 +44,9 @@ pub enum Coverage {
 pub struct Covered {
     policy: Arc<RoutePolicy>,
     label: Arc<str>,
+    /// When the engine classified the request: its decision's log line
+    /// counts its duration from here.
+    arrived: std::time::Instant,
 }
 
 impl Covered {
@@ -61,6 +64,11 @@ impl Covered {
     /// [`Engine::body_too_large`].
     pub fn max_body_bytes(&self) -> usize {
         self.policy.max_body_bytes()
+    }
+
+    /// When the engine classified the request (its head had arrived).
+    pub fn arrived(&self) -> std::time::Instant {
+        self.arrived
     }
 }
 
@@ -107,6 +115,7 @@ impl Engine {
         Coverage::Covered(Covered {
             label: self.inner.labels.get(policy),
             policy: policy.clone(),
+            arrived: std::time::Instant::now(),
         })
     }
 }

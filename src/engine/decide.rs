@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::principal::PrincipalRead;
-use super::responses::replay;
+use super::responses::{log_decision, replay, Answered};
 use super::scope::scope_key;
 use super::{Covered, Engine, RequestHead, Reservation};
 use crate::fingerprint::{fingerprint_view, Exclusions};
@@ -72,7 +72,33 @@ struct Waiting {
 impl Engine {
     /// Decides what to do with a covered request whose whole body is
     /// `body` (at most [`Covered::max_body_bytes`]).
+    ///
+    /// Every answer decided here (replay, refusal, store failure) is logged
+    /// as one line with its outcome, the status sent, the duration since
+    /// the request arrived ([`Covered::arrived`]) and, once the key was
+    /// read, the scope hash's first 8 hex digits. A reservation is logged
+    /// when it ends ([`Reservation`]).
     pub async fn begin(&self, covered: &Covered, head: RequestHead<'_>, body: &[u8]) -> Decision {
+        let mut key = None;
+        let decision = self.begin_inner(covered, head, body, &mut key).await;
+        match decision {
+            Decision::Respond(mut response) => {
+                if let Some(Answered(outcome)) = response.extensions_mut().remove::<Answered>() {
+                    log_decision(outcome, response.status(), covered.arrived(), key.as_ref());
+                }
+                Decision::Respond(response)
+            }
+            other => other,
+        }
+    }
+
+    async fn begin_inner(
+        &self,
+        covered: &Covered,
+        head: RequestHead<'_>,
+        body: &[u8],
+        scope: &mut Option<ScopeKey>,
+    ) -> Decision {
         let started = Instant::now();
         let policy = covered.policy();
         // Parsed once, read by the key and the fingerprint.
@@ -96,6 +122,7 @@ impl Engine {
             ..head
         };
         let key = scope_key(&self.inner.hasher, policy, &head, &raw_key);
+        *scope = Some(key);
         let fingerprint = fingerprint_view(
             head.method,
             head.uri,
@@ -193,7 +220,6 @@ impl Engine {
                     return Decision::Respond(self.completed(
                         outcome,
                         waiting.waited,
-                        started,
                         head.headers,
                     ));
                 }
@@ -311,7 +337,6 @@ impl Engine {
         &self,
         outcome: Outcome,
         waited: bool,
-        started: Instant,
         request: &http::HeaderMap,
     ) -> Response<Bytes> {
         match outcome {
@@ -322,13 +347,9 @@ impl Engine {
                     Event::Replayed
                 };
                 self.inner.metrics.record(event);
-                tracing::info!(
-                    outcome = %event,
-                    status = response.status.as_u16(),
-                    duration_us = started.elapsed().as_micros() as u64,
-                    "idempotency"
-                );
-                replay(response)
+                let mut response = replay(response);
+                response.extensions_mut().insert(Answered(event.as_str()));
+                response
             }
             Outcome::TooLarge { status } => self.not_stored(status, request),
             Outcome::Incomplete { status } => self.incomplete(status, request),

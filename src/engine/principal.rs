@@ -59,8 +59,10 @@ impl Engine {
             }
         };
         self.inner.metrics.record(Event::PrincipalRefused);
-        tracing::info!(outcome = %Event::PrincipalRefused, status = 401, "idempotency");
         let mut response = Problem::new(kind, detail).into_response_for(head.headers);
+        response
+            .extensions_mut()
+            .insert(super::responses::Answered(Event::PrincipalRefused.as_str()));
         if source.is_jwt() {
             response.headers_mut().insert(
                 header::WWW_AUTHENTICATE,

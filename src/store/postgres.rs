@@ -102,9 +102,22 @@ const IDENTITY: &str = "SELECT id FROM idempotency_store";
 ///   200 ms, one primary-key lookup per step), and only while a duplicate
 ///   actually waits. `LISTEN/NOTIFY` was not used: a committing `NOTIFY`
 ///   takes a database-wide lock, which would serialise every completion.
+/// * A statement the database rolled back with a serialization failure
+///   (SQLSTATE `40001`) or a deadlock (`40P01`) is run again, with capped
+///   exponential backoff and jitter, for up to
+///   [`retry_budget`](PostgresStore::retry_budget) (default
+///   [`RETRY_BUDGET`](PostgresStore::RETRY_BUDGET), the engine's default
+///   `store_timeout`; the engine abandons the call at its own
+///   `store_timeout` in any case). Such a conflict undid the whole
+///   statement, so the retry is its first run against the current rows;
+///   PostgreSQL itself rarely answers these to our single-row statements,
+///   but PostgreSQL-compatible engines with optimistic concurrency
+///   (CockroachDB, YugabyteDB) do under contention. A statement whose
+///   outcome is unknown (connection lost, `40003`) is never retried.
 /// * A failed connection, a pool that has no connection within its acquire
-///   timeout, or any database error becomes a [`StoreError`], which the
-///   engine answers with 503 (fail closed). The pool reconnects on its own.
+///   timeout, a conflict that outlasts the retry budget, or any other
+///   database error becomes a [`StoreError`], which the engine answers
+///   with 503 (fail closed). The pool reconnects on its own.
 ///
 /// The table is searched through the connection's `search_path`; to keep it
 /// in another schema, add `?options=-c%20search_path%3Dmy_schema` to the URL.
@@ -115,6 +128,8 @@ pub struct PostgresStore {
     pool: PgPool,
     /// The store's id, read once.
     id: Arc<OnceLock<String>>,
+    /// How long a statement that conflicted is retried.
+    retry: Duration,
 }
 
 impl PostgresStore {
@@ -129,6 +144,10 @@ impl PostgresStore {
     /// How long a request waits for a pooled connection before the store
     /// reports [`StoreError::Timeout`] (and the engine answers 503).
     pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
+
+    /// The default [`retry_budget`](PostgresStore::retry_budget): 5 s, the
+    /// engine's default `store_timeout`.
+    pub const RETRY_BUDGET: Duration = Duration::from_secs(5);
 
     /// Connects to `url` (`postgres://user:password@host/database`) with
     /// [`PostgresStore::pool_options`] and applies the migrations.
@@ -170,7 +189,18 @@ impl PostgresStore {
         PostgresStore {
             pool,
             id: Arc::default(),
+            retry: Self::RETRY_BUDGET,
         }
+    }
+
+    /// Sets how long one statement that the database rolled back for a
+    /// conflict (SQLSTATE `40001` or `40P01`) is run again before the
+    /// conflict is reported as [`StoreError::Unavailable`]. Set it to the
+    /// engine's `store_timeout` (the proxy does); `Duration::ZERO` never
+    /// retries.
+    pub fn retry_budget(mut self, budget: Duration) -> Self {
+        self.retry = budget;
+        self
     }
 
     /// Creates or upgrades the table. Safe to run from several instances at
@@ -205,5 +235,6 @@ super::sql::sql_store!(
         renew: RENEW,
         sweep: SWEEP,
         identity: IDENTITY,
-    }
+    },
+    retry = retry
 );

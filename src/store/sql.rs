@@ -7,7 +7,7 @@
 //! `timestamptz` by the database clock, SQLite integer microseconds).
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -195,6 +195,69 @@ where
     ))
 }
 
+/// The first pause before retrying a statement the database rolled back for
+/// a conflict; it doubles up to [`RETRY_MAX_DELAY`].
+const RETRY_FIRST_DELAY: Duration = Duration::from_millis(5);
+/// The longest pause between two attempts of one statement.
+const RETRY_MAX_DELAY: Duration = Duration::from_millis(200);
+
+/// Whether the database rolled `error`'s statement back for a transient
+/// conflict with another transaction: SQLSTATE `40001` (serialization
+/// failure, what PostgreSQL-compatible engines with optimistic concurrency —
+/// CockroachDB, YugabyteDB — answer a conflict with) or `40P01` (deadlock
+/// detected).
+///
+/// Both mean the statement's transaction was aborted as a whole: nothing it
+/// wrote stands. `40003` (statement completion unknown) is *not* one of
+/// them, nor is a connection lost mid-statement: there the write may have
+/// committed, so it is reported, never repeated blindly.
+pub(super) fn is_conflict(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(error) => matches!(error.code().as_deref(), Some("40001" | "40P01")),
+        _ => false,
+    }
+}
+
+/// Runs `statement` until it ends without a conflict (see [`is_conflict`])
+/// or `budget` is spent, pausing between attempts with capped exponential
+/// backoff and jitter (each pause is half the current delay plus a random
+/// part of the other half, so callers that collided do not collide again in
+/// step). When the budget would be overrun, the last conflict is returned —
+/// a store error, answered fail-closed by the engine; any other error is
+/// returned at once.
+///
+/// Every statement of the SQL stores is a single autocommit statement, so a
+/// conflict rolled it back entirely, and running it again is running it for
+/// the first time against the current rows; see [`Statements`] for why
+/// each one gives the same answer then.
+pub(super) async fn retrying<T, F, Fut>(
+    budget: Duration,
+    mut statement: F,
+) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
+{
+    let deadline = Instant::now() + budget;
+    let mut delay = RETRY_FIRST_DELAY;
+    loop {
+        match statement().await {
+            Err(error) if is_conflict(&error) => {
+                let half = delay / 2;
+                let pause = half + half.mul_f64(rand::random::<f64>());
+                if Instant::now() + pause >= deadline {
+                    tracing::warn!(%error, "a store statement kept conflicting; giving up");
+                    return Err(error);
+                }
+                tracing::debug!(%error, ?pause, "a store statement conflicted; retrying");
+                tokio::time::sleep(pause).await;
+                delay = (delay * 2).min(RETRY_MAX_DELAY);
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Maps a sqlx error: no connection in time is [`StoreError::Timeout`], an
 /// undecodable row is [`StoreError::Corrupt`], anything else (I/O, TLS, a
 /// closed pool, a database error) is [`StoreError::Unavailable`].
@@ -233,6 +296,20 @@ pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
 /// | `renew` | key, owner, lease µs |
 /// | `sweep` | batch |
 /// | `identity` | → the store's id (text) |
+///
+/// A statement the database rolled back with a serialization failure or a
+/// deadlock (see [`is_conflict`]) is run again within the store's retry
+/// budget ([`retrying`]). That is safe for each of them because each is one
+/// autocommit statement — the conflict undid all of it — and each decides
+/// from the rows as they are when it runs:
+///
+/// | statement | why running it again is safe |
+/// |---|---|
+/// | `insert` | `ON CONFLICT DO NOTHING`: the rolled-back insert left no row; the retry inserts, or finds the row another caller wrote and the protocol reads it |
+/// | `take_over` | its `WHERE` re-checks expiry and fingerprint on the current row: of several callers still exactly one wins |
+/// | `select_live`, `identity` | reads |
+/// | `complete`, `release`, `renew` | `WHERE owner = $2 AND state = 'in_flight'`: it applies once, or finds the reservation lost, as the first attempt would have |
+/// | `sweep` | deletes only rows expired at the time it runs |
 pub(super) struct Statements {
     /// A new record, unless one stands; returns `takeover` (false).
     pub(super) insert: &'static str,
@@ -263,8 +340,30 @@ pub(super) struct Statements {
 /// WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
 /// live record writes nothing: replays and polling waiters take no row lock
 /// and cost no commit flush.
+///
+/// With `retry = field`, statements the database rolls back for a conflict
+/// are run again for as long as `self.field` (a [`Duration`]) allows (see
+/// [`retrying`]); without it they are not retried.
 macro_rules! sql_store {
+    ($store:ty, $statements:expr, retry = $retry:ident) => {
+        impl $store {
+            /// How long a conflicting statement is retried.
+            fn statement_retry_budget(&self) -> std::time::Duration {
+                self.$retry
+            }
+        }
+        $crate::store::sql::sql_store!(@impl $store, $statements);
+    };
     ($store:ty, $statements:expr) => {
+        impl $store {
+            /// Conflicting statements are not retried.
+            fn statement_retry_budget(&self) -> std::time::Duration {
+                std::time::Duration::ZERO
+            }
+        }
+        $crate::store::sql::sql_store!(@impl $store, $statements);
+    };
+    (@impl $store:ty, $statements:expr) => {
         impl $store {
             const STATEMENTS: $crate::store::sql::Statements = $statements;
 
@@ -272,10 +371,12 @@ macro_rules! sql_store {
                 &self,
                 key: &$crate::store::ScopeKey,
             ) -> Result<Option<$crate::store::sql::RecordRow>, sqlx::Error> {
-                sqlx::query_as(Self::STATEMENTS.select_live)
-                    .bind(key.as_bytes().as_slice())
-                    .fetch_optional(&self.pool)
-                    .await
+                $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query_as(Self::STATEMENTS.select_live)
+                        .bind(key.as_bytes().as_slice())
+                        .fetch_optional(&self.pool)
+                })
+                .await
             }
         }
 
@@ -289,15 +390,16 @@ macro_rules! sql_store {
                 lease: std::time::Duration,
                 ttl: std::time::Duration,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
-                let write = |statement: &'static str| async move {
-                    sqlx::query_scalar::<_, bool>(statement)
-                        .bind(key.as_bytes().as_slice())
-                        .bind(fingerprint.as_bytes().as_slice())
-                        .bind(owner.as_bytes().as_slice())
-                        .bind($crate::store::sql::micros(lease))
-                        .bind($crate::store::sql::micros(ttl))
-                        .fetch_optional(&self.pool)
-                        .await
+                let write = |statement: &'static str| {
+                    $crate::store::sql::retrying(self.statement_retry_budget(), move || {
+                        sqlx::query_scalar::<_, bool>(statement)
+                            .bind(key.as_bytes().as_slice())
+                            .bind(fingerprint.as_bytes().as_slice())
+                            .bind(owner.as_bytes().as_slice())
+                            .bind($crate::store::sql::micros(lease))
+                            .bind($crate::store::sql::micros(ttl))
+                            .fetch_optional(&self.pool)
+                    })
                 };
                 $crate::store::sql::reserve(
                     fingerprint,
@@ -316,17 +418,19 @@ macro_rules! sql_store {
                 ttl: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
                 let columns = $crate::store::sql::OutcomeColumns::from(outcome);
-                let done = sqlx::query(Self::STATEMENTS.complete)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind(columns.state)
-                    .bind(columns.status)
-                    .bind(columns.headers)
-                    .bind(columns.body)
-                    .bind($crate::store::sql::micros(ttl))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.complete)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(owner.as_bytes().as_slice())
+                        .bind(columns.state)
+                        .bind(columns.status)
+                        .bind(columns.headers.as_deref())
+                        .bind(columns.body)
+                        .bind($crate::store::sql::micros(ttl))
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected() == 1)
             }
 
@@ -335,12 +439,14 @@ macro_rules! sql_store {
                 key: &$crate::store::ScopeKey,
                 owner: &$crate::store::OwnerToken,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.release)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.release)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(owner.as_bytes().as_slice())
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected() == 1)
             }
 
@@ -350,13 +456,15 @@ macro_rules! sql_store {
                 owner: &$crate::store::OwnerToken,
                 lease: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.renew)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind($crate::store::sql::micros(lease))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.renew)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(owner.as_bytes().as_slice())
+                        .bind($crate::store::sql::micros(lease))
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected() == 1)
             }
 
@@ -375,10 +483,11 @@ macro_rules! sql_store {
                 if let Some(id) = self.id.get() {
                     return Ok(Some(id.clone()));
                 }
-                let id: String = sqlx::query_scalar(Self::STATEMENTS.identity)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?
+                let id: String = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query_scalar(Self::STATEMENTS.identity).fetch_optional(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?
                     .ok_or_else(|| {
                         $crate::store::StoreError::Corrupt("the store has no id row".into())
                     })?;
@@ -393,11 +502,14 @@ macro_rules! sql_store {
         #[async_trait::async_trait]
         impl $crate::store::Maintenance for $store {
             async fn sweep(&self, batch: usize) -> Result<u64, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.sweep)
-                    .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.sweep)
+                        .bind(batch)
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected())
             }
         }
