@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use super::principal::PrincipalRead;
 use super::responses::replay;
-use super::scope::scope_key;
+use super::scope::{principal_hash, scope_key};
 use super::{Covered, Engine, RequestHead, Reservation};
 use crate::fingerprint::{fingerprint_view, Exclusions};
 use crate::formats::{self, View};
@@ -21,7 +21,8 @@ use crate::key;
 use crate::metrics::Event;
 use crate::policy::{FailMode, InFlightPolicy, MismatchPolicy, RoutePolicy};
 use crate::store::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoreError,
+    Claim, Fingerprint, Outcome, OwnerToken, PrincipalHash, Record, RecordState, ScopeKey,
+    StoreError,
 };
 
 /// The engine's answer to [`Engine::begin`].
@@ -146,7 +147,8 @@ impl Engine {
             attempt: 0,
         };
         loop {
-            let record = match self.claim(policy, &key, &fingerprint, waiting.waited).await {
+            let claimed = self.claim(policy, head, &key, &fingerprint, waiting.waited);
+            let record = match claimed.await {
                 Err(error) => return self.store_failed(policy, head, &error),
                 Ok(Claimed::Acquired { owner, takeover }) => {
                     self.inner.metrics.record(Event::Executed);
@@ -196,6 +198,7 @@ impl Engine {
     async fn claim(
         &self,
         policy: &RoutePolicy,
+        head: &RequestHead<'_>,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
         waited: bool,
@@ -210,8 +213,9 @@ impl Engine {
             }
         }
         let settings = policy.policy();
+        let principal = head.principal.map(principal_hash);
         let (owner, claim) = self
-            .reserve(*key, *fingerprint, settings.lease, settings.ttl)
+            .reserve(*key, *fingerprint, principal, settings.lease, settings.ttl)
             .await?;
         Ok(match claim {
             Claim::Acquired { takeover } => Claimed::Acquired { owner, takeover },
@@ -220,7 +224,9 @@ impl Engine {
     }
 
     /// Reserves `key` for an owner token drawn here, bounded by
-    /// `store_timeout` like every store call.
+    /// `store_timeout` like every store call. A store with an
+    /// [`Admin`](crate::store::Admin) side keeps the `principal`'s hash
+    /// with the record.
     ///
     /// A reservation whose answer is lost (the call failed, or outlived
     /// `store_timeout`) may have been written all the same. The engine
@@ -235,13 +241,23 @@ impl Engine {
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
+        principal: Option<PrincipalHash>,
         lease: Duration,
         ttl: Duration,
     ) -> Result<(OwnerToken, Claim), StoreError> {
         let owner = OwnerToken::random();
         let store = self.inner.store.clone();
-        let mut call =
-            Box::pin(async move { store.reserve(&key, &fingerprint, &owner, lease, ttl).await });
+        let mut call = Box::pin(async move {
+            match store.admin() {
+                Some(admin) => {
+                    let principal = principal.as_ref();
+                    admin
+                        .reserve_for(&key, &fingerprint, &owner, lease, ttl, principal)
+                        .await
+                }
+                None => store.reserve(&key, &fingerprint, &owner, lease, ttl).await,
+            }
+        });
         let started = std::time::Instant::now();
         let limit = self.inner.config.store_timeout;
         // A store that answers at once (the memory store) needs no timer.

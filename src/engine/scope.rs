@@ -5,7 +5,7 @@ use sha2::{Digest, Sha256};
 
 use super::RequestHead;
 use crate::policy::RoutePolicy;
-use crate::store::ScopeKey;
+use crate::store::{PrincipalHash, ScopeKey};
 
 /// SHA-256 over (principal or its absence, scope headers, method,
 /// authority, normalised path, key), each length-prefixed.
@@ -33,4 +33,18 @@ pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &
     policy.scope_target(head.uri, head.headers, &mut put);
     put(raw_key);
     ScopeKey(hasher.finalize().into())
+}
+
+/// The hash a record keeps of the principal its key is scoped by, so an
+/// operator can delete everything stored for one caller
+/// ([`Engine::purge_principal`](super::Engine::purge_principal)). The one
+/// place a principal is hashed for storage: it must be derived exactly as
+/// the scope hash is (keyed the same way, should the scope hash be keyed),
+/// or a purge would miss records. SHA-256 over a label (so it never equals
+/// a scope hash) and the principal.
+pub(super) fn principal_hash(principal: &[u8]) -> PrincipalHash {
+    let mut hasher = Sha256::new();
+    hasher.update(b"tower-idempotency principal\0");
+    hasher.update(principal);
+    PrincipalHash(hasher.finalize().into())
 }
