@@ -157,7 +157,10 @@ async fn lookup_finds_what_a_live_request_stored(store: Arc<dyn Store>) {
         None
     );
     let inspected = engine.inspect(&found.scope).await.unwrap().unwrap();
-    assert_eq!((inspected.key, inspected.state), (found.scope, record.state));
+    assert_eq!(
+        (inspected.key, inspected.state),
+        (found.scope, record.state)
+    );
     // The body only when asked.
     let outcome = engine.stored_outcome(&found.scope).await.unwrap().unwrap();
     assert_eq!(outcome.status(), StatusCode::CREATED);
