@@ -153,7 +153,7 @@ impl Admin for MemoryStore {
             })
             .map(|(key, entry)| entry.info(*key, now))
             .collect();
-        found.sort_by(|a, b| b.age.cmp(&a.age));
+        found.sort_by_key(|info| std::cmp::Reverse(info.age));
         found.truncate(limit);
         Ok(found)
     }
