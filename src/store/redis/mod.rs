@@ -150,6 +150,15 @@ pub(super) fn redact(url: &str) -> String {
 ///   only write where nothing is cached (`SET NX`), so a slow fill of an old
 ///   record can never replace the entry of a newer completion.
 ///
+/// # Purges
+///
+/// An operator's purge ([`Admin::purge`], [`Admin::purge_principal`])
+/// overwrites the cached copies with tombstones (a miss, never replaced by
+/// a fill) that outlive any copy made before, first before the inner
+/// records are deleted and again, a timeout later, after: Redis never
+/// replays a purged record. When Redis cannot be told, the purge fails (on
+/// the first pass, nothing was deleted) and can simply be run again.
+///
 /// # Redis failures change latency, never an outcome
 ///
 /// Every Redis call is bounded by [`RedisCacheConfig::timeout`]. A failure,
