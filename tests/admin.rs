@@ -351,3 +351,71 @@ async fn a_purge_that_cannot_reach_redis_deletes_nothing_and_says_so() {
     assert!(error.to_string().contains("nothing was deleted"), "{error}");
     assert!(inner.get(&scope).await.unwrap().is_some(), "still stored");
 }
+
+/// On a JWT route, the operator names the caller by the token's `sub`
+/// and `iss` (`jwt_principal`): the lookup finds what the caller's live
+/// request stored, and the principal's purge removes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_jwt_caller_is_named_by_sub_and_iss() {
+    use jsonwebtoken::{encode, EncodingKey, Header};
+    use tower_idempotency::policy::principal::jwt_principal;
+    use tower_idempotency::JwtPolicy;
+
+    const SECRET: &[u8] = b"a shared secret of at least 32 bytes, for HS256";
+    let secret = std::env::temp_dir().join(format!("ti-admin-jwt-{}", uuid::Uuid::new_v4()));
+    std::fs::write(&secret, SECRET).unwrap();
+    let policy = Policy {
+        principal: Some(PrincipalPolicy::jwt(JwtPolicy {
+            hs256_secret_file: vec![secret.clone()],
+            ..JwtPolicy::default()
+        })),
+        ..Policy::default()
+    };
+    let routes = Routes::new().route("/pay", policy).unwrap();
+    let engine = Engine::with_config(
+        Arc::new(fixtures::sqlite_store().await),
+        routes,
+        EngineConfig::default(),
+    );
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let claims = serde_json::json!({ "sub": "user-42", "iss": "https://id.example", "exp": exp });
+    let token = encode(
+        &Header::default(),
+        &claims,
+        &EncodingKey::from_secret(SECRET),
+    )
+    .unwrap();
+    let mut request = sent("/pay", "pay-1", None);
+    let bearer = format!("Bearer {token}");
+    request
+        .headers
+        .insert("authorization", HeaderValue::from_str(&bearer).unwrap());
+    answer(begin(&engine, &request, "{}").await, "paid").await;
+
+    let caller = jwt_principal(Some("https://id.example"), "user-42");
+    let bare = sent("/pay", "pay-1", None);
+    let head = RequestHead {
+        principal: Some(&caller),
+        ..bare.head()
+    };
+    let found = engine.lookup(&head, b"pay-1").await.unwrap();
+    assert_eq!(found.record.expect("stored").state, KeyState::Completed);
+    let by_token = engine.lookup(&request.head(), b"pay-1").await.unwrap();
+    assert_eq!(
+        by_token.scope, found.scope,
+        "the token itself names the same caller"
+    );
+    let stranger = jwt_principal(None, "user-42");
+    assert_eq!(
+        engine.purge_principal(&stranger).await.unwrap(),
+        0,
+        "no iss: another caller"
+    );
+    assert_eq!(engine.purge_principal(&caller).await.unwrap(), 1);
+    assert_eq!(engine.inspect(&found.scope).await.unwrap(), None);
+    std::fs::remove_file(secret).ok();
+}
