@@ -99,7 +99,7 @@ pub async fn acquire(
     }
 }
 
-/// Reserves a fresh `key` through the store's [`Admin`] side, keeping
+/// Reserves a fresh `key` through the store's [`Admin`](super::Admin) side, keeping
 /// `principal`; panics unless the store has one and acquires the key.
 pub async fn acquire_for(
     store: &Arc<dyn Store>,
