@@ -325,6 +325,18 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
         headers: &headers,
         principal: principal.as_deref(),
     };
+    // The proxy's principal is only ever the route's own: one given for a
+    // route without a principal would name a scope no request has.
+    let unscoped = engine
+        .route_policy(&head)
+        .is_some_and(|policy| policy.principal.is_none());
+    if principal.is_some() && unscoped {
+        return Err(Failure::Input(format!(
+            "principal: the route covering {} {} does not scope keys by a principal; leave it out",
+            method,
+            uri.path()
+        )));
+    }
     let (scope, route) = engine.scope_of(&head, query.key.as_bytes())?;
     Ok((scope, Some(route.to_string())))
 }

@@ -184,6 +184,12 @@ async fn every_key_route_needs_the_token_and_answers_json() {
         ),
         (
             "POST",
+            "/keys/lookup",
+            json!({ "key": key, "path": "/hold-first", "principal": "a" }),
+            "does not scope keys by a principal",
+        ),
+        (
+            "POST",
             "/keys/purge",
             json!({ "scope": "abc" }),
             "64 hex characters",

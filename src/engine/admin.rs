@@ -16,6 +16,7 @@ use super::scope::{principal_hash, scope_key};
 use super::{Engine, RequestHead};
 use crate::key;
 use crate::policy::principal::Resolved;
+use crate::policy::Policy;
 use crate::store::{Admin, Outcome, RecordInfo, RecordState, ScopeKey, StateCounts, StoreError};
 
 /// How many records one purge statement deletes at most (a principal's
@@ -78,6 +79,13 @@ impl Engine {
     /// The store's operator side.
     fn admin(&self) -> Result<&dyn Admin, AdminError> {
         self.inner.store.admin().ok_or(AdminError::Unsupported)
+    }
+
+    /// The policy of the route that covers `head`'s method and path, as
+    /// [`Engine::classify`] finds it (whether or not the request carries
+    /// a key); `None` when no route covers it.
+    pub fn route_policy(&self, head: &RequestHead<'_>) -> Option<&Policy> {
+        self.route_of(head).map(|route| route.policy())
     }
 
     /// The scope hash a request with this head and raw key is stored
