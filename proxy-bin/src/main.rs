@@ -5,6 +5,8 @@
 //! idempotency-proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
 //!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL | redis+cluster://HOST:PORT,…] \
 //!     [--config idempotency.toml] [--admin 127.0.0.1:9090]
+//! idempotency-proxy keys lookup|purge|purge-principal|release|in-flight|counts … \
+//!     --store URL [--config idempotency.toml]
 //! ```
 //!
 //! Every decision is the [`Engine`]'s; see `proxy.rs` for how bytes move.
@@ -13,9 +15,11 @@
 
 mod admin;
 mod body;
+mod cli;
 mod config;
 mod demo;
 mod exchange;
+mod keys;
 mod proxy;
 mod secrets;
 mod shutdown;
@@ -94,6 +98,10 @@ struct Cli {
         default_missing_value = "127.0.0.1:3000"
     )]
     demo_backend: Option<String>,
+
+    /// Without a subcommand, runs the proxy.
+    #[command(subcommand)]
+    command: Option<cli::Command>,
 }
 
 impl Cli {
@@ -114,7 +122,7 @@ impl Cli {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -123,6 +131,9 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
         )
         .init();
+    if let Some(command) = cli.command.take() {
+        return cli::run(command);
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use super::principal::PrincipalRead;
 use super::responses::{log_decision, replay, Answered};
-use super::scope::scope_key;
+use super::scope::{principal_hash, scope_key};
 use super::{Covered, Engine, RequestHead, Reservation};
 use crate::fingerprint::{fingerprint_view, Exclusions};
 use crate::formats::{self, View};
@@ -23,7 +23,8 @@ use crate::metrics::Event;
 use crate::policy::{FailMode, InFlightPolicy, KeySource, MismatchPolicy, RoutePolicy};
 use crate::problem::{Problem, ProblemKind};
 use crate::store::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store, StoreError,
+    Claim, Fingerprint, Outcome, OwnerToken, PrincipalHash, Record, RecordState, ScopeKey, Store,
+    StoreError,
 };
 
 /// The engine's answer to [`Engine::begin`].
@@ -189,7 +190,8 @@ impl Engine {
             attempt: 0,
         };
         loop {
-            let record = match self.claim(policy, &key, &fingerprint, waiting.waited).await {
+            let claimed = self.claim(policy, head, &key, &fingerprint, waiting.waited);
+            let record = match claimed.await {
                 Err(error) => return self.store_failed(policy, head, &error),
                 Ok(Claimed::Acquired { owner, takeover }) => {
                     self.inner.metrics.record(Event::Executed);
@@ -242,6 +244,7 @@ impl Engine {
     async fn claim(
         &self,
         policy: &RoutePolicy,
+        head: &RequestHead<'_>,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
         waited: bool,
@@ -256,8 +259,11 @@ impl Engine {
             }
         }
         let settings = policy.policy();
+        let principal = head
+            .principal
+            .map(|principal| principal_hash(&self.inner.hasher, principal));
         let (owner, claim) = self
-            .reserve(*key, *fingerprint, settings.lease, settings.ttl)
+            .reserve(*key, *fingerprint, principal, settings.lease, settings.ttl)
             .await?;
         Ok(match claim {
             Claim::Acquired { takeover } => Claimed::Acquired { owner, takeover },
@@ -266,7 +272,9 @@ impl Engine {
     }
 
     /// Reserves `key` for an owner token drawn here, bounded by
-    /// `store_timeout` like every store call.
+    /// `store_timeout` like every store call. A store with an
+    /// [`Admin`](crate::store::Admin) side keeps the `principal`'s hash
+    /// with the record.
     ///
     /// A reservation whose answer is lost (the call failed, or outlived
     /// `store_timeout`) may have been written all the same. The engine
@@ -281,14 +289,24 @@ impl Engine {
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
+        principal: Option<PrincipalHash>,
         lease: Duration,
         ttl: Duration,
     ) -> Result<(OwnerToken, Claim), StoreError> {
         let owner = OwnerToken::random();
         let store = self.inner.store.clone();
         let limit = self.inner.config.store_timeout;
-        let call: PendingCall =
-            Box::pin(async move { store.reserve(&key, &fingerprint, &owner, lease, ttl).await });
+        let call: PendingCall = Box::pin(async move {
+            match store.admin() {
+                Some(admin) => {
+                    let principal = principal.as_ref();
+                    admin
+                        .reserve_for(&key, &fingerprint, &owner, lease, ttl, principal)
+                        .await
+                }
+                None => store.reserve(&key, &fingerprint, &owner, lease, ttl).await,
+            }
+        });
         // Until the call is answered, dropping this future (the caller went
         // away) hands the call to the guard, which releases what it wrote.
         let mut pending = Unanswered {

@@ -33,13 +33,17 @@
 //! * `headers.rs` — header hygiene shared with the proxy;
 //! * `lease.rs` — the lease renewer;
 //! * `maintenance.rs` — health, sweeping, metrics rendering, and
-//!   [`Engine::drain`] (waiting for background work on shutdown).
+//!   [`Engine::drain`] (waiting for background work on shutdown);
+//! * `admin.rs` — the operator's lookups, purges and force releases
+//!   ([`Engine::lookup`], [`Engine::purge_principal`], …), scoped exactly
+//!   as live requests are.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
+mod admin;
 mod budget;
 mod classify;
 mod decide;
@@ -57,6 +61,7 @@ mod secrets;
 #[cfg(test)]
 mod tests;
 
+pub use self::admin::{AdminError, Lookup};
 pub use self::budget::BodyPermit;
 pub use self::classify::{Coverage, Covered, RequestHead};
 pub use self::decide::Decision;

@@ -19,6 +19,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
+mod admin;
+pub use admin::{Admin, KeyState, PrincipalHash, RecordInfo, ScopeKeyError, StateCounts};
 #[cfg(feature = "test-util")]
 pub mod conformance;
 #[cfg(any(test, feature = "test-util"))]
@@ -437,7 +439,8 @@ pub enum StoreError {
 /// * Time (leases, retention) is the store's own clock; callers never pass
 ///   timestamps.
 /// * Records are stored under the [`ScopeKey`] hash only; no raw key,
-///   principal or request body ever reaches a store.
+///   principal or request body ever reaches a store (a store with an
+///   [`Admin`] side also keeps the principal's hash).
 /// * An [`Outcome::Sealed`] (encryption at rest) is kept and returned byte
 ///   for byte; a store never opens it and never needs a key.
 #[async_trait]
@@ -525,6 +528,16 @@ pub trait Store: fmt::Debug + Send + Sync + 'static {
     /// records are removed by the store itself (or never) and it has no
     /// counters.
     fn maintenance(&self) -> Option<&dyn Maintenance> {
+        None
+    }
+
+    /// The store's [`Admin`] side (operator lookups, purges, force
+    /// releases), if it has one: `Some(self)` for a store that implements
+    /// [`Admin`]. With one, the engine reserves through
+    /// [`Admin::reserve_for`], so records keep their principal's hash.
+    /// `None` (the default): the engine's operator methods answer
+    /// "unsupported".
+    fn admin(&self) -> Option<&dyn Admin> {
         None
     }
 }

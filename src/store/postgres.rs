@@ -13,10 +13,11 @@ use super::StoreError;
 /// A new record. Conflicts are skipped without locking the existing row.
 const INSERT: &str = "
 INSERT INTO idempotency_records
-    (key, fingerprint, owner, state, lease_expires_at, expires_at)
+    (key, fingerprint, owner, state, lease_expires_at, expires_at, principal)
 VALUES ($1, $2, $3, 'in_flight',
         now() + $4::bigint * interval '1 microsecond',
-        now() + $5::bigint * interval '1 microsecond')
+        now() + $5::bigint * interval '1 microsecond',
+        $6)
 ON CONFLICT (key) DO NOTHING
 RETURNING false AS takeover";
 
@@ -35,6 +36,7 @@ SET fingerprint = $2,
     status = NULL,
     headers = NULL,
     body = NULL,
+    principal = $6,
     created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END
 WHERE key = $1
   AND (r.expires_at <= now()
@@ -85,6 +87,60 @@ WHERE r.key = doomed.key
 
 /// The id every instance on this database shares (see the migration).
 const IDENTITY: &str = "SELECT id FROM idempotency_store";
+
+/// What an operator sees of a record (never its body); `FROM` follows.
+macro_rules! info_columns {
+    () => {
+        "SELECT key, fingerprint, state, status,
+       CASE WHEN state = 'too_large' THEN headers END AS marker,
+       octet_length(body)::bigint AS body_bytes,
+       octet_length(headers)::bigint AS header_bytes,
+       (extract(epoch FROM now() - created_at) * 1000000)::bigint AS age_us,
+       (extract(epoch FROM greatest(expires_at - now(), interval '0')) * 1000000)::bigint
+           AS expires_in_us,
+       (extract(epoch FROM greatest(lease_expires_at - now(), interval '0')) * 1000000)::bigint
+           AS lease_remaining_us,
+       principal IS NOT NULL AS has_principal
+FROM idempotency_records"
+    };
+}
+
+const INSPECT: &str = concat!(info_columns!(), " WHERE key = $1 AND expires_at > now()");
+
+const PURGE: &str = "DELETE FROM idempotency_records WHERE key = $1";
+
+const PRINCIPAL_KEYS: &str = "SELECT key FROM idempotency_records WHERE principal = $1 LIMIT $2";
+
+/// Through the partial index on `principal`, in batches of `$2`.
+const PURGE_PRINCIPAL: &str = "
+DELETE FROM idempotency_records
+WHERE key IN (SELECT key FROM idempotency_records WHERE principal = $1 LIMIT $2)
+RETURNING key";
+
+const FORCE_RELEASE: &str =
+    "DELETE FROM idempotency_records WHERE key = $1 AND state = 'in_flight'";
+
+/// Through the partial index on in-flight rows' `created_at`.
+const IN_FLIGHT_OLDER_THAN: &str = concat!(
+    info_columns!(),
+    " WHERE state = 'in_flight' AND expires_at > now()
+  AND created_at <= now() - $1::bigint * interval '1 microsecond'
+ORDER BY created_at
+LIMIT $2"
+);
+
+const COUNTS: &str = "
+SELECT count(*) FILTER (WHERE expires_at > now() AND state = 'in_flight'
+                          AND lease_expires_at > now()) AS in_flight,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'in_flight'
+                          AND lease_expires_at <= now()) AS lease_expired,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'completed') AS completed,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'too_large'
+                          AND headers IS NULL) AS too_large,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'too_large'
+                          AND headers IS NOT NULL) AS incomplete,
+       count(*) FILTER (WHERE expires_at <= now()) AS expired
+FROM idempotency_records";
 
 /// Keeps records in a PostgreSQL table, `idempotency_records` (see
 /// `migrations/`), shared by every instance that connects to it.
@@ -237,4 +293,17 @@ super::sql::sql_store!(
         identity: IDENTITY,
     },
     retry = retry
+);
+
+super::sql::sql_admin!(
+    PostgresStore,
+    sql::AdminStatements {
+        inspect: INSPECT,
+        purge: PURGE,
+        principal_keys: PRINCIPAL_KEYS,
+        purge_principal: PURGE_PRINCIPAL,
+        force_release: FORCE_RELEASE,
+        in_flight_older_than: IN_FLIGHT_OLDER_THAN,
+        counts: COUNTS,
+    }
 );

@@ -16,6 +16,9 @@ use super::{
     Claim, Fingerprint, Outcome, Record, RecordState, SealedOutcome, StoreError, StoredResponse,
 };
 
+pub(super) mod admin;
+pub(super) use admin::{sql_admin, AdminStatements};
+
 /// The `state` column of a record still held by its owner.
 pub(super) const IN_FLIGHT: &str = "in_flight";
 
@@ -289,7 +292,7 @@ pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
 ///
 /// | statement | parameters |
 /// |---|---|
-/// | `insert`, `take_over` | key, fingerprint, owner, lease µs, ttl µs → `takeover` |
+/// | `insert`, `take_over` | key, fingerprint, owner, lease µs, ttl µs, principal hash (or NULL) → `takeover` |
 /// | `select_live` | key → [`RecordRow`] |
 /// | `complete` | key, owner, state, status, headers, body, ttl µs |
 /// | `release` | key, owner |
@@ -378,6 +381,39 @@ macro_rules! sql_store {
                 })
                 .await
             }
+
+            /// [`Store::reserve`](crate::store::Store::reserve), keeping
+            /// `principal` with the record.
+            async fn reserve_with(
+                &self,
+                key: &$crate::store::ScopeKey,
+                fingerprint: &$crate::store::Fingerprint,
+                owner: &$crate::store::OwnerToken,
+                lease: std::time::Duration,
+                ttl: std::time::Duration,
+                principal: Option<&$crate::store::PrincipalHash>,
+            ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
+                let principal = principal.map(|p| p.as_bytes().as_slice());
+                let write = |statement: &'static str| {
+                    $crate::store::sql::retrying(self.statement_retry_budget(), move || {
+                        sqlx::query_scalar::<_, bool>(statement)
+                            .bind(key.as_bytes().as_slice())
+                            .bind(fingerprint.as_bytes().as_slice())
+                            .bind(owner.as_bytes().as_slice())
+                            .bind($crate::store::sql::micros(lease))
+                            .bind($crate::store::sql::micros(ttl))
+                            .bind(principal)
+                            .fetch_optional(&self.pool)
+                    })
+                };
+                $crate::store::sql::reserve(
+                    fingerprint,
+                    || write(Self::STATEMENTS.insert),
+                    || write(Self::STATEMENTS.take_over),
+                    || self.select_live(key),
+                )
+                .await
+            }
         }
 
         #[async_trait::async_trait]
@@ -390,24 +426,8 @@ macro_rules! sql_store {
                 lease: std::time::Duration,
                 ttl: std::time::Duration,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
-                let write = |statement: &'static str| {
-                    $crate::store::sql::retrying(self.statement_retry_budget(), move || {
-                        sqlx::query_scalar::<_, bool>(statement)
-                            .bind(key.as_bytes().as_slice())
-                            .bind(fingerprint.as_bytes().as_slice())
-                            .bind(owner.as_bytes().as_slice())
-                            .bind($crate::store::sql::micros(lease))
-                            .bind($crate::store::sql::micros(ttl))
-                            .fetch_optional(&self.pool)
-                    })
-                };
-                $crate::store::sql::reserve(
-                    fingerprint,
-                    || write(Self::STATEMENTS.insert),
-                    || write(Self::STATEMENTS.take_over),
-                    || self.select_live(key),
-                )
-                .await
+                self.reserve_with(key, fingerprint, owner, lease, ttl, None)
+                    .await
             }
 
             async fn complete(
@@ -495,6 +515,10 @@ macro_rules! sql_store {
             }
 
             fn maintenance(&self) -> Option<&dyn $crate::store::Maintenance> {
+                Some(self)
+            }
+
+            fn admin(&self) -> Option<&dyn $crate::store::Admin> {
                 Some(self)
             }
         }

@@ -6,6 +6,7 @@
 //! command line (where `ps` would show it). Without a token, the operator
 //! API is off: only `/healthz` and `/metrics` answer.
 
+mod keys;
 mod token;
 
 use async_trait::async_trait;
@@ -107,6 +108,9 @@ impl Admin {
 
     /// The operator API, reached only with the right token.
     async fn operator(&self, session: &mut ServerSession) -> Answer {
+        if let Some(answer) = keys::serve(&self.engine, session).await {
+            return answer;
+        }
         let path = session.req_header().uri.path().to_owned();
         Answer::text(StatusCode::NOT_FOUND, format!("no operator route {path}\n"))
     }

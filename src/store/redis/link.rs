@@ -17,6 +17,11 @@ use super::super::{Fingerprint, OwnerToken, Record, RecordState, ScopeKey};
 use super::RedisCacheConfig;
 use super::{decode, encode, redact};
 
+/// The value that marks a purged record: a miss, and it keeps a copy made
+/// before the purge from being filled in again (fills never replace an
+/// entry).
+pub(super) const TOMBSTONE: u8 = 0;
+
 /// Whether a write may replace an existing entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Write {
@@ -121,7 +126,7 @@ impl Link {
     /// cooling down, undecodable entry) to ask the inner store.
     pub(super) async fn lookup(self: &Arc<Self>, key: &ScopeKey) -> Option<Record> {
         let value: Option<Vec<u8>> = self.call(::redis::cmd("GET").arg(self.key(key)?)).await?;
-        let Some(value) = value else {
+        let Some(value) = value.filter(|value| value.as_slice() != [TOMBSTONE]) else {
             self.misses.fetch_add(1, Relaxed);
             return None;
         };
@@ -200,6 +205,45 @@ impl Link {
             cmd.arg("NX");
         }
         let _: Option<::redis::Value> = self.call(&cmd).await;
+    }
+
+    /// Overwrites the cached copies of `keys`' records with tombstones
+    /// that outlive any copy made before (a fill lands within `fill_ttl`
+    /// of its read, a write within the timeout): a tombstone is a miss,
+    /// and a fill never replaces it. Runs even while cooling down; an
+    /// error means some copies may still be answered.
+    pub(super) async fn invalidate(self: &Arc<Self>, keys: &[ScopeKey]) -> Result<(), String> {
+        let ttl = self.config.fill_ttl + self.config.timeout + Duration::from_secs(1);
+        let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
+        for chunk in keys.chunks(500) {
+            let mut pipe = ::redis::pipe();
+            for key in chunk {
+                let key = self.key(key).ok_or("the store's identity is unknown")?;
+                pipe.cmd("SET")
+                    .arg(key)
+                    .arg(&[TOMBSTONE][..])
+                    .arg("PX")
+                    .arg(ms)
+                    .ignore();
+            }
+            let sent = tokio::time::timeout(self.config.timeout, async {
+                match self.connection().await? {
+                    Connection::Single(mut connection) => {
+                        pipe.query_async::<()>(&mut connection).await
+                    }
+                    Connection::Cluster(mut connection) => {
+                        pipe.query_async::<()>(&mut connection).await
+                    }
+                }
+            })
+            .await;
+            match sent {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => return Err(error.to_string()),
+                Err(_) => return Err("timed out".to_owned()),
+            }
+        }
+        Ok(())
     }
 
     /// Runs `cmd` within the timeout; `None` when skipped or failed.

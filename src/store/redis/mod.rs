@@ -14,10 +14,11 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::{
-    Claim, Fingerprint, Maintenance, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
-    StoreError,
+    Admin, Claim, Fingerprint, Maintenance, Outcome, OwnerToken, PrincipalHash, Record,
+    RecordState, ScopeKey, Store, StoreError,
 };
 
+mod admin;
 mod link;
 
 use link::{cluster_nodes, Link, Target, Write};
@@ -153,6 +154,15 @@ pub(super) fn redact(url: &str) -> String {
 /// * **A new record after expiry.** Completions overwrite (`SET`), fills
 ///   only write where nothing is cached (`SET NX`), so a slow fill of an old
 ///   record can never replace the entry of a newer completion.
+///
+/// # Purges
+///
+/// An operator's purge ([`Admin::purge`], [`Admin::purge_principal`])
+/// overwrites the cached copies with tombstones (a miss, never replaced by
+/// a fill) that outlive any copy made before, first before the inner
+/// records are deleted and again, a timeout later, after: Redis never
+/// replays a purged record. When Redis cannot be told, the purge fails (on
+/// the first pass, nothing was deleted) and can simply be run again.
 ///
 /// # Redis failures change latency, never an outcome
 ///
@@ -302,6 +312,50 @@ impl<S: fmt::Debug> fmt::Debug for RedisCache<S> {
     }
 }
 
+impl<S: Store> RedisCache<S> {
+    /// [`Store::reserve`], keeping `principal` with the record when the
+    /// inner store has an [`Admin`] side.
+    async fn reserve_with(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+        ttl: Duration,
+        principal: Option<&PrincipalHash>,
+    ) -> Result<Claim, StoreError> {
+        let inner = || async {
+            match self.inner.admin() {
+                Some(admin) => {
+                    admin
+                        .reserve_for(key, fingerprint, owner, lease, ttl, principal)
+                        .await
+                }
+                None => {
+                    self.inner
+                        .reserve(key, fingerprint, owner, lease, ttl)
+                        .await
+                }
+            }
+        };
+        if !self.named().await {
+            return inner().await;
+        }
+        if let Some(record) = self.redis.lookup(key).await {
+            return Ok(Claim::Existing(record));
+        }
+        let claim = inner().await?;
+        match &claim {
+            Claim::Acquired { .. } => self.redis.remember(*owner, *fingerprint),
+            Claim::Existing(record) => {
+                let ttl = ttl.min(self.redis.config.fill_ttl);
+                self.redis.fill(key, record, ttl);
+            }
+        }
+        Ok(claim)
+    }
+}
+
 #[async_trait]
 impl<S: Store> Store for RedisCache<S> {
     async fn reserve(
@@ -312,27 +366,8 @@ impl<S: Store> Store for RedisCache<S> {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        if !self.named().await {
-            return self
-                .inner
-                .reserve(key, fingerprint, owner, lease, ttl)
-                .await;
-        }
-        if let Some(record) = self.redis.lookup(key).await {
-            return Ok(Claim::Existing(record));
-        }
-        let claim = self
-            .inner
-            .reserve(key, fingerprint, owner, lease, ttl)
-            .await?;
-        match &claim {
-            Claim::Acquired { .. } => self.redis.remember(*owner, *fingerprint),
-            Claim::Existing(record) => {
-                let ttl = ttl.min(self.redis.config.fill_ttl);
-                self.redis.fill(key, record, ttl);
-            }
-        }
-        Ok(claim)
+        self.reserve_with(key, fingerprint, owner, lease, ttl, None)
+            .await
     }
 
     async fn complete(
@@ -401,6 +436,10 @@ impl<S: Store> Store for RedisCache<S> {
 
     fn maintenance(&self) -> Option<&dyn Maintenance> {
         Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
+        self.inner.admin().map(|_| self as &dyn Admin)
     }
 }
 
