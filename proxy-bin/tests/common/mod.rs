@@ -490,9 +490,19 @@ pub async fn try_request(
     client: &Client<HttpConnector, Full<Bytes>>,
     request: hyper::Request<Full<Bytes>>,
 ) -> Result<Reply, String> {
-    let response = tokio::time::timeout(Duration::from_secs(30), client.request(request))
+    try_request_within(client, request, Duration::from_secs(30)).await
+}
+
+/// [`try_request`] with its own limit (a browser starting on a loaded
+/// machine takes its time).
+pub async fn try_request_within(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    request: hyper::Request<Full<Bytes>>,
+    limit: Duration,
+) -> Result<Reply, String> {
+    let response = tokio::time::timeout(limit, client.request(request))
         .await
-        .map_err(|_| "no answer in 30 s".to_owned())?
+        .map_err(|_| format!("no answer in {limit:?}"))?
         .map_err(|error| format!("request failed: {error}"))?;
     let (parts, body) = response.into_parts();
     let body = body

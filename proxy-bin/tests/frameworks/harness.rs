@@ -18,7 +18,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use crate::common::{client, free_port, send, services::wait_for_port, Reply, TempDir};
+use crate::common::{
+    client, free_port, send, services::wait_for_port, try_request_within, Reply, TempDir,
+};
 
 /// Which framework a backend runs.
 #[derive(Clone, Copy, Debug)]
@@ -346,15 +348,17 @@ impl Browser {
         } else {
             Bytes::from(body.to_string())
         };
-        let reply = send(
-            &client(),
-            self.base,
-            method,
-            path,
-            &[("content-type", "application/json")],
-            body,
-        )
-        .await;
+        let request = hyper::Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(body))
+            .unwrap();
+        // Chromium starting, or a page loading, on a loaded machine may
+        // take a while: readiness, not a timing assertion.
+        let reply = try_request_within(&client(), request, Duration::from_secs(180))
+            .await
+            .unwrap_or_else(|error| panic!("WebDriver {method} {path}: {error}"));
         assert!(
             reply.status < 400,
             "WebDriver {method} {path} failed: {}",
