@@ -1,10 +1,12 @@
 //! The configuration file (`--config idempotency.toml`).
 //!
-//! Three parts, all optional:
+//! Four parts, all optional:
 //!
 //! * `[proxy]`: where to listen, the upstream, the store, timeouts
 //!   ([`ProxySettings`]); every command-line flag overrides its key here;
 //! * `[defaults]`: a [`Policy`] applied to every route (any policy key);
+//! * `[outbox]` and `[[outbox.destination]]`: outbox workers
+//!   (`crate::outbox::config`);
 //! * `[[route]]`: `path` (a prefix such as `/orders`, or a glob with `*` /
 //!   `**`), `enabled` (alias `idempotency`; `false` leaves matching paths as
 //!   plain passthrough) and any policy key, overriding `[defaults]`.
@@ -27,6 +29,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 use tower_idempotency::{EngineConfig, Policy, PolicyError, Routes};
+
+use crate::outbox::config::{OutboxFile, OutboxSettings};
 
 /// The `[proxy]` table. Every key is optional; the command line overrides
 /// it, and [`ProxySettings::resolve`] fills in the defaults.
@@ -185,6 +189,8 @@ pub struct Config {
     pub proxy: ProxySettings,
     /// The route table, in file order.
     pub routes: Routes,
+    /// `[outbox]`: outbox workers to run, if configured.
+    pub outbox: Option<OutboxSettings>,
 }
 
 impl Config {
@@ -194,6 +200,7 @@ impl Config {
         Config {
             proxy: ProxySettings::default(),
             routes: Routes::all(Policy::default()).expect("the default policy is valid"),
+            outbox: None,
         }
     }
 
@@ -232,6 +239,7 @@ impl Config {
             }
         })?;
         let at = |span: &Range<usize>, message: String| (Some(line_of(text, span.start)), message);
+        let outbox = file.outbox.map(|outbox| outbox.check(text)).transpose()?;
 
         // `[defaults]` alone must be a valid policy, reported at its own lines.
         let defaults = file.defaults.unwrap_or_default();
@@ -299,6 +307,7 @@ impl Config {
         Ok(Config {
             proxy: file.proxy.unwrap_or_default(),
             routes: routes.case_insensitive(file.case_insensitive_paths),
+            outbox,
         })
     }
 }
@@ -320,6 +329,8 @@ struct File {
     defaults: Option<BTreeMap<Spanned<String>, Spanned<toml::Value>>>,
     #[serde(default)]
     route: Vec<Spanned<BTreeMap<Spanned<String>, Spanned<toml::Value>>>>,
+    /// Outbox workers (`crate::outbox::config`).
+    outbox: Option<OutboxFile>,
 }
 
 /// Deserializes a [`Policy`] from merged entries. Each key is first tried
@@ -342,7 +353,7 @@ fn policy_of(entries: &Entries) -> Result<Policy, (Range<usize>, String)> {
         .map_err(|error| (0..0, error.message().trim().to_owned()))
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
+pub(crate) fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
 }
 

@@ -5,6 +5,8 @@
 //! idempotency-proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
 //!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL] \
 //!     [--config idempotency.toml] [--admin 127.0.0.1:9090]
+//! idempotency-proxy outbox run --config idempotency.toml
+//! idempotency-proxy outbox counts|dead|retry ID|purge … --store URL | --config FILE
 //! ```
 //!
 //! Every decision is the [`Engine`]'s; see `proxy.rs` for how bytes move.
@@ -13,9 +15,11 @@
 
 mod admin;
 mod body;
+mod cli;
 mod config;
 mod demo;
 mod exchange;
+mod outbox;
 mod proxy;
 mod shutdown;
 mod store;
@@ -91,6 +95,10 @@ struct Cli {
         default_missing_value = "127.0.0.1:3000"
     )]
     demo_backend: Option<String>,
+
+    /// Without a subcommand, the proxy runs.
+    #[command(subcommand)]
+    command: Option<cli::Command>,
 }
 
 impl Cli {
@@ -120,7 +128,11 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
         )
         .init();
-    match run(cli) {
+    let result = match cli.command {
+        Some(cli::Command::Outbox(args)) => outbox::cli::run(args),
+        None => run(cli),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("idempotency-proxy: {error}");
@@ -187,6 +199,19 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         let _entered = runtime.enter();
         engine.spawn_sweeper(settings.sweep_interval, 1000);
     }
+    // `[outbox]`: its workers run on the store's runtime.
+    let outbox = match &config.outbox {
+        Some(outbox_settings) => {
+            let file = cli.config.as_deref().unwrap_or(std::path::Path::new("-"));
+            let database = outbox_settings.database_or(&settings.store)?;
+            let secrets = outbox_settings.secrets(file)?;
+            let outbox = runtime.block_on(outbox::workers::open(&database))?;
+            let _entered = runtime.enter();
+            let workers = outbox::workers::Workers::start(outbox.clone(), outbox_settings, secrets);
+            Some((outbox, workers))
+        }
+        None => None,
+    };
 
     let mut conf = ServerConf::new().ok_or("Pingora configuration")?;
     conf.threads = settings.threads;
@@ -217,6 +242,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             admin::Admin {
                 engine,
                 token: admin_token,
+                outbox: outbox.as_ref().map(|(outbox, _)| outbox.clone()),
             },
         );
         admin.threads = Some(1);
@@ -240,11 +266,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         redis = settings.redis.is_some(),
         admin = settings.admin.as_deref().unwrap_or("off"),
         operator_api,
+        outbox_destinations = config.outbox.as_ref().map_or(0, |o| o.destinations.len()),
         "idempotency-proxy started"
     );
     let signals = Signals {
         drain,
         engine: engine_for_shutdown,
+        outbox: outbox.map(|(_, workers)| workers),
         runtime: runtime.handle().clone(),
         timeout: settings.shutdown_timeout,
     };
