@@ -1339,6 +1339,34 @@ async fn connect_opens_and_migrates_an_sqlite_file() {
     assert_eq!(again.counts().await.unwrap().available, 1);
 }
 
+/// The outbox may live in the idempotency store's own database (as
+/// `idempotency-proxy` runs it by default): both sets of migrations apply,
+/// in either order, on one `_sqlx_migrations` table.
+#[tokio::test]
+async fn the_outbox_and_the_store_share_one_database() {
+    let path = fixtures::sqlite_path();
+    let url = format!("sqlite://{}", path.display());
+    SqliteStore::connect(&url).await.unwrap();
+    let outbox = Outbox::connect(&url).await.unwrap();
+    SqliteStore::connect(&url).await.unwrap();
+    assert!(outbox
+        .enqueue(&Message::new("crm", "sub-1", payload("sub-1")))
+        .await
+        .unwrap());
+
+    let options = fixtures::fresh_schema().await;
+    let pool = fixtures::pool(options, 2).await;
+    let store = tower_idempotency::PostgresStore::from_pool(pool.clone());
+    let outbox = Outbox::postgres(pool.clone());
+    outbox.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    outbox.migrate().await.unwrap();
+    assert!(outbox
+        .enqueue(&Message::new("crm", "sub-1", payload("sub-1")))
+        .await
+        .unwrap());
+}
+
 /// A `tracing` writer into a shared buffer.
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);

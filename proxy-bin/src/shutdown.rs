@@ -101,11 +101,10 @@ impl Signals {
         let mut abandoned = report.abandoned.len();
         if let Some(workers) = workers {
             let left = deadline.saturating_duration_since(Instant::now());
-            if self
+            let stopped = self
                 .runtime
-                .block_on(tokio::time::timeout(left, workers))
-                .is_err()
-            {
+                .block_on(async { tokio::time::timeout(left, workers).await });
+            if stopped.is_err() {
                 tracing::error!("outbox workers still delivering; their rows go to the rescuer");
                 abandoned += 1;
             }

@@ -335,8 +335,8 @@ impl OutboxSettings {
         }
     }
 
-    /// Reads every destination's secret (`file` is the configuration file,
-    /// for the message). A variable that is unset or a file that cannot be
+    /// Reads every destination's secret (`file` is the configuration file:
+    /// a relative `secret_file` is found next to it). A variable that is unset or a file that cannot be
     /// read, or a value that is not `whsec_<base64>`, is refused with its
     /// line and key; the value is never printed.
     pub fn secrets(&self, file: &Path) -> Result<Vec<Option<WebhookSecret>>, String> {
@@ -367,6 +367,7 @@ impl OutboxSettings {
                     decode(&value, *line, "secret_env", &format!("the value of {name}")).map(Some)
                 }
                 Some(SecretSource::File(path, line)) => {
+                    let path = &file.parent().unwrap_or(Path::new("")).join(path);
                     let value = std::fs::read_to_string(path).map_err(|error| {
                         refuse(
                             *line,
