@@ -1466,7 +1466,18 @@ async fn the_form_platform_example_takes_each_submission_and_each_integration_on
     let crm = Arc::new(form_outbox::Crm::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let server = form_outbox::app(pool.clone()).merge(form_outbox::crm(crm.clone()));
+    // The CRM stand-in deduplicates nothing itself: here it sits behind
+    // the layer keyed on the delivery key, as it sits behind
+    // idempotency-proxy in the example's `main` (and in
+    // proxy-bin/tests/outbox.rs, where a worker is killed after its effect).
+    let crm_routes = Routes::new()
+        .route("/crm/*", Policy::default().required(true))
+        .unwrap();
+    let crm_app = form_outbox::crm(crm.clone()).layer(IdempotencyLayer::new(Engine::new(
+        MemoryStore::new(),
+        crm_routes,
+    )));
+    let server = form_outbox::app(pool.clone()).merge(crm_app);
     tokio::spawn(async move { axum::serve(listener, server).await.unwrap() });
     let outbox = Outbox::sqlite(pool.clone());
     let worker = Worker::new(outbox.clone(), form_outbox::deliverer(&base))

@@ -381,3 +381,79 @@ impl OutboxSettings {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// The example file's `[outbox]` block, uncommented (one secret
+    /// source: they exclude each other).
+    fn example_outbox() -> String {
+        let text = include_str!("../../idempotency.example.toml");
+        let block = &text[text.find("# [outbox]").expect("an [outbox] block")..];
+        block
+            .lines()
+            .filter_map(|line| {
+                let code = line.strip_prefix("# ")?;
+                let is_code = code.starts_with('[')
+                    || code.split_once(" = ").is_some_and(|(key, _)| {
+                        key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    });
+                (is_code && !code.starts_with("secret_file")).then(|| format!("{code}\n"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_examples_outbox_block_is_valid_and_shows_the_defaults() {
+        let config = Config::parse(&example_outbox()).unwrap();
+        let outbox = config.outbox.unwrap();
+        let defaults = WorkerConfig::default();
+        assert_eq!(outbox.worker.concurrency, defaults.concurrency);
+        assert_eq!(outbox.worker.lease, defaults.lease);
+        assert_eq!(outbox.worker.poll_interval, defaults.poll_interval);
+        assert_eq!(outbox.worker.rescue_interval, defaults.rescue_interval);
+        assert_eq!(outbox.worker.retention, defaults.retention);
+        assert_eq!(outbox.worker.shutdown_grace, defaults.shutdown_grace);
+        let crm = &outbox.destinations[0];
+        assert_eq!(crm.topic, "crm");
+        assert_eq!(crm.backoff, Backoff::default());
+        assert_eq!(crm.timeout, Duration::from_secs(10));
+        assert_eq!(crm.max_attempts, Some(12));
+        assert!(
+            matches!(&crm.secret, Some(SecretSource::Env(name, _)) if name == "CRM_WEBHOOK_SECRET")
+        );
+    }
+
+    #[test]
+    fn the_database_defaults_to_the_proxys_store_when_it_is_one() {
+        let text = "[outbox]\n[[outbox.destination]]\ntopic = \"t\"\nurl = \"http://a/h\"\n";
+        let outbox = Config::parse(text).unwrap().outbox.unwrap();
+        assert_eq!(
+            outbox.database_or("sqlite://x.db").unwrap(),
+            "sqlite://x.db"
+        );
+        assert_eq!(
+            outbox.database_or("postgres://db/app").unwrap(),
+            "postgres://db/app"
+        );
+        let error = outbox.database_or("memory").unwrap_err();
+        assert!(error.contains("`database`"), "{error}");
+        let (line, message) = Config::parse(&format!("{text}[outbox]\n")).unwrap_err();
+        assert!(line.is_some() && message.contains("outbox"), "{message}");
+        let (_, message) = Config::parse("[outbox]\nlease = \"30s\"\n").unwrap_err();
+        assert!(message.contains("[[outbox.destination]]"), "{message}");
+    }
+
+    #[test]
+    fn a_topic_has_one_destination() {
+        let one = "[[outbox.destination]]\ntopic = \"crm\"\nurl = \"http://a/h\"\n";
+        let (line, message) = Config::parse(&format!("[outbox]\n{one}{one}")).unwrap_err();
+        assert_eq!(line, Some(6));
+        assert!(
+            message.contains("`topic`") && message.contains("crm"),
+            "{message}"
+        );
+    }
+}
