@@ -566,6 +566,12 @@ async fn proxy_runs_the_destinations_of_its_configuration(db: Db, dir: TempDir) 
     let output = cli(&dir, &[&["purge", "--id", "999999"][..], &target].concat());
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("no dead row with id 999999"));
+    let output = cli(&dir, &["counts", "--store", "sqlite://no/such/file.db"]);
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("no SQLite database at no/such/file.db")
+    );
+    assert!(!dir.join("no").exists(), "nothing created");
     assert_eq!(db.count("state = 'dead'").await, 0);
     assert_eq!(db.count("1 = 1").await, 2 * n + 2);
     drop(proxy);

@@ -166,8 +166,20 @@ pub fn run(args: OutboxArgs) -> Result<(), Box<dyn std::error::Error>> {
     })
 }
 
+/// Opens the table an operator's command works on; an SQLite file that
+/// does not exist is an error (a mistyped path creates nothing).
 async fn open(target: &Target) -> Result<Outbox, String> {
-    workers::open(&target.database()?).await
+    let url = target.database()?;
+    if let Some(path) = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+    {
+        let path = path.split('?').next().unwrap_or_default();
+        if !Path::new(path).exists() {
+            return Err(format!("no SQLite database at {path}"));
+        }
+    }
+    workers::open(&url).await
 }
 
 /// `outbox run`: the workers alone until SIGTERM or SIGINT.
