@@ -75,7 +75,8 @@ struct Cli {
     redis_prefix: Option<String>,
 
     /// A TOML file with the [proxy] settings, [defaults] and [[route]]
-    /// policies. A bad file is refused at start with its line and key.
+    /// policies, and [outbox] workers to run. A bad file is refused at
+    /// start with its line and key.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
 
