@@ -23,6 +23,9 @@ python3 -c 'import django' >/dev/null 2>&1 || python3 -m pip install --quiet 'dj
 express_dir="$(dirname "$0")/../proxy-bin/tests/frameworks/express"
 [ -d "$express_dir/node_modules/express" ] || (cd "$express_dir" && npm ci --no-audit --no-fund --silent)
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+# The Redis Cluster tests start three cluster-mode servers on free ports
+# themselves and join them with `redis-cli --cluster create`.
+command -v redis-cli >/dev/null 2>&1 || apt_install redis-tools
 if ! command -v pg_ctlcluster >/dev/null 2>&1; then
   apt_install postgresql postgresql-client
   # The tests connect as postgres over loopback without a password.

@@ -24,7 +24,8 @@
 //!   Malformed JSON, or JSON nested deeper than [`MAX_JSON_DEPTH`], is hashed
 //!   as raw bytes — never an error, never unbounded recursion.
 //! * **Forms** (`application/x-www-form-urlencoded`, `multipart/form-data`):
-//!   fields decoded and sorted by name (repeated names keep their order);
+//!   fields decoded and sorted by name (repeated names keep their order,
+//!   and so do names PHP reads as one, such as `a.b` and `a_b`);
 //!   configured field names are left out.
 //! * anything else: the raw bytes.
 //!
@@ -82,7 +83,7 @@ pub fn fingerprint_view(
     exclude: Exclusions<'_>,
 ) -> Fingerprint {
     let mut hasher = Sha256::new();
-    put(&mut hasher, method.as_str().as_bytes());
+    put(&mut hasher, crate::policy::method_name(method).as_bytes());
     // The path in the form it is routed and scoped by: two spellings of
     // one path are the same request.
     let path = crate::policy::normalize_path(uri.path(), false);
@@ -109,7 +110,7 @@ pub fn fingerprint_view(
                 .iter()
                 .filter(|(name, _)| !excluded(exclude.form, name))
                 .collect();
-            fields.sort_by(|a, b| a.0.cmp(&b.0));
+            sort_as_php_reads(&mut fields, |field| &field.0);
             hasher.update(b"F");
             for (name, value) in fields {
                 put(&mut hasher, name);
@@ -121,7 +122,7 @@ pub fn fingerprint_view(
                 .iter()
                 .filter(|part| !excluded(exclude.form, part.name))
                 .collect();
-            parts.sort_by(|a, b| a.name.cmp(b.name));
+            sort_as_php_reads(&mut parts, |part| part.name);
             hasher.update(b"M");
             for part in &parts {
                 put(&mut hasher, part.name);
@@ -132,6 +133,39 @@ pub fn fingerprint_view(
         Kind::BadMultipart | Kind::Opaque => raw(&mut hasher, body.bytes),
     }
     Fingerprint(hasher.finalize().into())
+}
+
+/// Sorts form fields by name, stably, where names PHP reads as one
+/// (`total.amount`, `total amount` and `total_amount` are all
+/// `$_POST['total_amount']`, the last one winning) sort as one, so their
+/// relative order — which decides what PHP reads — stays in the
+/// fingerprint. The raw names are what is hashed.
+fn sort_as_php_reads<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
+    let mangled = fields
+        .iter()
+        .any(|field| name(field).iter().any(|b| matches!(b, b' ' | b'.' | b'[')));
+    match mangled {
+        false => fields.sort_by(|a, b| name(a).cmp(name(b))),
+        true => fields.sort_by_cached_key(|field| php_name(name(field))),
+    }
+}
+
+/// The name PHP registers a form field under: leading spaces dropped, and
+/// before the first `[`, spaces and dots read as `_`; a `[` without a
+/// closing `]` reads as `_` too.
+fn php_name(raw: &[u8]) -> Vec<u8> {
+    let raw = &raw[raw.iter().take_while(|&&b| b == b' ').count()..];
+    let mut name = raw.to_vec();
+    let base = raw.iter().position(|&b| b == b'[').unwrap_or(raw.len());
+    for byte in &mut name[..base] {
+        if matches!(*byte, b' ' | b'.') {
+            *byte = b'_';
+        }
+    }
+    if base < raw.len() && !raw[base..].contains(&b']') {
+        name[base] = b'_';
+    }
+    name
 }
 
 fn excluded(names: &[String], name: &[u8]) -> bool {
@@ -308,6 +342,13 @@ mod tests {
         assert_eq!(fp("a=1&b=2&_token=x"), fp("_token=y&b=2&a=1"));
         assert_ne!(fp("a=1&b=2"), fp("a=1&b=3"));
         assert_ne!(fp("t=1&t=2"), fp("t=2&t=1"));
+        // Names PHP reads as one keep their order, whatever their spelling.
+        assert_ne!(fp("a.b=1&a_b=2"), fp("a_b=2&a.b=1"));
+        assert_ne!(fp("a%20b=1&a_b=2"), fp("a_b=2&a%20b=1"));
+        assert_ne!(fp("a[b=1&a_b=2"), fp("a_b=2&a[b=1"));
+        // Other names still sort.
+        assert_eq!(fp("a.b=1&c=2"), fp("c=2&a.b=1"));
+        assert_eq!(fp("x[]=1&a=2"), fp("a=2&x[]=1"));
     }
 
     #[test]

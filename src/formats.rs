@@ -20,6 +20,8 @@
 //!   (`application/json; charset`), which clients do send; the essence
 //!   match here reads only the part before `;`, as before.
 
+pub mod lenient;
+
 use http::HeaderMap;
 use memchr::memmem;
 
@@ -231,7 +233,7 @@ pub fn parse_pointer(pointer: &str) -> Vec<String> {
 
 /// The array index a pointer token names: decimal, without sign or
 /// leading zeros (RFC 6901, section 4).
-fn array_index(token: &str) -> Option<usize> {
+pub(crate) fn array_index(token: &str) -> Option<usize> {
     if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
         return None;
     }

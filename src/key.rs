@@ -86,10 +86,17 @@ pub fn extract_from(
         KeySource::JsonPointer(pointer) => {
             // Read whatever the content type says, as a client may not
             // label its JSON.
+            let tokens = formats::parse_pointer(pointer);
             let Ok(value) = serde_json::from_slice::<serde_json::Value>(body.bytes) else {
-                return Ok(None);
+                // What serde_json refuses but backends read (a BOM, a lone
+                // surrogate, deep nesting) must not hide the key.
+                return match formats::lenient::value_at(body.bytes, &tokens) {
+                    formats::lenient::Found::Absent => Ok(None),
+                    formats::lenient::Found::String(key) => Ok(Some(key)),
+                    formats::lenient::Found::Other => Err(KeyError::NotAString),
+                };
             };
-            match formats::pointer_get(&value, &formats::parse_pointer(pointer)) {
+            match formats::pointer_get(&value, &tokens) {
                 None | Some(serde_json::Value::Null) => Ok(None),
                 Some(serde_json::Value::String(s)) => Ok(Some(s.clone().into_bytes())),
                 Some(_) => Err(KeyError::NotAString),

@@ -53,6 +53,10 @@ pub enum ProblemKind {
     /// as `gzip, chunked`), which the engine does not decode; refused
     /// before anything is reserved. 501.
     TransferCodingUnsupported,
+    /// The route reads its key from the body, and the body has a
+    /// `Content-Encoding` (gzip, …) the engine does not read: the key could
+    /// hide in it. 415; nothing reserved.
+    ContentEncodingUnsupported,
     /// The route requires a principal (`Policy::principal`) and the request
     /// names none. 401; nothing reserved.
     PrincipalMissing,
@@ -82,6 +86,9 @@ impl ProblemKind {
             ProblemKind::TransferCodingUnsupported => {
                 "urn:tower-idempotency:transfer-coding-unsupported"
             }
+            ProblemKind::ContentEncodingUnsupported => {
+                "urn:tower-idempotency:content-encoding-unsupported"
+            }
             ProblemKind::PrincipalMissing => "urn:tower-idempotency:principal-missing",
             ProblemKind::PrincipalInvalid => "urn:tower-idempotency:principal-invalid",
         }
@@ -102,6 +109,7 @@ impl ProblemKind {
             ProblemKind::UpstreamUnavailable => "Upstream unavailable",
             ProblemKind::UpstreamTimeout => "Upstream timed out",
             ProblemKind::TransferCodingUnsupported => "Transfer coding not implemented",
+            ProblemKind::ContentEncodingUnsupported => "Content encoding not supported",
             ProblemKind::PrincipalMissing => "Principal missing",
             ProblemKind::PrincipalInvalid => "Principal invalid",
         }
@@ -123,6 +131,7 @@ impl ProblemKind {
             ProblemKind::UpstreamUnavailable => StatusCode::BAD_GATEWAY,
             ProblemKind::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ProblemKind::TransferCodingUnsupported => StatusCode::NOT_IMPLEMENTED,
+            ProblemKind::ContentEncodingUnsupported => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ProblemKind::PrincipalMissing | ProblemKind::PrincipalInvalid => {
                 StatusCode::UNAUTHORIZED
             }

@@ -29,3 +29,12 @@ store_conformance!(redis_memory, async {
 store_conformance!(redis_postgres, async {
     fixtures::redis_cache(fixtures::postgres_store().await)
 });
+// The same against a three-node Redis Cluster on loopback.
+#[cfg(feature = "redis")]
+store_conformance!(redis_cluster_memory, async {
+    fixtures::redis_cluster_cache(MemoryStore::new())
+});
+#[cfg(all(feature = "redis", feature = "postgres"))]
+store_conformance!(redis_cluster_postgres, async {
+    fixtures::redis_cluster_cache(fixtures::postgres_store().await)
+});

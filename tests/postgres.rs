@@ -315,3 +315,175 @@ async fn two_databases_sharing_one_redis_never_replay_each_others_responses() {
     assert_ne!(staging.namespace(), production.namespace());
     assert!(staging.namespace().unwrap().starts_with(&prefix));
 }
+
+// ---------------------------------------------------------------------------
+// Conflicts: what PostgreSQL-compatible engines with optimistic concurrency
+// answer under contention (SQLSTATE 40001), and deadlocks (40P01). A trigger
+// on this test's own table raises them; a sequence (which no rollback
+// undoes) counts every attempt that reached the table.
+
+/// Makes every write to the records table of `store` fail with SQLSTATE
+/// `code`: the first `failures` attempts, or all of them with `None`.
+async fn inject_conflicts(store: &PostgresStore, code: &str, failures: Option<i64>) {
+    let limit = failures.map_or("true".to_owned(), |n| format!("n <= {n}"));
+    for statement in [
+        "CREATE SEQUENCE IF NOT EXISTS injected".to_owned(),
+        "SELECT setval('injected', 1, false)".to_owned(),
+        format!(
+            "CREATE OR REPLACE FUNCTION inject_conflict() RETURNS trigger LANGUAGE plpgsql AS $$
+             DECLARE n bigint := nextval('injected');
+             BEGIN
+               IF {limit} THEN
+                 RAISE EXCEPTION 'injected conflict %', n USING ERRCODE = '{code}';
+               END IF;
+               RETURN COALESCE(NEW, OLD);
+             END $$"
+        ),
+        "DROP TRIGGER IF EXISTS inject_conflict ON idempotency_records".to_owned(),
+        "CREATE TRIGGER inject_conflict BEFORE INSERT OR UPDATE OR DELETE
+         ON idempotency_records FOR EACH ROW EXECUTE FUNCTION inject_conflict()"
+            .to_owned(),
+    ] {
+        sqlx::query(&statement).execute(store.pool()).await.unwrap();
+    }
+}
+
+/// How many writes reached the table since [`inject_conflicts`].
+async fn attempts(store: &PostgresStore) -> i64 {
+    sqlx::query_scalar("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM injected")
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn serialization_failures_and_deadlocks_are_retried_until_the_statement_goes_through() {
+    for code in ["40001", "40P01"] {
+        let store = postgres_store().await;
+        let (key, owner) = (random_key(), OwnerToken::random());
+
+        inject_conflicts(&store, code, Some(3)).await;
+        let claim = store
+            .reserve(&key, &fingerprint(1), &owner, LONG, LONG)
+            .await
+            .unwrap_or_else(|e| panic!("{code}: reserve gave up: {e}"));
+        assert!(
+            matches!(claim, Claim::Acquired { takeover: false }),
+            "{claim:?}"
+        );
+        assert_eq!(
+            attempts(&store).await,
+            4,
+            "{code}: three conflicts, then the insert"
+        );
+
+        inject_conflicts(&store, code, Some(2)).await;
+        assert!(store.renew(&key, &owner, LONG).await.unwrap(), "{code}");
+        assert_eq!(attempts(&store).await, 3, "{code}");
+
+        inject_conflicts(&store, code, Some(2)).await;
+        assert!(store
+            .complete(&key, &owner, &outcome(), LONG)
+            .await
+            .unwrap());
+        assert_eq!(attempts(&store).await, 3, "{code}");
+        let record = store
+            .get(&key)
+            .await
+            .unwrap()
+            .expect("the completed record");
+        assert_eq!(
+            record.state,
+            tower_idempotency::store::RecordState::Completed(outcome())
+        );
+
+        // A release that conflicted still releases (once).
+        let (other, holder) = (random_key(), OwnerToken::random());
+        inject_conflicts(&store, code, Some(0)).await;
+        store
+            .reserve(&other, &fingerprint(2), &holder, LONG, LONG)
+            .await
+            .unwrap();
+        inject_conflicts(&store, code, Some(2)).await;
+        assert!(store.release(&other, &holder).await.unwrap(), "{code}");
+        assert_eq!(store.get(&other).await.unwrap(), None);
+        store.close().await;
+    }
+}
+
+/// Twenty concurrent duplicates through the engine, while the database
+/// answers the first ten writes with serialization failures: retried, they
+/// still execute the request exactly once, and every duplicate gets its
+/// answer (none a 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conflicting_duplicates_still_execute_once() {
+    let store = postgres_store().await;
+    inject_conflicts(&store, "40001", Some(10)).await;
+    let policy = Policy::default();
+    let base = Harness::new(policy.clone()).slow(Duration::from_millis(20));
+    let instance = base.with_engine(Engine::new(store.clone(), routes(&policy)));
+    let replies = join_all((0..20).map(|_| {
+        let instance = instance.clone();
+        tokio::spawn(async move { instance.send(post_json(b"order-40001", "{}")).await })
+    }))
+    .await;
+    assert_eq!(base.calls(), 1);
+    for reply in replies {
+        let reply = reply.unwrap();
+        assert_eq!(reply.status, http::StatusCode::CREATED);
+        assert_eq!(reply.text(), "order 1");
+    }
+    assert!(attempts(&store).await > 10, "the conflicts were not raised");
+}
+
+/// A conflict that never ends: the store gives up at its retry budget with
+/// a store error that carries the database's code, and through the engine
+/// the request is refused with 503 and never executed — whether the
+/// store's budget or the engine's `store_timeout` ends it first.
+#[tokio::test]
+async fn a_conflict_that_never_ends_fails_closed() {
+    let store = postgres_store()
+        .await
+        .retry_budget(Duration::from_millis(300));
+    inject_conflicts(&store, "40001", None).await;
+    let error = store
+        .reserve(
+            &random_key(),
+            &fingerprint(1),
+            &OwnerToken::random(),
+            LONG,
+            LONG,
+        )
+        .await
+        .unwrap_err();
+    let StoreError::Unavailable(source) = &error else {
+        panic!("expected Unavailable, got {error:?}");
+    };
+    let code = source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(|e| e.as_database_error())
+        .and_then(|e| e.code())
+        .map(|code| code.into_owned());
+    assert_eq!(code.as_deref(), Some("40001"), "{error}");
+    assert!(attempts(&store).await > 1, "it was not retried");
+
+    let policy = Policy::default();
+    for (budget, store_timeout) in [
+        (Duration::from_millis(200), Duration::from_secs(5)),
+        (PostgresStore::RETRY_BUDGET, Duration::from_millis(300)),
+    ] {
+        let store = store.clone().retry_budget(budget);
+        let engine = Engine::with_config(
+            Arc::new(store),
+            routes(&policy),
+            tower_idempotency::EngineConfig {
+                store_timeout,
+                ..Default::default()
+            },
+        );
+        let harness = Harness::new(policy.clone()).with_engine(engine);
+        let reply = harness.send(post_json(b"order-stuck", "{}")).await;
+        reply.assert_problem(http::StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
+        assert_eq!(harness.calls(), 0, "executed although the store failed");
+    }
+}

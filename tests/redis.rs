@@ -126,18 +126,32 @@ async fn existing(store: &impl Store, key: &ScopeKey, fingerprint: &Fingerprint)
 
 #[tokio::test]
 async fn replays_from_redis_make_no_memory_store_query() {
-    replays_from_redis_make_no_inner_store_query(MemoryStore::new()).await;
+    replays_from_redis_make_no_inner_store_query(MemoryStore::new(), &shared_url()).await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn replays_from_redis_make_no_postgres_query() {
-    replays_from_redis_make_no_inner_store_query(fixtures::postgres_store().await).await;
+    replays_from_redis_make_no_inner_store_query(fixtures::postgres_store().await, &shared_url())
+        .await;
 }
 
-async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone) {
+#[tokio::test]
+async fn replays_from_a_redis_cluster_make_no_memory_store_query() {
+    let url = fixtures::cluster::redis_cluster_url();
+    replays_from_redis_make_no_inner_store_query(MemoryStore::new(), &url).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn replays_from_a_redis_cluster_make_no_postgres_query() {
+    let url = fixtures::cluster::redis_cluster_url();
+    replays_from_redis_make_no_inner_store_query(fixtures::postgres_store().await, &url).await;
+}
+
+async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone, url: &str) {
     let (inner, faults) = counting(store);
-    let cache = RedisCache::new(inner.clone(), config(&shared_url(), "replay")).unwrap();
+    let cache = RedisCache::new(inner.clone(), config(url, "replay")).unwrap();
     let (k, fp, other) = (random_key(), fingerprint(1), fingerprint(2));
 
     let owner = acquire(&cache, &k, &fp).await;
@@ -161,6 +175,77 @@ async fn replays_from_redis_make_no_inner_store_query(store: impl Store + Clone)
     assert_eq!(lookups(&faults), before, "a replay reached the inner store");
     assert_eq!(hits(&cache), 7);
     assert_eq!(errors(&cache), 0);
+}
+
+/// In a Redis Cluster, a record's key hashes by the record's own hash (its
+/// hash tag), so whatever is kept for one record shares one slot, and many
+/// records spread over the slots of all three nodes.
+#[tokio::test]
+async fn cluster_keys_share_their_records_slot_and_records_spread_over_nodes() {
+    let (inner, faults) = counting(MemoryStore::new());
+    let config = config(&fixtures::cluster::redis_cluster_url(), "slots");
+    let prefix = config.prefix.clone();
+    let cache = RedisCache::new(inner.clone(), config).unwrap();
+    let records: Vec<ScopeKey> = (0..24).map(|_| random_key()).collect();
+    for k in &records {
+        let owner = acquire(&cache, k, &fingerprint(4)).await;
+        assert!(cache.complete(k, &owner, &outcome("s"), TTL).await.unwrap());
+    }
+    cache.settled().await;
+    assert_eq!(errors(&cache), 0, "every write reached the cluster");
+
+    // Every node's own keys under this test's prefix, and its slot.
+    let mut found: HashMap<String, String> = HashMap::new();
+    let mut nodes_holding = 0;
+    for node in fixtures::cluster::redis_cluster_nodes() {
+        let mut conn = redis(&node).await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}*"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        nodes_holding += usize::from(!keys.is_empty());
+        for key in keys {
+            found.insert(key, node.clone());
+        }
+    }
+    assert_eq!(found.len(), records.len(), "one key per record: {found:?}");
+    assert!(nodes_holding >= 2, "24 records all on one node: {found:?}");
+
+    let mut conn = redis(&fixtures::cluster::redis_cluster_nodes()[0]).await;
+    let mut slots = std::collections::HashSet::new();
+    for k in &records {
+        let hex = k.to_hex();
+        let key = found
+            .keys()
+            .find(|key| key.contains(&hex))
+            .unwrap_or_else(|| panic!("no key holds record {hex}"));
+        let slot_of = |name: String| {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("KEYSLOT").arg(name);
+            cmd
+        };
+        let key_slot: i64 = slot_of(key.clone()).query_async(&mut conn).await.unwrap();
+        // Any other key of this record (the tag with anything around it)
+        // hashes to the same slot as this one.
+        let sibling: i64 = slot_of(format!("other:{{{hex}}}:part"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let tag_slot: i64 = slot_of(hex).query_async(&mut conn).await.unwrap();
+        assert_eq!(key_slot, tag_slot, "{key} is not slotted by its record");
+        assert_eq!(key_slot, sibling);
+        slots.insert(key_slot);
+    }
+    assert!(slots.len() > 12, "24 records in {} slots", slots.len());
+
+    // And the cluster answers replays: no lookup reaches the inner store.
+    let before = lookups(&faults);
+    for k in &records {
+        let record = existing(&cache, k, &fingerprint(4)).await;
+        assert_eq!(record.state, RecordState::Completed(outcome("s")));
+    }
+    assert_eq!(lookups(&faults), before, "a replay missed the cluster");
 }
 
 #[tokio::test]
@@ -226,7 +311,7 @@ async fn a_miss_asks_the_inner_store_and_fills_redis_under_the_hash_only() {
     // Under the prefix and the inner store's id: hashes only.
     let id = cache.inner().identity().await.unwrap().unwrap();
     assert_eq!(cache.namespace(), Some(format!("{prefix}{id}:").as_str()));
-    assert_eq!(keys, vec![format!("{prefix}{id}:{}", k.to_hex())]);
+    assert_eq!(keys, vec![format!("{prefix}{id}:{{{}}}", k.to_hex())]);
     let pttl: i64 = redis::cmd("PTTL")
         .arg(&keys[0])
         .query_async(&mut conn)
@@ -245,7 +330,7 @@ async fn a_corrupt_entry_is_a_counted_miss_and_loses_nothing() {
     let config = config(&url, "corrupt");
     let store = MemoryStore::new();
     let id = store.identity().await.unwrap().unwrap();
-    let redis_key = |k: &ScopeKey| format!("{}{id}:{}", config.prefix, k.to_hex());
+    let redis_key = |k: &ScopeKey| format!("{}{id}:{{{}}}", config.prefix, k.to_hex());
     let cache = RedisCache::new(store, config.clone()).unwrap();
     let (k, fp) = (random_key(), fingerprint(4));
     let mut conn = redis(&url).await;

@@ -1,11 +1,312 @@
-//! The subcommands of `idempotency-proxy`. Without one, the proxy runs.
+//! The subcommands of `idempotency-proxy` (without one, it runs the
+//! proxy): `keys …`, the operator's key operations against a store, and
+//! `outbox …`, the outbox's workers and repairs, with no proxy running.
+//!
+//! ```text
+//! idempotency-proxy keys lookup --key order-1 --path /orders --host shop.example \
+//!     --principal alice --store postgres://… [--config idempotency.toml]
+//! idempotency-proxy keys purge --scope <64 hex> --store sqlite://idempotency.db
+//! idempotency-proxy keys purge-principal --jwt-sub user-42 --jwt-iss https://id.example …
+//! idempotency-proxy keys release --key order-1 --path /orders …
+//! idempotency-proxy keys in-flight --older-than 30s …
+//! idempotency-proxy keys counts …
+//! ```
+//!
+//! The configuration file gives the routes a scope hash is computed with
+//! (and `store` and `redis` from `[proxy]` unless given as flags): give the
+//! proxy's own file, or a lookup computes another hash than the proxy's.
+//! The answer is JSON on stdout (as the admin API's); the log goes to
+//! stderr. Exit status 0, 2 for bad input or configuration, 1 when the
+//! store failed.
 
-use clap::Subcommand;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
 
-/// What to do instead of running the proxy.
+use clap::{Args, Subcommand};
+use tower_idempotency::{Engine, EngineConfig};
+
+use crate::config::Config;
+use crate::keys::{self, Failure, Op, PrincipalInput, Query, Target};
+
+/// A subcommand; none runs the proxy.
+// Parsed once per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Look up, purge and force-release idempotency keys in a store, list
+    /// stuck keys and count records — without a running proxy.
+    Keys(KeysArgs),
     /// Run outbox workers alone, or look at and repair the outbox table,
     /// without a running proxy.
     Outbox(crate::outbox::cli::OutboxArgs),
+}
+
+/// `keys`: where the records are, and the operation.
+#[derive(Debug, Args)]
+pub struct KeysArgs {
+    /// The store: `sqlite://PATH` or `postgres://URL` [default: `store` in
+    /// [proxy] of --config].
+    #[arg(long, value_name = "STORE", global = true)]
+    store: Option<String>,
+
+    /// The proxy's configuration file: its routes decide scope hashes, its
+    /// [proxy] table names the store and Redis unless given as flags.
+    #[arg(long, value_name = "FILE", global = true)]
+    config: Option<PathBuf>,
+
+    /// The Redis front cache in use, so purged records are invalidated
+    /// there too [default: `redis` in [proxy] of --config].
+    #[arg(long, value_name = "URL", global = true)]
+    redis: Option<String>,
+
+    /// The Redis key prefix in use [default: `redis_prefix` in [proxy], or
+    /// idem:].
+    #[arg(long, value_name = "PREFIX", global = true)]
+    redis_prefix: Option<String>,
+
+    #[command(subcommand)]
+    command: KeysCommand,
+}
+
+/// The key operations.
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// The record a request with this key would meet: state, created,
+    /// expires, lease left, stored status and size.
+    Lookup {
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Also print the stored response (status, headers, body).
+        #[arg(long)]
+        body: bool,
+    },
+    /// Delete a record in any state; the next request with its key runs.
+    Purge(TargetArgs),
+    /// Delete every record stored for one caller.
+    PurgePrincipal(PrincipalArgs),
+    /// Release an in-flight key whoever holds it; its holder's response
+    /// will not be stored, and the next request with the key runs.
+    Release(TargetArgs),
+    /// List keys in flight for at least some time, oldest first.
+    InFlight {
+        /// The least age, such as 30s or 5m.
+        #[arg(long, value_name = "AGE", default_value = "0s")]
+        older_than: String,
+        /// The most records listed.
+        #[arg(long, default_value_t = keys::DEFAULT_LIMIT)]
+        limit: usize,
+    },
+    /// Count records by state.
+    Counts,
+}
+
+/// Which record: `--scope`, or what the client sent.
+#[derive(Debug, Args)]
+struct TargetArgs {
+    /// The record's scope hash (64 hex characters, as `lookup` prints it).
+    #[arg(long, value_name = "HEX", conflicts_with_all = ["key", "path", "method", "host", "headers"])]
+    scope: Option<String>,
+    /// The raw idempotency key the client sent.
+    #[arg(long, required_unless_present = "scope")]
+    key: Option<String>,
+    /// The method the client used [default: POST].
+    #[arg(long)]
+    method: Option<String>,
+    /// The path the client sent, such as /orders.
+    #[arg(long, required_unless_present = "scope")]
+    path: Option<String>,
+    /// The Host the client addressed.
+    #[arg(long)]
+    host: Option<String>,
+    /// A header the route scopes by, as `name: value` (repeatable).
+    #[arg(long = "header", value_name = "NAME: VALUE", id = "headers")]
+    headers: Vec<String>,
+    #[command(flatten)]
+    principal: PrincipalArgs,
+}
+
+/// A caller: a trusted header's value, or a JWT's `sub` (and `iss`).
+#[derive(Debug, Args)]
+struct PrincipalArgs {
+    /// The principal as the route reads it (a trusted header's value).
+    #[arg(long, conflicts_with = "jwt_sub")]
+    principal: Option<String>,
+    /// A JWT route's caller: the token's `sub`.
+    #[arg(long, value_name = "SUB")]
+    jwt_sub: Option<String>,
+    /// With --jwt-sub: the token's `iss`, if it has one.
+    #[arg(long, value_name = "ISS", requires = "jwt_sub")]
+    jwt_iss: Option<String>,
+}
+
+impl PrincipalArgs {
+    fn input(&self) -> Option<PrincipalInput> {
+        if let Some(sub) = &self.jwt_sub {
+            return Some(PrincipalInput::Jwt {
+                sub: sub.clone(),
+                iss: self.jwt_iss.clone(),
+            });
+        }
+        self.principal.clone().map(PrincipalInput::Raw)
+    }
+}
+
+impl TargetArgs {
+    fn target(&self) -> Result<Target, Failure> {
+        if let Some(scope) = &self.scope {
+            return Ok(Target::Scope {
+                scope: scope.clone(),
+            });
+        }
+        let mut query = Query {
+            key: self.key.clone().unwrap_or_default(),
+            method: self.method.clone(),
+            path: self.path.clone().unwrap_or_default(),
+            host: self.host.clone(),
+            principal: self.principal.input(),
+            ..Query::default()
+        };
+        for header in &self.headers {
+            let Some((name, value)) = header.split_once(':') else {
+                return Err(Failure::Input(format!(
+                    "--header: expected `name: value`, got `{header}`"
+                )));
+            };
+            query.add_header(name.trim(), value.trim());
+        }
+        Ok(Target::Query(query))
+    }
+}
+
+impl KeysCommand {
+    fn op(&self) -> Result<Op, Failure> {
+        Ok(match self {
+            KeysCommand::Lookup { target, body } => Op::Lookup {
+                target: target.target()?,
+                body: *body,
+            },
+            KeysCommand::Purge(target) => Op::Purge(target.target()?),
+            KeysCommand::Release(target) => Op::Release(target.target()?),
+            KeysCommand::PurgePrincipal(principal) => {
+                Op::PurgePrincipal(principal.input().ok_or_else(|| {
+                    Failure::Input(
+                        "purge-principal: give --principal VALUE or --jwt-sub SUB [--jwt-iss ISS]"
+                            .into(),
+                    )
+                })?)
+            }
+            KeysCommand::InFlight { older_than, limit } => Op::InFlight {
+                older_than: keys::parse_age(older_than)?,
+                limit: *limit,
+            },
+            KeysCommand::Counts => Op::Counts,
+        })
+    }
+}
+
+/// Runs a subcommand to its exit status.
+pub fn run(command: Command) -> ExitCode {
+    let args = match command {
+        Command::Keys(args) => args,
+        Command::Outbox(args) => {
+            return match crate::outbox::cli::run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("idempotency-proxy: {error}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    };
+    match run_keys(&args) {
+        Ok(answer) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&answer).unwrap_or_default()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(failure) => {
+            eprintln!("idempotency-proxy keys: {failure}");
+            ExitCode::from(match failure {
+                Failure::Input(_) => 2,
+                Failure::Unsupported(_) | Failure::Store(_) => 1,
+            })
+        }
+    }
+}
+
+/// How long one store call of the command line may take (an operator's
+/// count of a large table takes a while).
+const STORE_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn run_keys(args: &KeysArgs) -> Result<serde_json::Value, Failure> {
+    let op = args.command.op()?;
+    let config = match &args.config {
+        Some(path) => Config::load(path).map_err(|error| Failure::Input(error.to_string()))?,
+        None => Config::builtin(),
+    };
+    let settings = &config.proxy;
+    let store = args
+        .store
+        .as_ref()
+        .or(settings.store.as_ref())
+        .ok_or_else(|| {
+            Failure::Input(
+                "no store: pass --store URL (sqlite://PATH or postgres://URL), or --config with \
+             `store` in [proxy]"
+                    .into(),
+            )
+        })?;
+    if store == "memory" {
+        return Err(Failure::Input(
+            "--store memory: a memory store lives inside its proxy; use the admin API \
+             (/keys/...) of that proxy instead"
+                .into(),
+        ));
+    }
+    let redis = args.redis.as_ref().or(settings.redis.as_ref());
+    let prefix = args
+        .redis_prefix
+        .as_ref()
+        .or(settings.redis_prefix.as_ref());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| Failure::Store(format!("cannot start a runtime: {error}")))?;
+    // The same key secret and keys as the proxy: scopes are hashed under
+    // the secret, and stored bodies open only with the keyring.
+    let secrets = config.secrets.load().map_err(Failure::Input)?;
+    runtime.block_on(async {
+        let store = crate::store::open(
+            store,
+            redis.map(String::as_str),
+            prefix.map(String::as_str),
+            STORE_TIMEOUT,
+        )
+        .await
+        .map_err(Failure::Input)?;
+        let engine = Engine::with_config(
+            store,
+            config.routes.clone(),
+            EngineConfig {
+                store_timeout: STORE_TIMEOUT,
+                key_secret: secrets.key_secret,
+                encryption: secrets.keyring,
+                ..EngineConfig::default()
+            },
+        );
+        keys::run(&engine, op).await
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        crate::Cli::command().debug_assert();
+    }
 }

@@ -4,6 +4,8 @@
 //!
 //! * `[proxy]`: where to listen, the upstream, the store, timeouts
 //!   ([`ProxySettings`]); every command-line flag overrides its key here;
+//! * `[secrets]`: where the key secret and the encryption keys are read
+//!   from, environment variables or files ([`SecretsSettings`]);
 //! * `[defaults]`: a [`Policy`] applied to every route (any policy key);
 //! * `[outbox]` and `[[outbox.destination]]`: outbox workers
 //!   (`crate::outbox::config`);
@@ -31,6 +33,7 @@ use toml::Spanned;
 use tower_idempotency::{EngineConfig, Policy, PolicyError, Routes};
 
 use crate::outbox::config::{OutboxFile, OutboxSettings};
+use crate::secrets::SecretsSettings;
 
 /// The `[proxy]` table. Every key is optional; the command line overrides
 /// it, and [`ProxySettings::resolve`] fills in the defaults.
@@ -187,6 +190,8 @@ impl ProxySettings {
 pub struct Config {
     /// The `[proxy]` table.
     pub proxy: ProxySettings,
+    /// The `[secrets]` table.
+    pub secrets: SecretsSettings,
     /// The route table, in file order.
     pub routes: Routes,
     /// `[outbox]`: outbox workers to run, if configured.
@@ -199,6 +204,7 @@ impl Config {
     pub fn builtin() -> Self {
         Config {
             proxy: ProxySettings::default(),
+            secrets: SecretsSettings::default(),
             routes: Routes::all(Policy::default()).expect("the default policy is valid"),
             outbox: None,
         }
@@ -306,6 +312,7 @@ impl Config {
         }
         Ok(Config {
             proxy: file.proxy.unwrap_or_default(),
+            secrets: file.secrets.unwrap_or_default(),
             routes: routes.case_insensitive(file.case_insensitive_paths),
             outbox,
         })
@@ -326,6 +333,7 @@ struct File {
     #[serde(default)]
     case_insensitive_paths: bool,
     proxy: Option<ProxySettings>,
+    secrets: Option<SecretsSettings>,
     defaults: Option<BTreeMap<Spanned<String>, Spanned<toml::Value>>>,
     #[serde(default)]
     route: Vec<Spanned<BTreeMap<Spanned<String>, Spanned<toml::Value>>>>,

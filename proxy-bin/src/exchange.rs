@@ -134,13 +134,18 @@ impl Exchange {
         let mut session = match self.upstream.send(&request, &body).await {
             Ok(session) => session,
             Err(failure) => {
-                tracing::warn!(error = %failure.error, timed_out = failure.timed_out, "upstream failed");
-                if let Some(reservation) = reservation {
-                    reservation.release_upstream_failed(failure.timed_out).await;
-                }
-                let problem = self
-                    .engine
-                    .upstream_failed(failure.timed_out, &request.headers);
+                tracing::warn!(error = %failure.error, timed_out = failure.timed_out, sent = failure.sent, "upstream failed");
+                let (timed_out, headers) = (failure.timed_out, &request.headers);
+                // The engine releases the key only if the upstream cannot
+                // have acted; otherwise it keeps "outcome unknown".
+                let problem = match reservation {
+                    Some(reservation) => {
+                        reservation
+                            .upstream_failed(timed_out, failure.sent, headers)
+                            .await
+                    }
+                    None => self.engine.upstream_failed(timed_out, headers),
+                };
                 self.send(Frame::Failed(problem), false).await;
                 return;
             }

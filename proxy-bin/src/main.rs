@@ -3,10 +3,12 @@
 //!
 //! ```text
 //! idempotency-proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
-//!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL] \
+//!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL | redis+cluster://HOST:PORT,…] \
 //!     [--config idempotency.toml] [--admin 127.0.0.1:9090]
 //! idempotency-proxy outbox run --config idempotency.toml
 //! idempotency-proxy outbox counts|dead|retry ID|purge … --store URL | --config FILE
+//! idempotency-proxy keys lookup|purge|purge-principal|release|in-flight|counts … \
+//!     --store URL [--config idempotency.toml]
 //! ```
 //!
 //! Every decision is the [`Engine`]'s; see `proxy.rs` for how bytes move.
@@ -19,8 +21,10 @@ mod cli;
 mod config;
 mod demo;
 mod exchange;
+mod keys;
 mod outbox;
 mod proxy;
+mod secrets;
 mod shutdown;
 mod store;
 mod upstream;
@@ -63,8 +67,10 @@ struct Cli {
     #[arg(long, value_name = "STORE")]
     store: Option<String>,
 
-    /// A Redis front cache (redis://HOST:PORT) in front of the store: replays
-    /// are answered from Redis; Redis never decides who runs a request.
+    /// A Redis front cache (redis://HOST:PORT, or
+    /// redis+cluster://HOST:PORT,HOST:PORT for a Redis Cluster) in front of
+    /// the store: replays are answered from Redis; Redis never decides who
+    /// runs a request.
     #[arg(long, value_name = "URL")]
     redis: Option<String>,
 
@@ -97,7 +103,7 @@ struct Cli {
     )]
     demo_backend: Option<String>,
 
-    /// Without a subcommand, the proxy runs.
+    /// Without a subcommand, runs the proxy.
     #[command(subcommand)]
     command: Option<cli::Command>,
 }
@@ -120,7 +126,7 @@ impl Cli {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -129,11 +135,10 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
         )
         .init();
-    let result = match cli.command {
-        Some(cli::Command::Outbox(args)) => outbox::cli::run(args),
-        None => run(cli),
-    };
-    match result {
+    if let Some(command) = cli.command.take() {
+        return cli::run(command);
+    }
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("idempotency-proxy: {error}");
@@ -164,6 +169,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         },
     )?);
     let admin_token = admin::AdminToken::load(settings.admin_token_file.as_deref())?;
+    let secrets = config.secrets.load()?;
+    let keyed_scopes = secrets.key_secret.is_some();
+    let encryption_key = secrets
+        .keyring
+        .as_ref()
+        .map_or("off".to_owned(), |keyring| keyring.current_id().to_owned());
     let listeners = [
         Some(&settings.listen),
         settings.admin.as_ref(),
@@ -186,6 +197,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         &settings.store,
         settings.redis.as_deref(),
         settings.redis_prefix.as_deref(),
+        settings.store_timeout,
     ))?;
     let engine = Engine::with_config(
         store,
@@ -193,6 +205,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         EngineConfig {
             store_timeout: settings.store_timeout,
             max_buffered_bytes: settings.max_buffered_bytes,
+            key_secret: secrets.key_secret,
+            encryption: secrets.keyring,
             ..EngineConfig::default()
         },
     );
@@ -268,6 +282,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         admin = settings.admin.as_deref().unwrap_or("off"),
         operator_api,
         outbox_destinations = config.outbox.as_ref().map_or(0, |o| o.destinations.len()),
+        keyed_scopes,
+        encryption_key = %encryption_key,
         "idempotency-proxy started"
     );
     let signals = Signals {

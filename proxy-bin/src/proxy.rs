@@ -137,9 +137,9 @@ impl IdempotencyProxy {
             matches!(failure, BodyFailure::TooLarge) && !expects_continue(session.req_header());
         let request = &session.req_header().headers;
         let response = match failure {
-            BodyFailure::TooLarge => self.engine.body_too_large(covered.policy(), request),
+            BodyFailure::TooLarge => self.engine.body_too_large(covered, request),
             BodyFailure::Unreadable { timed_out } => {
-                self.engine.body_unreadable(timed_out, request)
+                self.engine.body_unreadable(covered, timed_out, request)
             }
         };
         write_response(session, response).await?;
@@ -182,7 +182,10 @@ impl ProxyHttp for IdempotencyProxy {
             // body limit.
             return Ok(false);
         };
-        if let Some(refused) = self.engine.unsupported_transfer_coding(&request.headers) {
+        if let Some(refused) = self
+            .engine
+            .unsupported_transfer_coding(&covered, &request.headers)
+        {
             // Not forwarded, and the body is not read: nothing reserved.
             session.set_keepalive(None);
             write_response(session, refused).await?;

@@ -8,8 +8,11 @@ use tower_idempotency::{
 };
 
 /// Opens the store `spec` names (`memory`, `sqlite://PATH`,
-/// `postgres://URL`), with a Redis front cache when `redis` is set, its
-/// keys under `prefix` (default `idem:`) and the store's own id.
+/// `postgres://URL`), with a Redis front cache when `redis` is set
+/// (`redis://…`, or `redis+cluster://host:port,host:port` for a Redis
+/// Cluster), its keys under `prefix` (default `idem:`) and the store's own
+/// id. PostgreSQL statements that conflict (SQLSTATE 40001, 40P01) are
+/// retried for up to `store_timeout`.
 ///
 /// An SQLite file that cannot be opened is an error. An unreachable
 /// PostgreSQL is not: the proxy starts, answers 503 (fail closed) and
@@ -23,6 +26,7 @@ pub async fn open(
     spec: &str,
     redis: Option<&str>,
     prefix: Option<&str>,
+    store_timeout: Duration,
 ) -> Result<Arc<dyn Store>, String> {
     let redis = redis.map(|url| (url, prefix));
     if spec == "memory" {
@@ -33,7 +37,7 @@ pub async fn open(
             .map_err(|error| format!("cannot open the SQLite store `{spec}`: {error}"))?;
         with_cache(store, redis)
     } else if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
-        with_cache(postgres(spec).await?, redis)
+        with_cache(postgres(spec).await?.retry_budget(store_timeout), redis)
     } else {
         let scheme = spec.split(':').next().unwrap_or_default();
         Err(format!(

@@ -35,13 +35,18 @@ pub struct Upstream {
     timeouts: Timeouts,
 }
 
-/// Why an exchange failed before the upstream's response head arrived. The
-/// key is released either way; the client gets 502 or 504.
+/// Why an exchange failed before the upstream's response head arrived; the
+/// client gets 502 or 504, and the engine decides from `sent` whether the
+/// key may be released.
 #[derive(Debug)]
 pub struct ExchangeError {
     /// The upstream did not answer in time (504) rather than being
     /// unreachable or breaking the connection (502).
     pub timed_out: bool,
+    /// The request head had been written: the upstream may have acted on
+    /// it (some answer without reading the body), so its key must never be
+    /// released.
+    pub sent: bool,
     /// Pingora's error, for the log.
     pub error: Box<Error>,
 }
@@ -117,6 +122,7 @@ impl Upstream {
                     .map_err(|error| ExchangeError {
                         // A connect timeout is an unreachable upstream: 502.
                         timed_out: false,
+                        sent: false,
                         error,
                     })?;
             session.read_timeout = Some(self.timeouts.read);
@@ -124,7 +130,7 @@ impl Upstream {
             match exchange_head(&mut session, request, body).await {
                 Ok(()) => return Ok(session),
                 Err((sent, error)) => {
-                    // Once the whole request is written, the upstream may
+                    // Once the request head is written, the upstream may
                     // have acted on it: never send it a second time.
                     let stale = reused && !sent && matches!(error.retry, RetryType::ReusedOnly);
                     if stale && attempt == 1 {
@@ -135,7 +141,11 @@ impl Upstream {
                         error.etype,
                         ErrorType::ReadTimedout | ErrorType::WriteTimedout
                     );
-                    return Err(ExchangeError { timed_out, error });
+                    return Err(ExchangeError {
+                        timed_out,
+                        sent,
+                        error,
+                    });
                 }
             }
         }
@@ -184,23 +194,37 @@ async fn exchange_head(
     request: &RequestHeader,
     body: &Bytes,
 ) -> Result<(), (bool, Box<Error>)> {
-    let unsent = |error| (false, error);
     session
         .write_request_header(Box::new(request.clone()))
         .await
-        .map_err(unsent)?;
-    if !body.is_empty() {
-        session.write_body(body).await.map_err(unsent)?;
+        .map_err(|error| (false, error))?;
+    // The head is on the wire: the upstream may act on it alone (a handler
+    // that ignores the body answers and closes the connection, unread body
+    // and all), so from here on the request counts as sent.
+    let written = async {
+        if !body.is_empty() {
+            session.write_body(body).await?;
+        }
+        session.finish_body().await
     }
-    session.finish_body().await.map_err(unsent)?;
+    .await;
+    if let Err(error) = written {
+        // An upstream that answered before reading the body: its answer,
+        // if it reached us, is the response.
+        return match read_head(session).await {
+            Ok(()) => Ok(()),
+            Err(_) => Err((true, error)),
+        };
+    }
+    read_head(session).await.map_err(|error| (true, error))
+}
+
+/// Reads the response head, skipping interim responses (100 Continue, 103
+/// Early Hints; 101 cannot happen without an Upgrade header).
+async fn read_head(session: &mut HttpSession) -> Result<(), Box<Error>> {
     loop {
-        session
-            .read_response()
-            .await
-            .map_err(|error| (true, error))?;
+        session.read_response().await?;
         match session.get_status() {
-            // Interim responses (100 Continue, 103 Early Hints) are not the
-            // answer; 101 cannot happen without an Upgrade header.
             Some(status) if status.is_informational() && status.as_u16() != 101 => continue,
             _ => return Ok(()),
         }

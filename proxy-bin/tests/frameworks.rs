@@ -52,6 +52,7 @@ mismatch = "replay"
 /// 422 on validation errors (released), 409 for a changed payload (the
 /// seed's choice) and a distinct status for "still in flight".
 const EXPRESS: &str = r#"
+case_insensitive_paths = true
 [[route]]
 path = "/api/forms/*/submit"
 methods = ["POST"]

@@ -1,6 +1,10 @@
 //! End-to-end: the real `idempotency-proxy` binary in front of a real HTTP
 //! backend that counts executions.
 
+/// A three-node Redis Cluster on loopback, shared with the library's tests.
+#[path = "../../tests/fixtures/cluster.rs"]
+#[allow(dead_code)] // not every helper is used here
+mod cluster;
 mod common;
 
 use std::time::Duration;
@@ -357,18 +361,37 @@ async fn backend_down_is_502_and_the_key_is_usable_again() {
     assert_eq!(backend.hits("/api/orders"), 1);
 }
 
+/// The upstream got the whole request and did not answer within
+/// `read_timeout`: it may still act, so the 504 is the key's outcome and a
+/// retry never executes a second time.
 #[tokio::test(flavor = "multi_thread")]
-async fn upstream_timeout_is_504_and_releases_the_key() {
+async fn upstream_timeout_after_the_request_is_504_and_never_runs_twice() {
     let config = format!("[proxy]\nread_timeout = \"300ms\"\n{FORMS}");
     let (backend, proxy) = start("timeout", &config).await;
     let key = uuid();
     let headers = [("idempotency-key", key.as_str())];
     let reply = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
     assert_eq!(reply.status, 504, "{}", reply.text());
-    // Released: the same key executes again (same path and body).
-    let reply = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
-    assert_eq!(reply.status, 504);
-    assert_eq!(backend.hits("/slow"), 2);
+    assert!(!reply.replayed());
+    assert!(
+        reply.text().contains("will not be executed again"),
+        "{}",
+        reply.text()
+    );
+    let retry = proxy.send("POST", "/slow?ms=2000", &headers, "x").await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (504, true),
+        "{}",
+        retry.text()
+    );
+    assert_eq!(backend.hits("/slow"), 1, "the retry must not execute again");
+    // A new key is a new attempt.
+    let fresh = uuid();
+    let reply = proxy
+        .send("POST", "/slow?ms=0", &[("idempotency-key", &fresh)], "x")
+        .await;
+    assert_eq!(reply.status, 201);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -599,6 +622,188 @@ async fn replays_come_from_the_redis_front_cache() {
         .parse()
         .unwrap();
     assert!(hits >= 1, "{metrics}");
+}
+
+/// `--redis redis+cluster://…`: the front cache on a three-node Redis
+/// Cluster answers the replays.
+#[tokio::test(flavor = "multi_thread")]
+async fn replays_come_from_a_redis_cluster_front_cache() {
+    let url = tokio::task::spawn_blocking(cluster::redis_cluster_url)
+        .await
+        .unwrap();
+    assert!(url.starts_with("redis+cluster://"), "{url}");
+    let (backend, proxy) = start_with("redis-cluster", FORMS, "memory", Some(url)).await;
+    let mut keys = Vec::new();
+    for _ in 0..6 {
+        let key = uuid();
+        let headers = [("idempotency-key", key.as_str())];
+        let first = proxy.send("POST", "/api/orders", &headers, "{}").await;
+        assert_eq!((first.status, first.replayed()), (201, false));
+        keys.push((key, first.body));
+    }
+    // Completions are written to Redis behind the answer: give them a
+    // moment, then every replay must come from the cluster.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for (key, body) in &keys {
+        let headers = [("idempotency-key", key.as_str())];
+        let replay = proxy.send("POST", "/api/orders", &headers, "{}").await;
+        assert!(replay.replayed());
+        assert_eq!(&replay.body, body);
+    }
+    assert_eq!(backend.hits("/api/orders"), keys.len());
+    let metrics = proxy.admin("/metrics").await.text();
+    let counter = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert!(counter("idempotency_redis_hits_total ") >= 1, "{metrics}");
+    assert_eq!(counter("idempotency_redis_errors_total "), 0, "{metrics}");
+}
+
+/// Every decision is one log line with its outcome, the status the client
+/// was sent, the duration, and the key's 8-character hash once the key was
+/// read — refusals included, and a released key after an upstream timeout
+/// is logged with the 504 that was sent. Never the raw key.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_decision_line_has_outcome_status_duration_and_key_hash() {
+    let config = format!(
+        "[proxy]\nread_timeout = \"3s\"\n{FORMS}\n[[route]]\npath = \"/hold-first\"\nin_flight = \"reject\"\n"
+    );
+    let backend = Backend::start().await;
+    let dir = temp_dir("decisions");
+    let log = dir.join("proxy.log");
+    let mut proxy = Proxy::start_logged(ProxyArgs::new(backend.url(), &config, &dir), &log, "info")
+        .await
+        .owning(dir);
+    let (used, held, slow) = (uuid(), uuid(), uuid());
+    async fn post(proxy: &Proxy, path: &str, key: Option<&str>, body: String) -> u16 {
+        let headers: Vec<(&str, &str)> = key
+            .map(|key| vec![("idempotency-key", key)])
+            .unwrap_or_default();
+        proxy.send("POST", path, &headers, body).await.status
+    }
+    let orders = "/api/v2/orders";
+    assert_eq!(post(&proxy, orders, Some(&used), "{}".into()).await, 201);
+    assert_eq!(post(&proxy, orders, Some(&used), "{}".into()).await, 201);
+    assert_eq!(
+        post(&proxy, orders, Some(&used), "{\"x\":1}".into()).await,
+        409
+    );
+    assert_eq!(post(&proxy, orders, None, "{}".into()).await, 400);
+    assert_eq!(
+        post(&proxy, "/small", Some(&used), "x".repeat(2000)).await,
+        413
+    );
+    assert_eq!(
+        post(&proxy, "/slow?ms=8000", Some(&slow), "x".into()).await,
+        504
+    );
+    // A duplicate while the first holds the key, on a rejecting route.
+    let first = tokio::spawn({
+        let (addr, held) = (proxy.addr, held.clone());
+        async move {
+            let client = common::client();
+            let headers = [("idempotency-key", held.as_str())];
+            common::send(&client, addr, "POST", "/hold-first", &headers, "h")
+                .await
+                .status
+        }
+    });
+    backend.held().await;
+    assert_eq!(
+        post(&proxy, "/hold-first", Some(&held), "h".into()).await,
+        409
+    );
+    backend.open_gate();
+    // 201, or 504 if the machine was too slow to answer the duplicate
+    // within read_timeout: the line under test is the duplicate's.
+    assert!(matches!(first.await.unwrap(), 201 | 504));
+    // Stopped, not dropped: the log lives in the proxy's directory.
+    proxy.kill();
+
+    let text = std::fs::read_to_string(&log).unwrap();
+    let decisions: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains(" idempotency") && line.contains("outcome="))
+        .collect();
+    let line = |outcome: &str, status: u16| -> &str {
+        decisions
+            .iter()
+            .find(|line| {
+                line.contains(&format!("outcome=\"{outcome}\""))
+                    && line.contains(&format!("status={status}"))
+            })
+            .unwrap_or_else(|| panic!("no {outcome} {status} line in:\n{text}"))
+    };
+    let hash = |line: &str| -> Option<String> {
+        let at = line.find(" key=")?;
+        Some(
+            line[at + 5..]
+                .chars()
+                .take_while(char::is_ascii_hexdigit)
+                .collect(),
+        )
+    };
+    for line in &decisions {
+        assert!(line.contains("status="), "{line}");
+        assert!(line.contains("duration_us="), "{line}");
+    }
+    let executed = hash(line("executed", 201)).expect("the executed line has the key hash");
+    assert_eq!(executed.len(), 8, "{executed}");
+    for (outcome, status) in [("replayed", 201), ("mismatch", 409)] {
+        assert_eq!(
+            hash(line(outcome, status)).as_ref(),
+            Some(&executed),
+            "{outcome}"
+        );
+    }
+    let conflict = hash(line("in_flight_conflict", 409));
+    assert!(conflict.is_some_and(|h| h.len() == 8 && h != executed));
+    // The upstream timeout: its key's line says 504, the status sent
+    // (whether the key was released or its unknown outcome stored).
+    let timeout = decisions
+        .iter()
+        .find(|line| line.contains("status=504"))
+        .unwrap_or_else(|| panic!("no line with the 504 sent:\n{text}"));
+    assert!(hash(timeout).is_some_and(|h| h.len() == 8 && h != executed));
+    // Refused before a key was read: no key hash to give.
+    for (outcome, status) in [("invalid_key", 400), ("too_large", 413)] {
+        assert_eq!(hash(line(outcome, status)), None, "{outcome}");
+    }
+    assert!(!text.contains("status=502"), "a 504 logged as 502:\n{text}");
+    for raw in [&used, &held, &slow] {
+        assert!(!text.contains(raw.as_str()), "the raw key {raw} is logged");
+    }
+}
+
+/// SIGTERM to an idle proxy: it drains, logs that it did as its last line
+/// and exits with status 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_proxy_exits_cleanly_on_sigterm_with_its_last_line_logged() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("idle-exit");
+    let log = dir.join("proxy.log");
+    let mut proxy = Proxy::start_logged(ProxyArgs::new(backend.url(), FORMS, &dir), &log, "info")
+        .await
+        .owning(dir);
+    let key = uuid();
+    let reply = proxy
+        .send("POST", "/api/v2/orders", &[("idempotency-key", &key)], "{}")
+        .await;
+    assert_eq!(reply.status, 201);
+    proxy.terminate();
+    assert!(proxy.wait_exit().await, "exit status 0");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let last = text.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("drained; exiting"),
+        "last line: {last}\n{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -262,12 +262,13 @@ async fn read_request(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<St
     Some(path)
 }
 
-/// The upstream takes the request and resets the connection: 502, the key
-/// is released, and the retry executes again (the upstream may or may not
-/// have acted on the first one: only it can know). The proxy itself never
-/// resends a request the upstream may have received.
+/// The upstream takes the whole request and resets the connection without
+/// answering: it may have acted (committed, then crashed), so the 502 is the
+/// key's outcome ("executed, outcome unknown") and no retry with that key
+/// reaches the upstream again. The proxy itself never resends a request the
+/// upstream may have received.
 #[tokio::test(flavor = "multi_thread")]
-async fn upstream_reset_after_the_request_is_502_and_the_retry_executes_again() {
+async fn upstream_reset_after_the_request_is_502_and_never_runs_twice() {
     let upstream = RawUpstream::start().await;
     let proxy = start_proxy(upstream.url(), "memory", None, "30s").await;
     let client = client();
@@ -276,31 +277,69 @@ async fn upstream_reset_after_the_request_is_502_and_the_retry_executes_again() 
     let warm = try_request(&client, post(proxy.addr, "/warm", "w", "{}")).await;
     assert_eq!(warm.unwrap().status, 201);
     upstream.resets.store(2, Ordering::SeqCst);
-    for attempt in 1..=2 {
-        let reply = try_request(&client, post(proxy.addr, "/reset", "r", "{}"))
-            .await
-            .unwrap();
-        assert_eq!(reply.status, 502, "{}", reply.text());
-        assert_eq!(
-            problem_type(&reply),
-            "urn:tower-idempotency:upstream-unavailable"
-        );
-        assert_eq!(
-            upstream.hits("/reset"),
-            attempt,
-            "one upstream request per client request"
-        );
-    }
     let reply = try_request(&client, post(proxy.addr, "/reset", "r", "{}"))
         .await
         .unwrap();
-    assert_eq!((reply.status, reply.replayed()), (201, false));
-    let replay = try_request(&client, post(proxy.addr, "/reset", "r", "{}"))
+    assert_eq!(
+        (reply.status, reply.replayed()),
+        (502, false),
+        "{}",
+        reply.text()
+    );
+    assert_eq!(
+        problem_type(&reply),
+        "urn:tower-idempotency:upstream-unavailable"
+    );
+    assert_eq!(upstream.hits("/reset"), 1);
+    for _ in 0..3 {
+        let retry = try_request(&client, post(proxy.addr, "/reset", "r", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (502, true),
+            "{}",
+            retry.text()
+        );
+        assert_eq!(retry.body, reply.body);
+    }
+    assert_eq!(upstream.hits("/reset"), 1, "no retry reaches the upstream");
+    // A new key executes (the second reset is still armed).
+    let reply = try_request(&client, post(proxy.addr, "/reset", "r2", "{}"))
         .await
         .unwrap();
-    assert_eq!((replay.status, replay.replayed()), (201, true));
-    assert_eq!(replay.body, reply.body);
+    assert_eq!(reply.status, 502);
+    let reply = try_request(&client, post(proxy.addr, "/reset", "r3", "{}"))
+        .await
+        .unwrap();
+    assert_eq!((reply.status, reply.replayed()), (201, false));
     assert_eq!(upstream.hits("/reset"), 3);
+}
+
+/// The upstream is down: nothing reached it, so the key is released and
+/// the retry executes once it is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_unreachable_releases_the_key() {
+    let spare = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = spare.local_addr().unwrap();
+    drop(spare);
+    let proxy = start_proxy(format!("http://{addr}"), "memory", None, "30s").await;
+    let client = client();
+    let reply = try_request(&client, post(proxy.addr, "/orders", "k", "{}"))
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 502, "{}", reply.text());
+    let backend = Backend::start_on(addr).await;
+    let reply = try_request(&client, post(proxy.addr, "/orders", "k", "{}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (reply.status, reply.replayed()),
+        (200, false),
+        "{}",
+        reply.text()
+    );
+    assert_eq!(backend.hits("/orders"), 1);
 }
 
 /// The client sends half its body and goes away: nothing is reserved, the

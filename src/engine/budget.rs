@@ -71,17 +71,22 @@ impl Engine {
                 bytes,
             });
         }
-        tracing::info!(
-            outcome = "overloaded",
-            bytes,
-            max_buffered_bytes = max,
-            "idempotency body budget used up; request refused"
-        );
-        Err(Problem::new(
+        let response = Problem::new(
             ProblemKind::Overloaded,
             "Too many requests are in progress; the request was not executed.",
         )
         .retry_after(self.inner.config.store_retry_after)
-        .into_response_for(request))
+        .into_response_for(request);
+        // The decision line (no key hash: the key was not read), with what
+        // did not fit.
+        tracing::info!(
+            outcome = "overloaded",
+            status = response.status().as_u16(),
+            duration_us = covered.arrived().elapsed().as_micros() as u64,
+            bytes,
+            max_buffered_bytes = max,
+            "idempotency"
+        );
+        Err(response)
     }
 }

@@ -44,6 +44,9 @@ pub enum Coverage {
 pub struct Covered {
     policy: Arc<RoutePolicy>,
     label: Arc<str>,
+    /// When the engine classified the request: its decision's log line
+    /// counts its duration from here.
+    arrived: std::time::Instant,
 }
 
 impl Covered {
@@ -61,6 +64,11 @@ impl Covered {
     /// [`Engine::body_too_large`].
     pub fn max_body_bytes(&self) -> usize {
         self.policy.max_body_bytes()
+    }
+
+    /// When the engine classified the request (its head had arrived).
+    pub fn arrived(&self) -> std::time::Instant {
+        self.arrived
     }
 }
 
@@ -84,7 +92,7 @@ impl Labels {
         Labels(labels)
     }
 
-    fn get(&self, policy: &Arc<RoutePolicy>) -> Arc<str> {
+    pub(super) fn get(&self, policy: &Arc<RoutePolicy>) -> Arc<str> {
         self.0
             .get(&(Arc::as_ptr(policy) as usize))
             .cloned()
@@ -96,7 +104,7 @@ impl Engine {
     /// Whether the engine decides about this request. A pass-through is
     /// counted ([`Event::Passthrough`]); nothing else is recorded.
     pub fn classify(&self, head: &RequestHead<'_>) -> Coverage {
-        let Some(policy) = self.inner.routes.find(head.method, head.uri.path()) else {
+        let Some(policy) = self.route_of(head) else {
             self.inner.metrics.record(Event::Passthrough);
             return Coverage::PassThrough;
         };
@@ -107,7 +115,17 @@ impl Engine {
         Coverage::Covered(Covered {
             label: self.inner.labels.get(policy),
             policy: policy.clone(),
+            arrived: std::time::Instant::now(),
         })
+    }
+}
+
+impl Engine {
+    /// The policy of the route that covers `head`'s method and path, if
+    /// any: the one rule [`Engine::classify`] and the operator's lookups
+    /// ([`Engine::scope_of`]) share.
+    pub(super) fn route_of(&self, head: &RequestHead<'_>) -> Option<&Arc<RoutePolicy>> {
+        self.inner.routes.find(head.method, head.uri.path())
     }
 }
 

@@ -2,6 +2,7 @@
 //! it, then reserve the key, replay, wait for the first request, or refuse.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -12,16 +13,18 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::principal::PrincipalRead;
-use super::responses::replay;
-use super::scope::scope_key;
+use super::responses::{log_decision, replay, Answered};
+use super::scope::{principal_hash, scope_key};
 use super::{Covered, Engine, RequestHead, Reservation};
 use crate::fingerprint::{fingerprint_view, Exclusions};
 use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
-use crate::policy::{FailMode, InFlightPolicy, MismatchPolicy, RoutePolicy};
+use crate::policy::{FailMode, InFlightPolicy, KeySource, MismatchPolicy, RoutePolicy};
+use crate::problem::{Problem, ProblemKind};
 use crate::store::{
-    Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, StoreError,
+    Claim, Fingerprint, Outcome, OwnerToken, PrincipalHash, Record, RecordState, ScopeKey, Store,
+    StoreError,
 };
 
 /// The engine's answer to [`Engine::begin`].
@@ -70,7 +73,33 @@ struct Waiting {
 impl Engine {
     /// Decides what to do with a covered request whose whole body is
     /// `body` (at most [`Covered::max_body_bytes`]).
+    ///
+    /// Every answer decided here (replay, refusal, store failure) is logged
+    /// as one line with its outcome, the status sent, the duration since
+    /// the request arrived ([`Covered::arrived`]) and, once the key was
+    /// read, the scope hash's first 8 hex digits. A reservation is logged
+    /// when it ends ([`Reservation`]).
     pub async fn begin(&self, covered: &Covered, head: RequestHead<'_>, body: &[u8]) -> Decision {
+        let mut key = None;
+        let decision = self.begin_inner(covered, head, body, &mut key).await;
+        match decision {
+            Decision::Respond(mut response) => {
+                if let Some(Answered(outcome)) = response.extensions_mut().remove::<Answered>() {
+                    log_decision(outcome, response.status(), covered.arrived(), key.as_ref());
+                }
+                Decision::Respond(response)
+            }
+            other => other,
+        }
+    }
+
+    async fn begin_inner(
+        &self,
+        covered: &Covered,
+        head: RequestHead<'_>,
+        body: &[u8],
+        scope: &mut Option<ScopeKey>,
+    ) -> Decision {
         let started = Instant::now();
         let policy = covered.policy();
         // Parsed once, read by the key and the fingerprint.
@@ -93,7 +122,8 @@ impl Engine {
             principal: principal.as_deref().or(head.principal),
             ..head
         };
-        let key = scope_key(policy, &head, &raw_key);
+        let key = scope_key(&self.inner.hasher, policy, &head, &raw_key);
+        *scope = Some(key);
         let fingerprint = fingerprint_view(
             head.method,
             head.uri,
@@ -115,6 +145,20 @@ impl Engine {
     /// require one, or the 400 to answer.
     fn read_key(&self, policy: &RoutePolicy, head: &RequestHead<'_>, body: &View<'_>) -> KeyRead {
         let settings = policy.policy();
+        let in_body = matches!(
+            settings.key,
+            KeySource::FormField(_) | KeySource::JsonPointer(_)
+        );
+        if in_body && encoded(head.headers) {
+            return KeyRead::Refused(
+                Problem::new(
+                    ProblemKind::ContentEncodingUnsupported,
+                    "This route reads its idempotency key from the request body; send the \
+                     body without Content-Encoding.",
+                )
+                .into_response_for(head.headers),
+            );
+        }
         let found =
             key::extract_from(&settings.key, head.uri, head.headers, body).and_then(|key| {
                 if let Some(key) = &key {
@@ -146,7 +190,8 @@ impl Engine {
             attempt: 0,
         };
         loop {
-            let record = match self.claim(policy, &key, &fingerprint, waiting.waited).await {
+            let claimed = self.claim(policy, head, &key, &fingerprint, waiting.waited);
+            let record = match claimed.await {
                 Err(error) => return self.store_failed(policy, head, &error),
                 Ok(Claimed::Acquired { owner, takeover }) => {
                     self.inner.metrics.record(Event::Executed);
@@ -170,12 +215,15 @@ impl Engine {
             }
             match record.state {
                 RecordState::Completed(outcome) => {
+                    let outcome = match self.open_outcome(&key, outcome) {
+                        Ok(outcome) => outcome,
+                        Err(error) => return self.unreadable(head, &error),
+                    };
                     return Decision::Respond(self.completed(
                         outcome,
                         waiting.waited,
-                        started,
                         head.headers,
-                    ))
+                    ));
                 }
                 RecordState::InFlight { lease_remaining } => {
                     if let Err(decision) = self
@@ -196,6 +244,7 @@ impl Engine {
     async fn claim(
         &self,
         policy: &RoutePolicy,
+        head: &RequestHead<'_>,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
         waited: bool,
@@ -210,8 +259,11 @@ impl Engine {
             }
         }
         let settings = policy.policy();
+        let principal = head
+            .principal
+            .map(|principal| principal_hash(&self.inner.hasher, principal));
         let (owner, claim) = self
-            .reserve(*key, *fingerprint, settings.lease, settings.ttl)
+            .reserve(*key, *fingerprint, principal, settings.lease, settings.ttl)
             .await?;
         Ok(match claim {
             Claim::Acquired { takeover } => Claimed::Acquired { owner, takeover },
@@ -220,7 +272,9 @@ impl Engine {
     }
 
     /// Reserves `key` for an owner token drawn here, bounded by
-    /// `store_timeout` like every store call.
+    /// `store_timeout` like every store call. A store with an
+    /// [`Admin`](crate::store::Admin) side keeps the `principal`'s hash
+    /// with the record.
     ///
     /// A reservation whose answer is lost (the call failed, or outlived
     /// `store_timeout`) may have been written all the same. The engine
@@ -235,39 +289,62 @@ impl Engine {
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
+        principal: Option<PrincipalHash>,
         lease: Duration,
         ttl: Duration,
     ) -> Result<(OwnerToken, Claim), StoreError> {
         let owner = OwnerToken::random();
         let store = self.inner.store.clone();
-        let mut call =
-            Box::pin(async move { store.reserve(&key, &fingerprint, &owner, lease, ttl).await });
-        let started = std::time::Instant::now();
         let limit = self.inner.config.store_timeout;
+        let call: PendingCall = Box::pin(async move {
+            match store.admin() {
+                Some(admin) => {
+                    let principal = principal.as_ref();
+                    admin
+                        .reserve_for(&key, &fingerprint, &owner, lease, ttl, principal)
+                        .await
+                }
+                None => store.reserve(&key, &fingerprint, &owner, lease, ttl).await,
+            }
+        });
+        // Until the call is answered, dropping this future (the caller went
+        // away) hands the call to the guard, which releases what it wrote.
+        let mut pending = Unanswered {
+            store: self.inner.store.clone(),
+            key,
+            owner,
+            lease,
+            limit,
+            call: Some(call),
+        };
+        let started = std::time::Instant::now();
+        let call = pending.call.as_mut().expect("set above");
         // A store that answers at once (the memory store) needs no timer.
         let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
         let (result, abandoned) = match first {
-            Poll::Ready(result) => (result, None),
-            Poll::Pending => match tokio::time::timeout(limit, &mut call).await {
-                Ok(result) => (result, None),
-                Err(_) => (Err(StoreError::Timeout), Some(call)),
+            Poll::Ready(result) => (result, false),
+            Poll::Pending => match tokio::time::timeout(limit, call).await {
+                Ok(result) => (result, false),
+                Err(_) => (Err(StoreError::Timeout), true),
             },
         };
         self.inner.metrics.observe_store(started.elapsed());
         let error = match result {
-            Ok(claim) => return Ok((owner, claim)),
+            Ok(claim) => {
+                pending.call = None;
+                return Ok((owner, claim));
+            }
             Err(error) => error,
         };
+        // Released at once, and again when an abandoned call ends.
         let store = self.inner.store.clone();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                let release = || tokio::time::timeout(limit, store.release(&key, &owner));
-                let _ = release().await;
-                if let Some(call) = abandoned {
-                    let _ = tokio::time::timeout(lease, call).await;
-                    let _ = release().await;
-                }
+                let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
             });
+        }
+        if !abandoned {
+            pending.call = None;
         }
         Err(error)
     }
@@ -278,7 +355,6 @@ impl Engine {
         &self,
         outcome: Outcome,
         waited: bool,
-        started: Instant,
         request: &http::HeaderMap,
     ) -> Response<Bytes> {
         match outcome {
@@ -289,16 +365,14 @@ impl Engine {
                     Event::Replayed
                 };
                 self.inner.metrics.record(event);
-                tracing::info!(
-                    outcome = %event,
-                    status = response.status.as_u16(),
-                    duration_us = started.elapsed().as_micros() as u64,
-                    "idempotency"
-                );
-                replay(response)
+                let mut response = replay(response);
+                response.extensions_mut().insert(Answered(event.as_str()));
+                response
             }
             Outcome::TooLarge { status } => self.not_stored(status, request),
             Outcome::Incomplete { status } => self.incomplete(status, request),
+            // Opened before it gets here (`Engine::open_outcome`).
+            Outcome::Sealed(_) => self.store_unavailable(request),
         }
     }
 
@@ -342,6 +416,16 @@ impl Engine {
         Ok(())
     }
 
+    /// A completed record that cannot be opened (its key is not configured,
+    /// or it fails authentication): 503 whatever the route's fail mode,
+    /// because the record proves the request ran and forwarding would run
+    /// it again.
+    fn unreadable(&self, head: &RequestHead<'_>, error: &StoreError) -> Decision {
+        self.inner.metrics.record(Event::StoreError);
+        tracing::error!(%error, "idempotency record cannot be opened; answering 503");
+        Decision::Respond(self.store_unavailable(head.headers))
+    }
+
     /// The store failed: forward unprotected (fail-open) or 503.
     fn store_failed(
         &self,
@@ -355,5 +439,54 @@ impl Engine {
             FailMode::Open => Decision::Forward,
             FailMode::Closed => Decision::Respond(self.store_unavailable(head.headers)),
         }
+    }
+}
+
+/// Whether the body carries a `Content-Encoding` other than `identity`
+/// (which a backend may decode before reading it, but the engine does not).
+fn encoded(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(http::header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
+}
+
+/// A store's reserve call in progress.
+type PendingCall = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
+
+/// A reserve call whose answer nobody will act on: the caller went away
+/// while it was pending, or it outlived `store_timeout`. The store may have
+/// written it all the same, under a token only this guard knows; on drop,
+/// it lets the call end (waiting at most the lease, after which the record
+/// could be taken over anyway) and then releases, owner-checked, so the key
+/// is free for the retry instead of in flight for a whole lease, and no one
+/// else's record is touched.
+struct Unanswered {
+    store: Arc<dyn Store>,
+    key: ScopeKey,
+    owner: OwnerToken,
+    lease: Duration,
+    limit: Duration,
+    /// `None` once the call was answered and its answer is acted on.
+    call: Option<PendingCall>,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, key, owner) = (self.store.clone(), self.key, self.owner);
+        let (lease, limit) = (self.lease, self.limit);
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(lease, call).await;
+            let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
+            tracing::debug!(key = %key.short(), "idempotency reservation without a caller released");
+        });
     }
 }

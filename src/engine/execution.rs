@@ -1,6 +1,7 @@
-//! An execution that outlived its route's `execution_timeout`: the front
-//! end stops waiting, and the key keeps an "executed, outcome unknown"
-//! outcome, since the handler may still be running and may still act.
+//! Executions whose outcome cannot be known: one that outlived its route's
+//! `execution_timeout` (the handler may still be running and may still
+//! act), and a request the upstream received but never answered. The key
+//! keeps an "executed, outcome unknown" outcome, so it never runs twice.
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response};
@@ -18,14 +19,65 @@ impl Reservation {
     /// may still commit). The handler may have taken effect or not; a new
     /// attempt needs a new key.
     pub async fn execution_timed_out(self, request: &HeaderMap) -> Response<Bytes> {
-        let problem = || {
-            Problem::new(
+        self.outcome_unknown(
+            ProblemKind::UpstreamTimeout,
+            "The request did not finish within the time allowed",
+            request,
+        )
+        .await
+    }
+
+    /// The upstream failed before its response head: it `timed_out` (504
+    /// `upstream-timeout`) or could not be reached or broke the connection
+    /// (502 `upstream-unavailable`). Returns the answer for the caller.
+    ///
+    /// Before any of the request reached the upstream (`sent` is `false`:
+    /// connecting or writing the request head failed), the upstream cannot
+    /// have acted on it: the key is released and a retry executes. Once it
+    /// was `sent` (a request head is enough for a handler that ignores the
+    /// body), the upstream may have acted (it may have committed and then
+    /// crashed, or still be working): the answer is stored as the key's outcome
+    /// ("executed, outcome unknown"), like [`execution_timed_out`], so no
+    /// retry with this key ever executes it a second time.
+    ///
+    /// [`execution_timed_out`]: Reservation::execution_timed_out
+    pub async fn upstream_failed(
+        self,
+        timed_out: bool,
+        sent: bool,
+        request: &HeaderMap,
+    ) -> Response<Bytes> {
+        if !sent {
+            return self.release_upstream_failed(timed_out, request).await;
+        }
+        let (kind, what) = match timed_out {
+            true => (
                 ProblemKind::UpstreamTimeout,
-                "The request did not finish within the time allowed; it may or may not \
-                 have taken effect, and it will not be executed again with this key.",
-            )
+                "The upstream did not answer in time",
+            ),
+            false => (
+                ProblemKind::UpstreamUnavailable,
+                "The upstream closed the connection without answering",
+            ),
         };
-        tracing::warn!(key = %self.key_hash(), "idempotency execution timed out; its outcome is stored as unknown");
+        self.outcome_unknown(kind, what, request).await
+    }
+
+    /// Stores a `kind` problem as the key's outcome and returns it for the
+    /// caller: the operation may have taken effect, so it never runs again
+    /// with this key.
+    async fn outcome_unknown(
+        self,
+        kind: ProblemKind,
+        what: &str,
+        request: &HeaderMap,
+    ) -> Response<Bytes> {
+        let detail = format!(
+            "{what}; the request may or may not have taken effect, and it will not be \
+             executed again with this key."
+        );
+        let problem = || Problem::new(kind, detail.clone());
+        tracing::warn!(key = %self.key_hash(), problem = kind.type_uri(), "idempotency outcome unknown; stored so that no retry executes again");
         // What retries replay: the JSON problem, whatever the first caller
         // preferred.
         let marker = problem().into_response_for(&HeaderMap::new());

@@ -21,6 +21,9 @@
 //! * `decide.rs` — the key, the fingerprint, and the decision loop
 //!   ([`Engine::begin`]);
 //! * `scope.rs` — the scope identity a key is stored under;
+//! * `secrets.rs` — the optional server secret every stored identity hash
+//!   is keyed with ([`IdentityHasher`]);
+//! * `seal.rs` — stored outcomes encrypted at rest ([`Keyring`]);
 //! * `principal.rs` — the caller a key is scoped by, verified;
 //! * `responses.rs` — the answers the engine makes itself (replays,
 //!   problems);
@@ -30,13 +33,17 @@
 //! * `headers.rs` — header hygiene shared with the proxy;
 //! * `lease.rs` — the lease renewer;
 //! * `maintenance.rs` — health, sweeping, metrics rendering, and
-//!   [`Engine::drain`] (waiting for background work on shutdown).
+//!   [`Engine::drain`] (waiting for background work on shutdown);
+//! * `admin.rs` — the operator's lookups, purges and force releases
+//!   ([`Engine::lookup`], [`Engine::purge_principal`], …), scoped exactly
+//!   as live requests are.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
+mod admin;
 mod budget;
 mod classify;
 mod decide;
@@ -49,9 +56,12 @@ mod recorder;
 mod reservation;
 mod responses;
 mod scope;
+mod seal;
+mod secrets;
 #[cfg(test)]
 mod tests;
 
+pub use self::admin::{AdminError, Lookup};
 pub use self::budget::BodyPermit;
 pub use self::classify::{Coverage, Covered, RequestHead};
 pub use self::decide::Decision;
@@ -59,6 +69,10 @@ pub use self::maintenance::DrainReport;
 pub use self::recorder::{Flow, Recorder};
 pub use self::reservation::Reservation;
 pub use self::responses::REPLAYED_HEADER;
+pub use self::seal::{sealed_key_id, EncryptionKey, Keyring, MAX_KEY_ID_LEN};
+pub use self::secrets::{
+    decode_key_material, IdentityDigest, IdentityHasher, KeySecret, SecretError, MIN_SECRET_BYTES,
+};
 
 use self::lease::Leases;
 use crate::metrics::Metrics;
@@ -82,6 +96,20 @@ pub struct EngineConfig {
     /// `Retry-After`, nothing reserved (see [`Engine::body_permit`]).
     /// Default 64 MiB.
     pub max_buffered_bytes: u64,
+    /// A server secret for the scope keys records are stored under: with
+    /// it, a scope key is HMAC-SHA-256 under this secret instead of plain
+    /// SHA-256, so a copy of the store cannot be used to confirm a guessed
+    /// key (see [`IdentityHasher`]). Changing it (or setting it on a
+    /// running deployment) gives every key a new scope: a retry of a
+    /// request made before the change executes again. Default none.
+    pub key_secret: Option<KeySecret>,
+    /// Encryption at rest of the stored outcomes (status, headers, body)
+    /// with AES-256-GCM: every outcome stored is sealed with the keyring's
+    /// current key, and a sealed record opens with the key whose id it
+    /// carries. A record that cannot be opened is answered with 503, never
+    /// executed again. Records stored without encryption still replay.
+    /// Default none (outcomes are stored in the clear).
+    pub encryption: Option<Keyring>,
 }
 
 impl Default for EngineConfig {
@@ -90,6 +118,8 @@ impl Default for EngineConfig {
             store_timeout: Duration::from_secs(5),
             store_retry_after: 1,
             max_buffered_bytes: 64 * 1024 * 1024,
+            key_secret: None,
+            encryption: None,
         }
     }
 }
@@ -108,6 +138,9 @@ struct Inner {
     /// Each covered route's label (its path pattern), by policy.
     labels: classify::Labels,
     config: EngineConfig,
+    /// Hashes scope keys (and any other stored identity), keyed by
+    /// `config.key_secret`.
+    hasher: IdentityHasher,
     metrics: Metrics,
     leases: Arc<Leases>,
     /// Work still running after its request ended (see
@@ -134,6 +167,7 @@ impl Engine {
                 store,
                 labels: classify::Labels::new(&routes),
                 routes,
+                hasher: IdentityHasher::new(config.key_secret.clone()),
                 config,
                 metrics: Metrics::default(),
                 leases: Arc::default(),
@@ -145,6 +179,13 @@ impl Engine {
     /// The counters.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
+    }
+
+    /// The hasher every identity hash a store keeps must come from (scope
+    /// keys, and any other hash of a caller or an operation): SHA-256, or
+    /// HMAC-SHA-256 under [`EngineConfig::key_secret`].
+    pub fn identity_hasher(&self) -> &IdentityHasher {
+        &self.inner.hasher
     }
 
     /// Runs one store call, bounded by the configured store timeout, and

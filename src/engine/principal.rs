@@ -36,19 +36,15 @@ impl Engine {
         let Some(source) = &policy.principal else {
             return PrincipalRead::Scope(None);
         };
-        if head.principal.is_some() {
-            return PrincipalRead::Scope(None);
-        }
-        let (kind, detail, challenge) = match source.resolve(head.headers) {
-            Resolved::Found(principal) => return PrincipalRead::Scope(Some(principal)),
-            Resolved::Missing if !source.required() => return PrincipalRead::Scope(None),
-            Resolved::Missing => (
+        let (kind, detail, challenge) = match principal_of(policy, head) {
+            Ok(principal) => return PrincipalRead::Scope(principal),
+            Err(Resolved::Missing | Resolved::Found(_)) => (
                 ProblemKind::PrincipalMissing,
                 "This endpoint requires an authenticated caller for its idempotency key; \
                  the request was not executed.",
                 "Bearer",
             ),
-            Resolved::Invalid(reason) => {
+            Err(Resolved::Invalid(reason)) => {
                 tracing::debug!(reason, "idempotency principal refused");
                 (
                     ProblemKind::PrincipalInvalid,
@@ -59,8 +55,10 @@ impl Engine {
             }
         };
         self.inner.metrics.record(Event::PrincipalRefused);
-        tracing::info!(outcome = %Event::PrincipalRefused, status = 401, "idempotency");
         let mut response = Problem::new(kind, detail).into_response_for(head.headers);
+        response
+            .extensions_mut()
+            .insert(super::responses::Answered(Event::PrincipalRefused.as_str()));
         if source.is_jwt() {
             response.headers_mut().insert(
                 header::WWW_AUTHENTICATE,
@@ -68,5 +66,26 @@ impl Engine {
             );
         }
         PrincipalRead::Refused(response)
+    }
+}
+
+/// The rule of [`Engine::resolve_principal`] without its answer: `Ok` with
+/// the principal to scope by (`None`: the front end's, or none), or `Err`
+/// with what is wrong — [`Resolved::Missing`] where the route requires one,
+/// [`Resolved::Invalid`] for a credential that failed its checks.
+pub(super) fn principal_of(
+    policy: &RoutePolicy,
+    head: &RequestHead<'_>,
+) -> Result<Option<Vec<u8>>, Resolved> {
+    let Some(source) = &policy.principal else {
+        return Ok(None);
+    };
+    if head.principal.is_some() {
+        return Ok(None);
+    }
+    match source.resolve(head.headers) {
+        Resolved::Found(principal) => Ok(Some(principal)),
+        Resolved::Missing if !source.required() => Ok(None),
+        other => Err(other),
     }
 }

@@ -100,16 +100,17 @@ impl Reservation {
         self.release_as(StatusCode::BAD_GATEWAY).await;
     }
 
-    /// Releases the key after the upstream failed before its response head
-    /// ([`release`](Reservation::release)), logging the status the client
-    /// gets: 504 when it `timed_out`, else 502.
-    pub async fn release_upstream_failed(self, timed_out: bool) {
-        let status = if timed_out {
-            StatusCode::GATEWAY_TIMEOUT
-        } else {
-            StatusCode::BAD_GATEWAY
-        };
-        self.release_as(status).await;
+    /// Releases the key after the upstream failed before the whole request
+    /// reached it ([`release`](Reservation::release)), and returns the
+    /// caller's answer: 504 when it `timed_out`, else 502.
+    pub(super) async fn release_upstream_failed(
+        self,
+        timed_out: bool,
+        request: &http::HeaderMap,
+    ) -> http::Response<bytes::Bytes> {
+        let answer = self.engine.upstream_failed(timed_out, request);
+        self.release_as(answer.status()).await;
+        answer
     }
 
     /// Stores `outcome` (replayed from now on). Never fails and never holds
@@ -119,10 +120,9 @@ impl Reservation {
     /// to a second execution; after that it is logged and the key can be
     /// taken over.
     pub(super) async fn store(mut self, outcome: Outcome) {
-        let status = match &outcome {
-            Outcome::Stored(response) => response.status,
-            Outcome::TooLarge { status } | Outcome::Incomplete { status } => *status,
-        };
+        let status = outcome.status().unwrap_or(StatusCode::OK);
+        // Sealed once: a retry below stores the very same bytes.
+        let outcome = self.engine.seal(&self.key, outcome);
         match self.complete(&outcome).await {
             Ok(done) => self.completed(status, Ok(done)),
             Err(_) => {

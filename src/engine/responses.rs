@@ -4,37 +4,71 @@
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 
-use super::Engine;
+use super::{Covered, Engine};
 use crate::key::KeyError;
 use crate::metrics::Event;
 use crate::policy::{KeySource, RoutePolicy};
 use crate::problem::{Problem, ProblemKind};
-use crate::store::StoredResponse;
+use crate::store::{ScopeKey, StoredResponse};
 
 /// The header added to every replayed response.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
+/// The outcome of an answer the engine made itself, carried on the response
+/// (as an extension) from where it is decided to the one place that logs the
+/// decision ([`Engine::begin`]), which removes it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Answered(pub(super) &'static str);
+
+/// Logs one decision. Every decision line has the same fields: `outcome`,
+/// `status` (the status the client is sent), `duration_us` (since `since`)
+/// and, once the request's key has been read, `key` (8 hex digits of the
+/// scope hash — never the key itself).
+pub(super) fn log_decision(
+    outcome: &str,
+    status: StatusCode,
+    since: std::time::Instant,
+    key: Option<&ScopeKey>,
+) {
+    let duration_us = since.elapsed().as_micros() as u64;
+    let status = status.as_u16();
+    match key {
+        Some(key) => {
+            tracing::info!(outcome, status, duration_us, key = %key.short(), "idempotency")
+        }
+        None => tracing::info!(outcome, status, duration_us, "idempotency"),
+    }
+}
+
 impl Engine {
-    /// The 413 answer for a body over `policy`'s limit. Nothing is reserved.
-    /// Like every problem the engine answers, it is HTML when the request's
-    /// headers (`request`) prefer it, JSON otherwise.
-    pub fn body_too_large(&self, policy: &RoutePolicy, request: &HeaderMap) -> Response<Bytes> {
-        self.reject(
+    /// The 413 answer for a body over the limit of `covered`'s route.
+    /// Nothing is reserved. Like every problem the engine answers, it is
+    /// HTML when the request's headers (`request`) prefer it, JSON
+    /// otherwise. Logged as a decision (no key hash: the key was not read).
+    pub fn body_too_large(&self, covered: &Covered, request: &HeaderMap) -> Response<Bytes> {
+        let response = self.reject(
             request,
             Event::TooLarge,
             Problem::new(
                 ProblemKind::BodyTooLarge,
                 format!(
                     "The request body exceeds the limit of {} bytes.",
-                    policy.max_body_bytes()
+                    covered.max_body_bytes()
                 ),
             ),
-        )
+        );
+        self.logged_before_key(covered, response)
     }
 
     /// The answer for a body that could not be read (client gone or too
-    /// slow: `timed_out`). Nothing is reserved.
-    pub fn body_unreadable(&self, timed_out: bool, request: &HeaderMap) -> Response<Bytes> {
+    /// slow: `timed_out`). Nothing is reserved. Logged as a decision
+    /// (`body_unreadable`, no key hash).
+    pub fn body_unreadable(
+        &self,
+        covered: &Covered,
+        timed_out: bool,
+        request: &HeaderMap,
+    ) -> Response<Bytes> {
         let problem = Problem::new(
             ProblemKind::BodyUnreadable,
             "The request body could not be read completely.",
@@ -44,7 +78,23 @@ impl Engine {
         } else {
             problem
         };
-        problem.into_response_for(request)
+        let mut response = problem.into_response_for(request);
+        response
+            .extensions_mut()
+            .insert(Answered("body_unreadable"));
+        self.logged_before_key(covered, response)
+    }
+
+    /// Logs the decision `response` carries, made before the key was read.
+    pub(super) fn logged_before_key(
+        &self,
+        covered: &Covered,
+        mut response: Response<Bytes>,
+    ) -> Response<Bytes> {
+        if let Some(Answered(outcome)) = response.extensions_mut().remove::<Answered>() {
+            log_decision(outcome, response.status(), covered.arrived(), None);
+        }
+        response
     }
 
     /// The 502 (or 504 when `timed_out`) answer for an upstream transport
@@ -68,8 +118,13 @@ impl Engine {
     /// coding other than `chunked` (`Transfer-Encoding: gzip, chunked`):
     /// the engine could neither fingerprint nor key such a body, and must
     /// not pretend the upstream failed. `None` when there is none. Asked
-    /// before the body is read; nothing is reserved.
-    pub fn unsupported_transfer_coding(&self, request: &HeaderMap) -> Option<Response<Bytes>> {
+    /// before the body is read; nothing is reserved. Logged as a decision
+    /// (`transfer_coding_unsupported`, no key hash).
+    pub fn unsupported_transfer_coding(
+        &self,
+        covered: &Covered,
+        request: &HeaderMap,
+    ) -> Option<Response<Bytes>> {
         let unsupported = request
             .get_all(header::TRANSFER_ENCODING)
             .iter()
@@ -77,16 +132,21 @@ impl Engine {
             .map(<[u8]>::trim_ascii)
             .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"chunked"));
         unsupported.then(|| {
-            Problem::new(
+            let mut response = Problem::new(
                 ProblemKind::TransferCodingUnsupported,
                 "The request's transfer coding is not implemented; send it unencoded or \
                  only chunked. The request was not executed.",
             )
-            .into_response_for(request)
+            .into_response_for(request);
+            response
+                .extensions_mut()
+                .insert(Answered("transfer_coding_unsupported"));
+            self.logged_before_key(covered, response)
         })
     }
 
-    /// Counts `event`, logs it and answers with `problem`.
+    /// Counts `event` and answers with `problem`, marked with the event for
+    /// the decision's log line.
     pub(super) fn reject(
         &self,
         request: &HeaderMap,
@@ -94,8 +154,9 @@ impl Engine {
         problem: Problem,
     ) -> Response<Bytes> {
         self.inner.metrics.record(event);
-        tracing::info!(outcome = %event, status = problem.status().as_u16(), "idempotency");
-        problem.into_response_for(request)
+        let mut response = problem.into_response_for(request);
+        response.extensions_mut().insert(Answered(event.as_str()));
+        response
     }
 
     /// 400: a required key is missing.
@@ -194,14 +255,19 @@ impl Engine {
         )
     }
 
-    /// 503 with `Retry-After`: the store failed on a fail-closed route.
+    /// 503 with `Retry-After`: the store failed on a fail-closed route
+    /// (counted where the failure is).
     pub(super) fn store_unavailable(&self, request: &HeaderMap) -> Response<Bytes> {
-        Problem::new(
+        let mut response = Problem::new(
             ProblemKind::StoreUnavailable,
             "The idempotency store is unavailable; the request was not executed.",
         )
         .retry_after(self.inner.config.store_retry_after)
-        .into_response_for(request)
+        .into_response_for(request);
+        response
+            .extensions_mut()
+            .insert(Answered(Event::StoreError.as_str()));
+        response
     }
 }
 

@@ -1,16 +1,20 @@
 //! The scope identity a key is stored under: two requests share a record
 //! only when every part of it is equal.
 
-use sha2::{Digest, Sha256};
-
-use super::RequestHead;
+use super::{IdentityHasher, RequestHead};
 use crate::policy::RoutePolicy;
-use crate::store::ScopeKey;
+use crate::store::{PrincipalHash, ScopeKey};
 
-/// SHA-256 over (principal or its absence, scope headers, method,
-/// authority, normalised path, key), each length-prefixed.
-pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &[u8]) -> ScopeKey {
-    let mut hasher = Sha256::new();
+/// SHA-256 (or HMAC-SHA-256 under the engine's key secret) over (principal
+/// or its absence, scope headers, method, authority, normalised path, key),
+/// each length-prefixed.
+pub(super) fn scope_key(
+    hasher: &IdentityHasher,
+    policy: &RoutePolicy,
+    head: &RequestHead<'_>,
+    raw_key: &[u8],
+) -> ScopeKey {
+    let mut hasher = hasher.start();
     let mut put = |bytes: &[u8]| {
         hasher.update((bytes.len() as u64).to_be_bytes());
         hasher.update(bytes);
@@ -29,8 +33,23 @@ pub(super) fn scope_key(policy: &RoutePolicy, head: &RequestHead<'_>, raw_key: &
             put(value.as_bytes());
         }
     }
-    put(head.method.as_str().as_bytes());
+    put(crate::policy::method_name(head.method).as_bytes());
     policy.scope_target(head.uri, head.headers, &mut put);
     put(raw_key);
-    ScopeKey(hasher.finalize().into())
+    ScopeKey(hasher.finalize())
+}
+
+/// The hash a record keeps of the principal its key is scoped by, so an
+/// operator can delete everything stored for one caller
+/// ([`Engine::purge_principal`](super::Engine::purge_principal)). The one
+/// place a principal is hashed for storage: it must be derived exactly as
+/// the scope hash is (keyed the same way, should the scope hash be keyed),
+/// or a purge would miss records. SHA-256 over a label (so it never equals
+/// a scope hash) and the principal, keyed by the engine's key secret like
+/// the scope hash.
+pub(super) fn principal_hash(hasher: &IdentityHasher, principal: &[u8]) -> PrincipalHash {
+    let mut hasher = hasher.start();
+    hasher.update(b"tower-idempotency principal\0");
+    hasher.update(principal);
+    PrincipalHash(hasher.finalize())
 }

@@ -328,7 +328,13 @@ fn every_part_of_the_scope_changes_the_key() {
     }
     .validate()
     .unwrap();
-    let key = |principal: Option<&[u8]>, auth: &str, method: Method, path: &str, raw: &[u8]| {
+    let plain = IdentityHasher::default();
+    let key_with = |hasher: &IdentityHasher,
+                    principal: Option<&[u8]>,
+                    auth: &str,
+                    method: Method,
+                    path: &str,
+                    raw: &[u8]| {
         let mut headers = HeaderMap::new();
         headers.insert(header::AUTHORIZATION, auth.parse().unwrap());
         let uri: Uri = path.parse().unwrap();
@@ -338,9 +344,21 @@ fn every_part_of_the_scope_changes_the_key() {
             headers: &headers,
             principal,
         };
-        scope_key(&policy, &head, raw)
+        scope_key(hasher, &policy, &head, raw)
+    };
+    let key = |principal: Option<&[u8]>, auth: &str, method: Method, path: &str, raw: &[u8]| {
+        key_with(&plain, principal, auth, method, path, raw)
     };
     let base = key(None, "a", Method::POST, "/o", b"k");
+    // Under a key secret the same scope has another key, and each secret
+    // its own.
+    let keyed = |byte: u8| {
+        let hasher = IdentityHasher::new(Some(KeySecret::new(vec![byte; 32]).unwrap()));
+        key_with(&hasher, None, "a", Method::POST, "/o", b"k")
+    };
+    assert_ne!(base, keyed(1));
+    assert_ne!(keyed(1), keyed(2));
+    assert_eq!(keyed(1), keyed(1));
     assert_eq!(base, key(None, "a", Method::POST, "/o?q=1", b"k"));
     for other in [
         key(Some(b"alice"), "a", Method::POST, "/o", b"k"),
@@ -552,6 +570,30 @@ async fn a_reservation_written_after_its_timeout_is_released() {
     assert_eq!(faults.inner_calls(Op::Reserve), 0, "not written yet");
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(faults.inner_calls(Op::Reserve), 1, "written late");
+    assert!(store.inner().is_empty(), "and released");
+    proceed(begin(&engine, &policy, "k").await).release().await;
+}
+
+/// The caller goes away (its future dropped: a client that disconnects
+/// under the tower layer) while its reservation is on its way to the
+/// store, which writes it: nobody owns that record, so the engine releases
+/// it when the call ends, and a retry executes at once instead of meeting
+/// 409 `in-flight` for a whole lease.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_whose_caller_went_away_is_released() {
+    let (store, faults) = faulty();
+    let (engine, policy) = over(store.clone(), FailMode::Closed);
+    // Written at once, answered late (a database that committed and has
+    // not answered yet).
+    faults.set_next(
+        Op::Reserve,
+        Fault::CommitThenStall(Duration::from_millis(50)),
+        1,
+    );
+    let abandoned = tokio::time::timeout(Duration::from_millis(10), begin(&engine, &policy, "k"));
+    assert!(abandoned.await.is_err(), "the caller gave up first");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(faults.inner_calls(Op::Reserve), 1, "it was written");
     assert!(store.inner().is_empty(), "and released");
     proceed(begin(&engine, &policy, "k").await).release().await;
 }

@@ -90,7 +90,7 @@ where
         let engine = self.engine.clone();
         ResponseFuture::engine(Box::pin(async move {
             let (parts, body) = request.into_parts();
-            if let Some(refused) = engine.unsupported_transfer_coding(&parts.headers) {
+            if let Some(refused) = engine.unsupported_transfer_coding(&covered, &parts.headers) {
                 return Step::Done(Ok(refused.map(ResponseBody::full)));
             }
             // Room in the engine's buffer budget, held until decided.
@@ -101,11 +101,11 @@ where
             let body = match read_body(body, covered.max_body_bytes()).await {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
-                    let response = engine.body_too_large(covered.policy(), &parts.headers);
+                    let response = engine.body_too_large(&covered, &parts.headers);
                     return Step::Done(Ok(response.map(ResponseBody::full)));
                 }
                 Err(ReadError::Failed) => {
-                    let response = engine.body_unreadable(false, &parts.headers);
+                    let response = engine.body_unreadable(&covered, false, &parts.headers);
                     return Step::Done(Ok(response.map(ResponseBody::full)));
                 }
             };

@@ -435,9 +435,14 @@ impl RoutePolicy {
         self.policy().max_body_bytes
     }
 
-    /// Whether `method` is one the guarantee applies to on this route.
+    /// Whether `method` is one the guarantee applies to on this route,
+    /// in any ASCII case: backends such as Django and Symfony upper-case
+    /// the method before dispatching, so `post` must not get around a
+    /// `POST` route.
     pub fn applies_to(&self, method: &Method) -> bool {
-        self.methods.contains(method)
+        self.methods
+            .iter()
+            .any(|covered| covered.as_str().eq_ignore_ascii_case(method.as_str()))
     }
 
     /// Whether an upstream answer with `status` and `headers` consumes the
@@ -478,5 +483,15 @@ impl RoutePolicy {
             put(scope_host(uri, headers).as_bytes());
         }
         put(normalize_path(uri.path(), self.case_insensitive_paths).as_bytes());
+    }
+}
+
+/// The method as scopes and fingerprints read it: upper-cased, so `post`
+/// and `POST` (which backends dispatch alike) are one request.
+pub(crate) fn method_name(method: &Method) -> std::borrow::Cow<'_, str> {
+    let name = method.as_str();
+    match name.bytes().any(|b| b.is_ascii_lowercase()) {
+        true => std::borrow::Cow::Owned(name.to_ascii_uppercase()),
+        false => std::borrow::Cow::Borrowed(name),
     }
 }

@@ -94,6 +94,19 @@ pub(super) fn has_encoded_dot(path: &str) -> bool {
         .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'e'))
 }
 
+/// Whether `path` holds a percent-encoded slash (`%2F`): some backends
+/// decode it before routing.
+pub(super) fn has_encoded_slash(path: &str) -> bool {
+    path.as_bytes()
+        .windows(3)
+        .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'f'))
+}
+
+/// `path` with every `%2F` read as `/`.
+pub(super) fn decode_slashes(path: &str) -> String {
+    path.replace("%2F", "/").replace("%2f", "/")
+}
+
 /// [`normalize_path`]; with `decode_dots` off, `%2e` stays encoded (as
 /// `%2E`), so it never makes a dot segment.
 pub(super) fn normalize(

@@ -393,6 +393,13 @@ fn public_pem(path: &std::path::Path, setting: &str) -> Result<Vec<u8>, PolicyEr
     Ok(pem)
 }
 
+/// The principal a verified JWT names, as its route scopes keys by it: its
+/// `iss` (or none) and `sub`. An operator looking up or purging a JWT
+/// caller's records gives these two, never the token.
+pub fn jwt_principal(iss: Option<&str>, sub: &str) -> Vec<u8> {
+    serde_json::to_vec(&(iss, sub)).unwrap_or_default()
+}
+
 #[derive(Deserialize)]
 struct Claims {
     sub: String,
@@ -460,8 +467,7 @@ impl JwtVerifier {
             match jsonwebtoken::decode::<Claims>(token, key, validation) {
                 Ok(data) if data.claims.sub.is_empty() => return Resolved::Invalid("empty sub"),
                 Ok(data) => {
-                    let principal = serde_json::to_vec(&(&data.claims.iss, &data.claims.sub))
-                        .unwrap_or_default();
+                    let principal = jwt_principal(data.claims.iss.as_deref(), &data.claims.sub);
                     return Resolved::Found(principal);
                 }
                 Err(error) => {

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use http::Method;
 
-use super::paths::{has_encoded_dot, normalize, strip_segment_parameters};
+use super::paths::{
+    decode_slashes, has_encoded_dot, has_encoded_slash, normalize, strip_segment_parameters,
+};
 use super::{invalid, Policy, PolicyError, RoutePolicy};
 
 /// How a route matches request paths. Paths are matched in their
@@ -261,6 +263,8 @@ impl Routes {
     /// Likewise, a path with segment parameters (`/api/pay;x=1`, which
     /// servlet containers route as `/api/pay`) is also read without them,
     /// and with case-insensitive routing (IIS, ASP.NET) a backslash is also
+    /// read as `/`, and an encoded slash (`/api%2Fpay`, which WSGI and ASGI
+    /// servers hand to Django decoded, and Laravel matches decoded) is also
     /// read as `/`.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         let found = self.find_spelled(method, path);
@@ -275,6 +279,9 @@ impl Routes {
         }
         if self.case_insensitive && path.contains('\\') {
             return self.find(method, &path.replace('\\', "/"));
+        }
+        if has_encoded_slash(path) {
+            return self.find(method, &decode_slashes(path));
         }
         None
     }

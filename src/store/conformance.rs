@@ -47,12 +47,12 @@ where
 /// What the tests of [`store_conformance!`](crate::store_conformance) use.
 pub mod prelude {
     pub use super::{
-        acquire, fingerprint, in_flight, random_key, reserve_at_once, response, sweep, LONG,
-        PAST_SHORT, SHORT,
+        acquire, acquire_for, fingerprint, in_flight, random_key, reserve_at_once, response, sweep,
+        LONG, PAST_SHORT, SHORT,
     };
     pub use crate::store::{
-        Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
-        StoredResponse,
+        Admin, Claim, Fingerprint, KeyState, Outcome, OwnerToken, PrincipalHash, Record,
+        RecordInfo, RecordState, ScopeKey, SealedOutcome, StateCounts, Store, StoredResponse,
     };
     pub use bytes::Bytes;
     pub use http::StatusCode;
@@ -91,6 +91,27 @@ pub async fn acquire(
     let owner = OwnerToken::random();
     match store
         .reserve(key, &fingerprint(fp), &owner, lease, ttl)
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { takeover: false } => owner,
+        other => panic!("expected a fresh reservation, got {other:?}"),
+    }
+}
+
+/// Reserves a fresh `key` through the store's [`Admin`](super::Admin) side, keeping
+/// `principal`; panics unless the store has one and acquires the key.
+pub async fn acquire_for(
+    store: &Arc<dyn Store>,
+    key: &ScopeKey,
+    lease: Duration,
+    ttl: Duration,
+    principal: Option<&super::PrincipalHash>,
+) -> OwnerToken {
+    let owner = OwnerToken::random();
+    let admin = store.admin().expect("an admin side");
+    match admin
+        .reserve_for(key, &fingerprint(1), &owner, lease, ttl, principal)
         .await
         .unwrap()
     {
@@ -289,6 +310,28 @@ macro_rules! store_conformance {
                 assert!(store.complete(&key, &owner, &too_large, LONG).await.unwrap());
                 let record = store.get(&key).await.unwrap().unwrap();
                 assert_eq!(record.state, RecordState::Completed(too_large));
+            });
+        }
+        #[test]
+        fn sealed_outcome_round_trips_byte_for_byte() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                // Every byte value, and bytes that look like a plain outcome.
+                let mut bytes: Vec<u8> = (0..=255).collect();
+                bytes.extend_from_slice(&Outcome::TooLarge { status: StatusCode::OK }.encode());
+                let sealed = Outcome::Sealed(SealedOutcome::from_bytes(Bytes::from(bytes)));
+                let key = random_key();
+                let owner = acquire(&store, &key, 1, LONG, LONG).await;
+                assert!(store.complete(&key, &owner, &sealed, LONG).await.unwrap());
+                let record = store.get(&key).await.unwrap().unwrap();
+                assert_eq!(record.state, RecordState::Completed(sealed.clone()));
+                match store.reserve(&key, &fingerprint(1), &OwnerToken::random(), LONG, LONG).await {
+                    Ok(Claim::Existing(record)) => {
+                        assert_eq!(record.state, RecordState::Completed(sealed))
+                    }
+                    other => panic!("expected the sealed record, got {other:?}"),
+                }
             });
         }
         #[test]
@@ -528,6 +571,207 @@ macro_rules! store_conformance {
                 if let Some(id) = first {
                     assert!(!id.is_empty());
                 }
+            });
+        }
+        /// An operator sees state, times, status and sizes, never a body.
+        #[test]
+        fn admin_inspect_describes_a_record_without_its_body() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                let Some(admin) = store.admin() else { return };
+                let principal = PrincipalHash([7; 32]);
+                let key = random_key();
+                assert_eq!(admin.inspect(&key).await.unwrap(), None);
+                let owner = acquire_for(&store, &key, LONG, LONG, Some(&principal)).await;
+                let info = admin.inspect(&key).await.unwrap().expect("in flight");
+                assert_eq!(info.key, key);
+                assert_eq!(info.state, KeyState::InFlight);
+                assert_eq!(info.fingerprint, fingerprint(1));
+                let lease = info.lease_remaining.expect("a lease");
+                assert!(lease > Duration::ZERO && lease <= LONG, "{lease:?}");
+                assert!(info.expires_in > Duration::ZERO && info.expires_in <= LONG);
+                assert!(info.age < LONG, "{:?}", info.age);
+                assert!(info.has_principal);
+                assert_eq!((info.status, info.body_bytes), (None, None));
+
+                assert!(store.complete(&key, &owner, &response(), LONG).await.unwrap());
+                let info = admin.inspect(&key).await.unwrap().expect("completed");
+                assert_eq!(info.state, KeyState::Completed);
+                assert_eq!(info.status, Some(StatusCode::SEE_OTHER));
+                assert_eq!(info.lease_remaining, None);
+                let Outcome::Stored(stored) = response() else { unreachable!() };
+                assert_eq!(info.body_bytes, Some(stored.body.len() as u64));
+                assert_eq!(info.header_bytes, Some(stored.encode_headers().len() as u64));
+                assert!(info.has_principal, "completion keeps the principal");
+
+                for (marker, state) in [
+                    (Outcome::TooLarge { status: StatusCode::CREATED }, KeyState::TooLarge),
+                    (Outcome::Incomplete { status: StatusCode::CREATED }, KeyState::Incomplete),
+                ] {
+                    let key = random_key();
+                    let owner = acquire(&store, &key, 1, LONG, LONG).await;
+                    assert!(store.complete(&key, &owner, &marker, LONG).await.unwrap());
+                    let info = admin.inspect(&key).await.unwrap().unwrap();
+                    assert_eq!(info.state, state);
+                    assert_eq!(info.status, Some(StatusCode::CREATED));
+                    assert_eq!(info.body_bytes, None);
+                    assert!(!info.has_principal, "reserved without one");
+                }
+            });
+        }
+        /// A purge deletes a record in any state (also past its retention,
+        /// still unswept) and fences an in-flight holder off.
+        #[test]
+        fn admin_purge_deletes_any_record_and_fences_its_holder() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                let Some(admin) = store.admin() else { return };
+                let key = random_key();
+                let holder = acquire(&store, &key, 1, LONG, LONG).await;
+                assert!(admin.purge(&key).await.unwrap());
+                assert!(!store.complete(&key, &holder, &response(), LONG).await.unwrap());
+                assert!(!store.renew(&key, &holder, LONG).await.unwrap());
+                assert_eq!(store.get(&key).await.unwrap(), None);
+                let owner = acquire(&store, &key, 2, LONG, LONG).await;
+                assert!(store.complete(&key, &owner, &response(), LONG).await.unwrap());
+                assert!(admin.purge(&key).await.unwrap());
+                assert_eq!(store.get(&key).await.unwrap(), None);
+                assert!(!admin.purge(&key).await.unwrap());
+                acquire(&store, &key, 3, LONG, LONG).await;
+
+                let expired = random_key();
+                let owner = acquire(&store, &expired, 1, LONG, LONG).await;
+                assert!(store.complete(&expired, &owner, &response(), SHORT).await.unwrap());
+                sleep(PAST_SHORT).await;
+                assert!(admin.purge(&expired).await.unwrap(), "an unswept record is purged");
+                assert_eq!(sweep(&store, 100).await.unwrap(), 0);
+            });
+        }
+        /// A force release frees an in-flight key whoever holds it; the
+        /// former holder can no longer complete, renew or release it.
+        #[test]
+        fn admin_force_release_fences_the_former_holder() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                let Some(admin) = store.admin() else { return };
+                let key = random_key();
+                let former = acquire(&store, &key, 1, LONG, LONG).await;
+                assert!(admin.force_release(&key).await.unwrap());
+                assert_eq!(admin.inspect(&key).await.unwrap(), None);
+                let successor = acquire(&store, &key, 1, LONG, LONG).await;
+                assert!(!store.complete(&key, &former, &response(), LONG).await.unwrap());
+                assert!(!store.renew(&key, &former, LONG).await.unwrap());
+                assert!(!store.release(&key, &former).await.unwrap());
+                assert!(store.complete(&key, &successor, &response(), LONG).await.unwrap());
+                // A completed record is not released.
+                assert!(!admin.force_release(&key).await.unwrap());
+                let record = store.get(&key).await.unwrap().expect("still stored");
+                assert_eq!(record.state, RecordState::Completed(response()));
+                assert!(!admin.force_release(&random_key()).await.unwrap());
+            });
+        }
+        /// A principal's records, in any state, are found and deleted in
+        /// batches; nobody else's are touched.
+        #[test]
+        fn admin_purge_principal_deletes_only_that_principals_records() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                let Some(admin) = store.admin() else { return };
+                let (alice, bob) = (PrincipalHash([1; 32]), PrincipalHash([2; 32]));
+                let mut alices = Vec::new();
+                for i in 0..3 {
+                    let key = random_key();
+                    let owner = acquire_for(&store, &key, LONG, LONG, Some(&alice)).await;
+                    if i > 0 {
+                        assert!(store.complete(&key, &owner, &response(), LONG).await.unwrap());
+                    }
+                    alices.push(key);
+                }
+                let bobs = random_key();
+                let owner = acquire_for(&store, &bobs, LONG, LONG, Some(&bob)).await;
+                assert!(store.complete(&bobs, &owner, &response(), LONG).await.unwrap());
+                let anonymous = random_key();
+                acquire_for(&store, &anonymous, LONG, LONG, None).await;
+                let plain = random_key();
+                acquire(&store, &plain, 1, LONG, LONG).await;
+
+                let mut listed = admin.principal_keys(&alice, 10).await.unwrap();
+                listed.sort();
+                let mut expected = alices.clone();
+                expected.sort();
+                assert_eq!(listed, expected);
+                let first = admin.purge_principal(&alice, 2).await.unwrap();
+                assert_eq!(first.len(), 2);
+                let rest = admin.purge_principal(&alice, 10).await.unwrap();
+                assert_eq!(rest.len(), 1);
+                let mut purged: Vec<ScopeKey> = first.into_iter().chain(rest).collect();
+                purged.sort();
+                assert_eq!(purged, expected);
+                assert!(admin.purge_principal(&alice, 10).await.unwrap().is_empty());
+                for key in &alices {
+                    assert_eq!(store.get(key).await.unwrap(), None);
+                }
+                for key in [bobs, anonymous, plain] {
+                    assert!(store.get(&key).await.unwrap().is_some(), "another's record");
+                }
+            });
+        }
+        /// Old in-flight records are listed oldest first; records are
+        /// counted by state, including those awaiting the sweeper.
+        #[test]
+        fn admin_lists_old_in_flight_records_and_counts_by_state() {
+            $crate::store::conformance::run(async { $store.await }, |store| async move {
+                #[allow(unused_imports)]
+                use $crate::store::conformance::prelude::*;
+                let Some(admin) = store.admin() else { return };
+                let held = random_key();
+                acquire(&store, &held, 1, LONG, LONG).await;
+                // Reserved at distinct moments of the store's clock.
+                sleep(Duration::from_millis(20)).await;
+                let stalled = random_key();
+                acquire(&store, &stalled, 1, SHORT, LONG).await;
+                for marker in [
+                    response(),
+                    Outcome::TooLarge { status: StatusCode::OK },
+                    Outcome::Incomplete { status: StatusCode::OK },
+                ] {
+                    let key = random_key();
+                    let owner = acquire(&store, &key, 1, LONG, LONG).await;
+                    assert!(store.complete(&key, &owner, &marker, LONG).await.unwrap());
+                }
+                let expired = random_key();
+                let owner = acquire(&store, &expired, 1, LONG, LONG).await;
+                assert!(store.complete(&expired, &owner, &response(), SHORT).await.unwrap());
+                sleep(PAST_SHORT).await;
+                let fresh = random_key();
+                acquire(&store, &fresh, 1, LONG, LONG).await;
+
+                let counts = admin.counts().await.unwrap();
+                let by_state = [
+                    counts.in_flight,
+                    counts.lease_expired,
+                    counts.completed,
+                    counts.too_large,
+                    counts.incomplete,
+                ];
+                assert_eq!(by_state, [2, 1, 1, 1, 1], "{counts:?}");
+                // A store may drop an expired record before any sweep (the
+                // memory store does on later writes).
+                assert!(counts.expired <= 1, "{counts:?}");
+                assert_eq!(counts.total(), 6 + counts.expired);
+
+                let old = admin.in_flight_older_than(SHORT, 10).await.unwrap();
+                let keys: Vec<ScopeKey> = old.iter().map(|info| info.key).collect();
+                assert_eq!(keys, vec![held, stalled], "oldest first, not the fresh one");
+                assert!(old.iter().all(|info| info.state == KeyState::InFlight));
+                assert_eq!(old[1].lease_remaining, Some(Duration::ZERO));
+                assert_eq!(admin.in_flight_older_than(SHORT, 1).await.unwrap().len(), 1);
+                assert!(admin.in_flight_older_than(LONG, 10).await.unwrap().is_empty());
+                assert_eq!(admin.in_flight_older_than(Duration::ZERO, 10).await.unwrap().len(), 3);
             });
         }
     };

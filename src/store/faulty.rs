@@ -8,7 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::{
-    Claim, Fingerprint, Maintenance, Outcome, OwnerToken, Record, ScopeKey, Store, StoreError,
+    Admin, Claim, Fingerprint, Maintenance, Outcome, OwnerToken, PrincipalHash, Record, RecordInfo,
+    ScopeKey, StateCounts, Store, StoreError,
 };
 
 /// One operation of [`Store`] or [`Maintenance`], to aim a fault at.
@@ -312,6 +313,78 @@ impl<S: Store> Store for FaultyStore<S> {
 
     fn maintenance(&self) -> Option<&dyn Maintenance> {
         self.inner.maintenance().map(|_| self as &dyn Maintenance)
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
+        self.inner.admin().map(|_| self as &dyn Admin)
+    }
+}
+
+impl<S: Store> FaultyStore<S> {
+    fn inner_admin(&self) -> Result<&dyn Admin, StoreError> {
+        self.inner
+            .admin()
+            .ok_or_else(|| StoreError::Unavailable("the inner store has no admin side".into()))
+    }
+}
+
+/// The inner store's admin side; [`Admin::reserve_for`] suffers
+/// [`Op::Reserve`]'s faults (it is the request path's reservation), the
+/// operator's calls none.
+#[async_trait]
+impl<S: Store> Admin for FaultyStore<S> {
+    async fn reserve_for(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+        ttl: Duration,
+        principal: Option<&PrincipalHash>,
+    ) -> Result<Claim, StoreError> {
+        let admin = self.inner_admin()?;
+        let call = admin.reserve_for(key, fingerprint, owner, lease, ttl, principal);
+        self.faults.run(Op::Reserve, call).await
+    }
+
+    async fn inspect(&self, key: &ScopeKey) -> Result<Option<RecordInfo>, StoreError> {
+        self.inner_admin()?.inspect(key).await
+    }
+
+    async fn purge(&self, key: &ScopeKey) -> Result<bool, StoreError> {
+        self.inner_admin()?.purge(key).await
+    }
+
+    async fn principal_keys(
+        &self,
+        principal: &PrincipalHash,
+        limit: usize,
+    ) -> Result<Vec<ScopeKey>, StoreError> {
+        self.inner_admin()?.principal_keys(principal, limit).await
+    }
+
+    async fn purge_principal(
+        &self,
+        principal: &PrincipalHash,
+        limit: usize,
+    ) -> Result<Vec<ScopeKey>, StoreError> {
+        self.inner_admin()?.purge_principal(principal, limit).await
+    }
+
+    async fn force_release(&self, key: &ScopeKey) -> Result<bool, StoreError> {
+        self.inner_admin()?.force_release(key).await
+    }
+
+    async fn in_flight_older_than(
+        &self,
+        age: Duration,
+        limit: usize,
+    ) -> Result<Vec<RecordInfo>, StoreError> {
+        self.inner_admin()?.in_flight_older_than(age, limit).await
+    }
+
+    async fn counts(&self) -> Result<StateCounts, StoreError> {
+        self.inner_admin()?.counts().await
     }
 }
 

@@ -9,9 +9,11 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{
-    Claim, Fingerprint, Maintenance, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
-    StoreError,
+    Admin, Claim, Fingerprint, Maintenance, Outcome, OwnerToken, PrincipalHash, Record,
+    RecordState, ScopeKey, Store, StoreError,
 };
+
+mod admin;
 
 /// Keeps records in a mutex-guarded map inside the process.
 ///
@@ -70,6 +72,10 @@ struct Entry {
     fingerprint: Fingerprint,
     expires_at: Instant,
     state: State,
+    /// When the key was first reserved (kept across a takeover).
+    created: Instant,
+    /// The principal's hash, when reserved with one ([`Admin::reserve_for`]).
+    principal: Option<PrincipalHash>,
 }
 
 #[derive(Debug)]
@@ -116,6 +122,7 @@ impl Entry {
                             .map(|(name, value)| name.as_str().len() + value.len() + 16)
                             .sum::<usize>()
                 }
+                State::Completed(Outcome::Sealed(sealed)) => sealed.as_bytes().len(),
                 State::Completed(Outcome::TooLarge { .. } | Outcome::Incomplete { .. }) => 0,
             }
     }
@@ -277,15 +284,16 @@ impl Drop for Waiter<'_> {
     }
 }
 
-#[async_trait]
-impl Store for MemoryStore {
-    async fn reserve(
+impl MemoryStore {
+    /// [`Store::reserve`], keeping `principal` with the record.
+    fn reserve_with(
         &self,
         key: &ScopeKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
         lease: Duration,
         ttl: Duration,
+        principal: Option<&PrincipalHash>,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let mut table = self.table();
@@ -322,6 +330,10 @@ impl Store for MemoryStore {
                 return Err(StoreError::Full(format!("the memory store holds {what}")));
             }
         }
+        let created = match table.records.get(key) {
+            Some(entry) if takeover => entry.created,
+            _ => now,
+        };
         table.put(
             *key,
             Entry {
@@ -331,9 +343,25 @@ impl Store for MemoryStore {
                     owner: *owner,
                     lease_until: now + lease,
                 },
+                created,
+                principal: principal.copied(),
             },
         );
         Ok(Claim::Acquired { takeover })
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn reserve(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.reserve_with(key, fingerprint, owner, lease, ttl, None)
     }
 
     async fn complete(
@@ -353,6 +381,8 @@ impl Store for MemoryStore {
                         fingerprint: entry.fingerprint,
                         expires_at: now + ttl,
                         state: State::Completed(outcome.clone()),
+                        created: entry.created,
+                        principal: entry.principal,
                     };
                     table.put(*key, entry);
                     true
@@ -455,6 +485,10 @@ impl Store for MemoryStore {
     }
 
     fn maintenance(&self) -> Option<&dyn Maintenance> {
+        Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
         Some(self)
     }
 }

@@ -19,6 +19,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
+mod admin;
+pub use admin::{Admin, KeyState, PrincipalHash, RecordInfo, ScopeKeyError, StateCounts};
 #[cfg(feature = "test-util")]
 pub mod conformance;
 #[cfg(any(test, feature = "test-util"))]
@@ -191,6 +193,32 @@ impl StoredResponse {
     }
 }
 
+/// An [`Outcome`] encrypted by the engine's [`Keyring`](crate::engine::Keyring):
+/// an opaque byte string a store keeps and returns exactly as given.
+///
+/// It carries the id of the key that sealed it and is bound to its
+/// record's [`ScopeKey`]; only the engine opens it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SealedOutcome(Bytes);
+
+impl SealedOutcome {
+    /// Wraps bytes a store read back (or the engine sealed).
+    pub fn from_bytes(bytes: Bytes) -> Self {
+        SealedOutcome(bytes)
+    }
+
+    /// The bytes to persist.
+    pub fn as_bytes(&self) -> &Bytes {
+        &self.0
+    }
+}
+
+impl fmt::Debug for SealedOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SealedOutcome({} bytes)", self.0.len())
+    }
+}
+
 /// How a completed operation ended, as far as replays are concerned.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -211,6 +239,10 @@ pub enum Outcome {
         /// The status the first execution answered with.
         status: StatusCode,
     },
+    /// Any of the above, encrypted at rest (the engine seals every outcome
+    /// when encryption keys are configured). A store persists its bytes as
+    /// they are; its status, headers and body are inside the ciphertext.
+    Sealed(SealedOutcome),
 }
 
 impl Outcome {
@@ -218,12 +250,18 @@ impl Outcome {
     /// key-value caches such as Redis). [`Outcome::decode`] reverses it.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// [`Outcome::encode`], appended to `out`.
+    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
         match self {
             Outcome::Stored(response) => {
                 out.push(1);
                 out.extend_from_slice(&response.status.as_u16().to_be_bytes());
-                put_chunk(&mut out, &response.encode_headers());
-                put_chunk(&mut out, &response.body);
+                put_chunk(out, &response.encode_headers());
+                put_chunk(out, &response.body);
             }
             Outcome::TooLarge { status } => {
                 out.push(2);
@@ -233,8 +271,11 @@ impl Outcome {
                 out.push(3);
                 out.extend_from_slice(&status.as_u16().to_be_bytes());
             }
+            Outcome::Sealed(sealed) => {
+                out.push(4);
+                out.extend_from_slice(sealed.as_bytes());
+            }
         }
-        out
     }
 
     /// Decodes what [`Outcome::encode`] wrote; anything else (including
@@ -242,6 +283,9 @@ impl Outcome {
     pub fn decode(bytes: &[u8]) -> Result<Self, StoreError> {
         let corrupt = || StoreError::Corrupt("stored outcome".into());
         let (&tag, rest) = bytes.split_first().ok_or_else(corrupt)?;
+        if tag == 4 {
+            return Ok(Outcome::Sealed(SealedOutcome(Bytes::copy_from_slice(rest))));
+        }
         if rest.len() < 2 {
             return Err(corrupt());
         }
@@ -269,11 +313,13 @@ impl Outcome {
         Ok(outcome)
     }
 
-    /// The status code of the first execution.
-    pub fn status(&self) -> StatusCode {
+    /// The status code of the first execution; `None` for a sealed
+    /// outcome (the status is inside its ciphertext).
+    pub fn status(&self) -> Option<StatusCode> {
         match self {
-            Outcome::Stored(response) => response.status,
-            Outcome::TooLarge { status } | Outcome::Incomplete { status } => *status,
+            Outcome::Stored(response) => Some(response.status),
+            Outcome::TooLarge { status } | Outcome::Incomplete { status } => Some(*status),
+            Outcome::Sealed(_) => None,
         }
     }
 }
@@ -355,6 +401,14 @@ pub enum StoreError {
     /// A stored record could not be decoded.
     #[error("corrupt record: {0}")]
     Corrupt(String),
+    /// A sealed record could not be opened: the key id it names is not
+    /// configured, or it fails authentication (a different key under that
+    /// id, altered bytes, another record's ciphertext). The engine answers
+    /// it with 503 on every route, fail-open ones too: the record proves the
+    /// request ran, so it must not run again. The message names the key id,
+    /// never key material.
+    #[error("unreadable record: {0}")]
+    Unreadable(String),
     /// The store is at its configured ceiling (records or bytes) and
     /// refuses new reservations rather than grow.
     #[error("store full: {0}")]
@@ -385,7 +439,10 @@ pub enum StoreError {
 /// * Time (leases, retention) is the store's own clock; callers never pass
 ///   timestamps.
 /// * Records are stored under the [`ScopeKey`] hash only; no raw key,
-///   principal or request body ever reaches a store.
+///   principal or request body ever reaches a store (a store with an
+///   [`Admin`] side also keeps the principal's hash).
+/// * An [`Outcome::Sealed`] (encryption at rest) is kept and returned byte
+///   for byte; a store never opens it and never needs a key.
 #[async_trait]
 pub trait Store: fmt::Debug + Send + Sync + 'static {
     /// Atomically reserves `key` for `owner` with a lease of `lease`, or
@@ -473,6 +530,16 @@ pub trait Store: fmt::Debug + Send + Sync + 'static {
     fn maintenance(&self) -> Option<&dyn Maintenance> {
         None
     }
+
+    /// The store's [`Admin`] side (operator lookups, purges, force
+    /// releases), if it has one: `Some(self)` for a store that implements
+    /// [`Admin`]. With one, the engine reserves through
+    /// [`Admin::reserve_for`], so records keep their principal's hash.
+    /// `None` (the default): the engine's operator methods answer
+    /// "unsupported".
+    fn admin(&self) -> Option<&dyn Admin> {
+        None
+    }
 }
 
 /// The housekeeping side of a store, apart from the core operations (as
@@ -524,6 +591,8 @@ mod tests {
             status: StatusCode::CREATED,
         };
         assert_eq!(Outcome::decode(&incomplete.encode()).unwrap(), incomplete);
+        let sealed = Outcome::Sealed(SealedOutcome::from_bytes(Bytes::from_static(b"\x01opaque")));
+        assert_eq!(Outcome::decode(&sealed.encode()).unwrap(), sealed);
         // What older versions wrote still decodes as it did.
         assert_eq!(Outcome::decode(&[2, 0, 201]).unwrap(), marker);
     }

@@ -13,10 +13,11 @@ use super::StoreError;
 /// A new record. Conflicts are skipped without locking the existing row.
 const INSERT: &str = "
 INSERT INTO idempotency_records
-    (key, fingerprint, owner, state, lease_expires_at, expires_at)
+    (key, fingerprint, owner, state, lease_expires_at, expires_at, principal)
 VALUES ($1, $2, $3, 'in_flight',
         now() + $4::bigint * interval '1 microsecond',
-        now() + $5::bigint * interval '1 microsecond')
+        now() + $5::bigint * interval '1 microsecond',
+        $6)
 ON CONFLICT (key) DO NOTHING
 RETURNING false AS takeover";
 
@@ -35,6 +36,7 @@ SET fingerprint = $2,
     status = NULL,
     headers = NULL,
     body = NULL,
+    principal = $6,
     created_at = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END
 WHERE key = $1
   AND (r.expires_at <= now()
@@ -66,21 +68,79 @@ SET lease_expires_at = now() + $3::bigint * interval '1 microsecond',
     expires_at = greatest(expires_at, now() + $3::bigint * interval '1 microsecond')
 WHERE key = $1 AND owner = $2 AND state = 'in_flight'";
 
-/// Oldest expired rows first, through the `expires_at` index. `SKIP LOCKED`
+/// Oldest expired rows first, through the `expires_at` index, at most `$1`
+/// (the materialized CTE is evaluated once, so the batch bound holds). `SKIP LOCKED`
 /// lets sweepers of several instances run side by side; the outer condition
 /// is checked again on the locked row, so a key reserved anew a moment ago
 /// is never deleted.
 const SWEEP: &str = "
-DELETE FROM idempotency_records
-WHERE key IN (SELECT key FROM idempotency_records
-              WHERE expires_at <= now()
-              ORDER BY expires_at
-              LIMIT $1
-              FOR UPDATE SKIP LOCKED)
-  AND expires_at <= now()";
+WITH doomed AS MATERIALIZED (
+    SELECT key FROM idempotency_records
+    WHERE expires_at <= now()
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED)
+DELETE FROM idempotency_records AS r
+USING doomed
+WHERE r.key = doomed.key
+  AND r.expires_at <= now()";
 
 /// The id every instance on this database shares (see the migration).
 const IDENTITY: &str = "SELECT id FROM idempotency_store";
+
+/// What an operator sees of a record (never its body); `FROM` follows.
+macro_rules! info_columns {
+    () => {
+        "SELECT key, fingerprint, state, status,
+       CASE WHEN state = 'too_large' THEN headers END AS marker,
+       octet_length(body)::bigint AS body_bytes,
+       octet_length(headers)::bigint AS header_bytes,
+       (extract(epoch FROM now() - created_at) * 1000000)::bigint AS age_us,
+       (extract(epoch FROM greatest(expires_at - now(), interval '0')) * 1000000)::bigint
+           AS expires_in_us,
+       (extract(epoch FROM greatest(lease_expires_at - now(), interval '0')) * 1000000)::bigint
+           AS lease_remaining_us,
+       principal IS NOT NULL AS has_principal
+FROM idempotency_records"
+    };
+}
+
+const INSPECT: &str = concat!(info_columns!(), " WHERE key = $1 AND expires_at > now()");
+
+const PURGE: &str = "DELETE FROM idempotency_records WHERE key = $1";
+
+const PRINCIPAL_KEYS: &str = "SELECT key FROM idempotency_records WHERE principal = $1 LIMIT $2";
+
+/// Through the partial index on `principal`, in batches of `$2`.
+const PURGE_PRINCIPAL: &str = "
+DELETE FROM idempotency_records
+WHERE key IN (SELECT key FROM idempotency_records WHERE principal = $1 LIMIT $2)
+RETURNING key";
+
+const FORCE_RELEASE: &str =
+    "DELETE FROM idempotency_records WHERE key = $1 AND state = 'in_flight'";
+
+/// Through the partial index on in-flight rows' `created_at`.
+const IN_FLIGHT_OLDER_THAN: &str = concat!(
+    info_columns!(),
+    " WHERE state = 'in_flight' AND expires_at > now()
+  AND created_at <= now() - $1::bigint * interval '1 microsecond'
+ORDER BY created_at
+LIMIT $2"
+);
+
+const COUNTS: &str = "
+SELECT count(*) FILTER (WHERE expires_at > now() AND state = 'in_flight'
+                          AND lease_expires_at > now()) AS in_flight,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'in_flight'
+                          AND lease_expires_at <= now()) AS lease_expired,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'completed') AS completed,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'too_large'
+                          AND headers IS NULL) AS too_large,
+       count(*) FILTER (WHERE expires_at > now() AND state = 'too_large'
+                          AND headers IS NOT NULL) AS incomplete,
+       count(*) FILTER (WHERE expires_at <= now()) AS expired
+FROM idempotency_records";
 
 /// Keeps records in a PostgreSQL table, `idempotency_records` (see
 /// `migrations/`), shared by every instance that connects to it.
@@ -98,9 +158,22 @@ const IDENTITY: &str = "SELECT id FROM idempotency_store";
 ///   200 ms, one primary-key lookup per step), and only while a duplicate
 ///   actually waits. `LISTEN/NOTIFY` was not used: a committing `NOTIFY`
 ///   takes a database-wide lock, which would serialise every completion.
+/// * A statement the database rolled back with a serialization failure
+///   (SQLSTATE `40001`) or a deadlock (`40P01`) is run again, with capped
+///   exponential backoff and jitter, for up to
+///   [`retry_budget`](PostgresStore::retry_budget) (default
+///   [`RETRY_BUDGET`](PostgresStore::RETRY_BUDGET), the engine's default
+///   `store_timeout`; the engine abandons the call at its own
+///   `store_timeout` in any case). Such a conflict undid the whole
+///   statement, so the retry is its first run against the current rows;
+///   PostgreSQL itself rarely answers these to our single-row statements,
+///   but PostgreSQL-compatible engines with optimistic concurrency
+///   (CockroachDB, YugabyteDB) do under contention. A statement whose
+///   outcome is unknown (connection lost, `40003`) is never retried.
 /// * A failed connection, a pool that has no connection within its acquire
-///   timeout, or any database error becomes a [`StoreError`], which the
-///   engine answers with 503 (fail closed). The pool reconnects on its own.
+///   timeout, a conflict that outlasts the retry budget, or any other
+///   database error becomes a [`StoreError`], which the engine answers
+///   with 503 (fail closed). The pool reconnects on its own.
 ///
 /// The table is searched through the connection's `search_path`; to keep it
 /// in another schema, add `?options=-c%20search_path%3Dmy_schema` to the URL.
@@ -111,6 +184,8 @@ pub struct PostgresStore {
     pool: PgPool,
     /// The store's id, read once.
     id: Arc<OnceLock<String>>,
+    /// How long a statement that conflicted is retried.
+    retry: Duration,
 }
 
 impl PostgresStore {
@@ -125,6 +200,10 @@ impl PostgresStore {
     /// How long a request waits for a pooled connection before the store
     /// reports [`StoreError::Timeout`] (and the engine answers 503).
     pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
+
+    /// The default [`retry_budget`](PostgresStore::retry_budget): 5 s, the
+    /// engine's default `store_timeout`.
+    pub const RETRY_BUDGET: Duration = Duration::from_secs(5);
 
     /// Connects to `url` (`postgres://user:password@host/database`) with
     /// [`PostgresStore::pool_options`] and applies the migrations.
@@ -166,7 +245,18 @@ impl PostgresStore {
         PostgresStore {
             pool,
             id: Arc::default(),
+            retry: Self::RETRY_BUDGET,
         }
+    }
+
+    /// Sets how long one statement that the database rolled back for a
+    /// conflict (SQLSTATE `40001` or `40P01`) is run again before the
+    /// conflict is reported as [`StoreError::Unavailable`]. Set it to the
+    /// engine's `store_timeout` (the proxy does); `Duration::ZERO` never
+    /// retries.
+    pub fn retry_budget(mut self, budget: Duration) -> Self {
+        self.retry = budget;
+        self
     }
 
     /// Creates or upgrades the table. Safe to run from several instances at
@@ -201,5 +291,19 @@ super::sql::sql_store!(
         renew: RENEW,
         sweep: SWEEP,
         identity: IDENTITY,
+    },
+    retry = retry
+);
+
+super::sql::sql_admin!(
+    PostgresStore,
+    sql::AdminStatements {
+        inspect: INSPECT,
+        purge: PURGE,
+        principal_keys: PRINCIPAL_KEYS,
+        purge_principal: PURGE_PRINCIPAL,
+        force_release: FORCE_RELEASE,
+        in_flight_older_than: IN_FLIGHT_OLDER_THAN,
+        counts: COUNTS,
     }
 );

@@ -7,12 +7,17 @@
 //! `timestamptz` by the database clock, SQLite integer microseconds).
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::StatusCode;
 
-use super::{Claim, Fingerprint, Outcome, Record, RecordState, StoreError, StoredResponse};
+use super::{
+    Claim, Fingerprint, Outcome, Record, RecordState, SealedOutcome, StoreError, StoredResponse,
+};
+
+pub(super) mod admin;
+pub(super) use admin::{sql_admin, AdminStatements};
 
 /// The `state` column of a record still held by its owner.
 pub(super) const IN_FLIGHT: &str = "in_flight";
@@ -24,6 +29,11 @@ pub(super) const IN_FLIGHT: &str = "in_flight";
 /// `too_large` row marked here (a plain marker has no headers), and the
 /// deployed schema and its rows stay as they are.
 const INCOMPLETE_MARKER: &[u8] = b"incomplete";
+
+// A sealed outcome ([`Outcome::Sealed`]) is a `completed` row whose
+// `status` and `headers` are NULL and whose `body` holds the sealed bytes:
+// status, headers and body are all inside the ciphertext, and the schema
+// stays as it is. A plain completed row always has a status.
 
 /// A live record as both stores select it.
 #[derive(sqlx::FromRow)]
@@ -55,6 +65,12 @@ impl RecordRow {
                     self.lease_remaining_us.unwrap_or(0).max(0) as u64
                 ),
             },
+            "completed" if self.status.is_none() && self.headers.is_none() => {
+                let Some(sealed) = self.body else {
+                    return Err(corrupt("sealed response"));
+                };
+                RecordState::Completed(Outcome::Sealed(SealedOutcome::from_bytes(sealed.into())))
+            }
             "completed" => {
                 let (Some(headers), Some(body)) = (&self.headers, &self.body) else {
                     return Err(corrupt("response"));
@@ -83,7 +99,8 @@ pub(super) struct OutcomeColumns<'a> {
     /// `completed` or `too_large` (also for an incomplete response, see
     /// `INCOMPLETE_MARKER`).
     pub(super) state: &'static str,
-    pub(super) status: i16,
+    /// NULL for a sealed outcome.
+    pub(super) status: Option<i16>,
     pub(super) headers: Option<Vec<u8>>,
     pub(super) body: Option<&'a [u8]>,
 }
@@ -91,8 +108,14 @@ pub(super) struct OutcomeColumns<'a> {
 impl<'a> From<&'a Outcome> for OutcomeColumns<'a> {
     fn from(outcome: &'a Outcome) -> Self {
         // Status codes are 100..=999, so they always fit a smallint.
-        let status = outcome.status().as_u16() as i16;
+        let status = outcome.status().map(|status| status.as_u16() as i16);
         match outcome {
+            Outcome::Sealed(sealed) => OutcomeColumns {
+                state: "completed",
+                status: None,
+                headers: None,
+                body: Some(sealed.as_bytes()),
+            },
             Outcome::Stored(response) => OutcomeColumns {
                 state: "completed",
                 status,
@@ -175,6 +198,69 @@ where
     ))
 }
 
+/// The first pause before retrying a statement the database rolled back for
+/// a conflict; it doubles up to [`RETRY_MAX_DELAY`].
+const RETRY_FIRST_DELAY: Duration = Duration::from_millis(5);
+/// The longest pause between two attempts of one statement.
+const RETRY_MAX_DELAY: Duration = Duration::from_millis(200);
+
+/// Whether the database rolled `error`'s statement back for a transient
+/// conflict with another transaction: SQLSTATE `40001` (serialization
+/// failure, what PostgreSQL-compatible engines with optimistic concurrency —
+/// CockroachDB, YugabyteDB — answer a conflict with) or `40P01` (deadlock
+/// detected).
+///
+/// Both mean the statement's transaction was aborted as a whole: nothing it
+/// wrote stands. `40003` (statement completion unknown) is *not* one of
+/// them, nor is a connection lost mid-statement: there the write may have
+/// committed, so it is reported, never repeated blindly.
+pub(super) fn is_conflict(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(error) => matches!(error.code().as_deref(), Some("40001" | "40P01")),
+        _ => false,
+    }
+}
+
+/// Runs `statement` until it ends without a conflict (see [`is_conflict`])
+/// or `budget` is spent, pausing between attempts with capped exponential
+/// backoff and jitter (each pause is half the current delay plus a random
+/// part of the other half, so callers that collided do not collide again in
+/// step). When the budget would be overrun, the last conflict is returned —
+/// a store error, answered fail-closed by the engine; any other error is
+/// returned at once.
+///
+/// Every statement of the SQL stores is a single autocommit statement, so a
+/// conflict rolled it back entirely, and running it again is running it for
+/// the first time against the current rows; see [`Statements`] for why
+/// each one gives the same answer then.
+pub(super) async fn retrying<T, F, Fut>(
+    budget: Duration,
+    mut statement: F,
+) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
+{
+    let deadline = Instant::now() + budget;
+    let mut delay = RETRY_FIRST_DELAY;
+    loop {
+        match statement().await {
+            Err(error) if is_conflict(&error) => {
+                let half = delay / 2;
+                let pause = half + half.mul_f64(rand::random::<f64>());
+                if Instant::now() + pause >= deadline {
+                    tracing::warn!(%error, "a store statement kept conflicting; giving up");
+                    return Err(error);
+                }
+                tracing::debug!(%error, ?pause, "a store statement conflicted; retrying");
+                tokio::time::sleep(pause).await;
+                delay = (delay * 2).min(RETRY_MAX_DELAY);
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Maps a sqlx error: no connection in time is [`StoreError::Timeout`], an
 /// undecodable row is [`StoreError::Corrupt`], anything else (I/O, TLS, a
 /// closed pool, a database error) is [`StoreError::Unavailable`].
@@ -206,13 +292,27 @@ pub(super) fn migrate_error(error: sqlx::migrate::MigrateError) -> StoreError {
 ///
 /// | statement | parameters |
 /// |---|---|
-/// | `insert`, `take_over` | key, fingerprint, owner, lease µs, ttl µs → `takeover` |
+/// | `insert`, `take_over` | key, fingerprint, owner, lease µs, ttl µs, principal hash (or NULL) → `takeover` |
 /// | `select_live` | key → [`RecordRow`] |
 /// | `complete` | key, owner, state, status, headers, body, ttl µs |
 /// | `release` | key, owner |
 /// | `renew` | key, owner, lease µs |
 /// | `sweep` | batch |
 /// | `identity` | → the store's id (text) |
+///
+/// A statement the database rolled back with a serialization failure or a
+/// deadlock (see [`is_conflict`]) is run again within the store's retry
+/// budget ([`retrying`]). That is safe for each of them because each is one
+/// autocommit statement — the conflict undid all of it — and each decides
+/// from the rows as they are when it runs:
+///
+/// | statement | why running it again is safe |
+/// |---|---|
+/// | `insert` | `ON CONFLICT DO NOTHING`: the rolled-back insert left no row; the retry inserts, or finds the row another caller wrote and the protocol reads it |
+/// | `take_over` | its `WHERE` re-checks expiry and fingerprint on the current row: of several callers still exactly one wins |
+/// | `select_live`, `identity` | reads |
+/// | `complete`, `release`, `renew` | `WHERE owner = $2 AND state = 'in_flight'`: it applies once, or finds the reservation lost, as the first attempt would have |
+/// | `sweep` | deletes only rows expired at the time it runs |
 pub(super) struct Statements {
     /// A new record, unless one stands; returns `takeover` (false).
     pub(super) insert: &'static str,
@@ -243,8 +343,30 @@ pub(super) struct Statements {
 /// WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
 /// live record writes nothing: replays and polling waiters take no row lock
 /// and cost no commit flush.
+///
+/// With `retry = field`, statements the database rolls back for a conflict
+/// are run again for as long as `self.field` (a [`Duration`]) allows (see
+/// [`retrying`]); without it they are not retried.
 macro_rules! sql_store {
+    ($store:ty, $statements:expr, retry = $retry:ident) => {
+        impl $store {
+            /// How long a conflicting statement is retried.
+            fn statement_retry_budget(&self) -> std::time::Duration {
+                self.$retry
+            }
+        }
+        $crate::store::sql::sql_store!(@impl $store, $statements);
+    };
     ($store:ty, $statements:expr) => {
+        impl $store {
+            /// Conflicting statements are not retried.
+            fn statement_retry_budget(&self) -> std::time::Duration {
+                std::time::Duration::ZERO
+            }
+        }
+        $crate::store::sql::sql_store!(@impl $store, $statements);
+    };
+    (@impl $store:ty, $statements:expr) => {
         impl $store {
             const STATEMENTS: $crate::store::sql::Statements = $statements;
 
@@ -252,10 +374,45 @@ macro_rules! sql_store {
                 &self,
                 key: &$crate::store::ScopeKey,
             ) -> Result<Option<$crate::store::sql::RecordRow>, sqlx::Error> {
-                sqlx::query_as(Self::STATEMENTS.select_live)
-                    .bind(key.as_bytes().as_slice())
-                    .fetch_optional(&self.pool)
-                    .await
+                $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query_as(Self::STATEMENTS.select_live)
+                        .bind(key.as_bytes().as_slice())
+                        .fetch_optional(&self.pool)
+                })
+                .await
+            }
+
+            /// [`Store::reserve`](crate::store::Store::reserve), keeping
+            /// `principal` with the record.
+            async fn reserve_with(
+                &self,
+                key: &$crate::store::ScopeKey,
+                fingerprint: &$crate::store::Fingerprint,
+                owner: &$crate::store::OwnerToken,
+                lease: std::time::Duration,
+                ttl: std::time::Duration,
+                principal: Option<&$crate::store::PrincipalHash>,
+            ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
+                let principal = principal.map(|p| p.as_bytes().as_slice());
+                let write = |statement: &'static str| {
+                    $crate::store::sql::retrying(self.statement_retry_budget(), move || {
+                        sqlx::query_scalar::<_, bool>(statement)
+                            .bind(key.as_bytes().as_slice())
+                            .bind(fingerprint.as_bytes().as_slice())
+                            .bind(owner.as_bytes().as_slice())
+                            .bind($crate::store::sql::micros(lease))
+                            .bind($crate::store::sql::micros(ttl))
+                            .bind(principal)
+                            .fetch_optional(&self.pool)
+                    })
+                };
+                $crate::store::sql::reserve(
+                    fingerprint,
+                    || write(Self::STATEMENTS.insert),
+                    || write(Self::STATEMENTS.take_over),
+                    || self.select_live(key),
+                )
+                .await
             }
         }
 
@@ -269,23 +426,8 @@ macro_rules! sql_store {
                 lease: std::time::Duration,
                 ttl: std::time::Duration,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
-                let write = |statement: &'static str| async move {
-                    sqlx::query_scalar::<_, bool>(statement)
-                        .bind(key.as_bytes().as_slice())
-                        .bind(fingerprint.as_bytes().as_slice())
-                        .bind(owner.as_bytes().as_slice())
-                        .bind($crate::store::sql::micros(lease))
-                        .bind($crate::store::sql::micros(ttl))
-                        .fetch_optional(&self.pool)
-                        .await
-                };
-                $crate::store::sql::reserve(
-                    fingerprint,
-                    || write(Self::STATEMENTS.insert),
-                    || write(Self::STATEMENTS.take_over),
-                    || self.select_live(key),
-                )
-                .await
+                self.reserve_with(key, fingerprint, owner, lease, ttl, None)
+                    .await
             }
 
             async fn complete(
@@ -296,17 +438,19 @@ macro_rules! sql_store {
                 ttl: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
                 let columns = $crate::store::sql::OutcomeColumns::from(outcome);
-                let done = sqlx::query(Self::STATEMENTS.complete)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind(columns.state)
-                    .bind(columns.status)
-                    .bind(columns.headers)
-                    .bind(columns.body)
-                    .bind($crate::store::sql::micros(ttl))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.complete)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(owner.as_bytes().as_slice())
+                        .bind(columns.state)
+                        .bind(columns.status)
+                        .bind(columns.headers.as_deref())
+                        .bind(columns.body)
+                        .bind($crate::store::sql::micros(ttl))
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected() == 1)
             }
 
@@ -315,12 +459,14 @@ macro_rules! sql_store {
                 key: &$crate::store::ScopeKey,
                 owner: &$crate::store::OwnerToken,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.release)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.release)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(owner.as_bytes().as_slice())
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected() == 1)
             }
 
@@ -330,13 +476,15 @@ macro_rules! sql_store {
                 owner: &$crate::store::OwnerToken,
                 lease: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.renew)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind($crate::store::sql::micros(lease))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.renew)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(owner.as_bytes().as_slice())
+                        .bind($crate::store::sql::micros(lease))
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected() == 1)
             }
 
@@ -355,10 +503,11 @@ macro_rules! sql_store {
                 if let Some(id) = self.id.get() {
                     return Ok(Some(id.clone()));
                 }
-                let id: String = sqlx::query_scalar(Self::STATEMENTS.identity)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?
+                let id: String = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query_scalar(Self::STATEMENTS.identity).fetch_optional(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?
                     .ok_or_else(|| {
                         $crate::store::StoreError::Corrupt("the store has no id row".into())
                     })?;
@@ -368,16 +517,23 @@ macro_rules! sql_store {
             fn maintenance(&self) -> Option<&dyn $crate::store::Maintenance> {
                 Some(self)
             }
+
+            fn admin(&self) -> Option<&dyn $crate::store::Admin> {
+                Some(self)
+            }
         }
 
         #[async_trait::async_trait]
         impl $crate::store::Maintenance for $store {
             async fn sweep(&self, batch: usize) -> Result<u64, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.sweep)
-                    .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+                let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    sqlx::query(Self::STATEMENTS.sweep)
+                        .bind(batch)
+                        .execute(&self.pool)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected())
             }
         }

@@ -17,11 +17,12 @@ use super::StoreError;
 /// As for PostgreSQL (see there).
 const INSERT: &str = "
 INSERT INTO idempotency_records
-    (key, fingerprint, owner, state, lease_expires_at, expires_at, created_at)
+    (key, fingerprint, owner, state, lease_expires_at, expires_at, created_at, principal)
 VALUES (?1, ?2, ?3, 'in_flight',
         unixepoch('subsec') + ?4 / 1e6,
         unixepoch('subsec') + ?5 / 1e6,
-        unixepoch('subsec'))
+        unixepoch('subsec'),
+        ?6)
 ON CONFLICT (key) DO NOTHING
 RETURNING false AS takeover";
 
@@ -36,6 +37,7 @@ SET fingerprint = ?2,
     status = NULL,
     headers = NULL,
     body = NULL,
+    principal = ?6,
     created_at = CASE WHEN r.expires_at <= unixepoch('subsec')
                       THEN unixepoch('subsec') ELSE r.created_at END
 WHERE key = ?1
@@ -78,6 +80,63 @@ WHERE key IN (SELECT key FROM idempotency_records
 
 /// The id kept in the file (see the migration).
 const IDENTITY: &str = "SELECT id FROM idempotency_store";
+
+/// What an operator sees of a record (never its body); `FROM` follows.
+macro_rules! info_columns {
+    () => {
+        "SELECT key, fingerprint, state, status,
+       CASE WHEN state = 'too_large' THEN headers END AS marker,
+       length(body) AS body_bytes,
+       length(headers) AS header_bytes,
+       CAST((unixepoch('subsec') - created_at) * 1e6 AS INTEGER) AS age_us,
+       CAST(max(expires_at - unixepoch('subsec'), 0) * 1e6 AS INTEGER) AS expires_in_us,
+       CAST(max(lease_expires_at - unixepoch('subsec'), 0) * 1e6 AS INTEGER)
+           AS lease_remaining_us,
+       principal IS NOT NULL AS has_principal
+FROM idempotency_records"
+    };
+}
+
+const INSPECT: &str = concat!(
+    info_columns!(),
+    " WHERE key = ?1 AND expires_at > unixepoch('subsec')"
+);
+
+const PURGE: &str = "DELETE FROM idempotency_records WHERE key = ?1";
+
+const PRINCIPAL_KEYS: &str = "SELECT key FROM idempotency_records WHERE principal = ?1 LIMIT ?2";
+
+/// Through the partial index on `principal`, in batches of `?2`.
+const PURGE_PRINCIPAL: &str = "
+DELETE FROM idempotency_records
+WHERE key IN (SELECT key FROM idempotency_records WHERE principal = ?1 LIMIT ?2)
+RETURNING key";
+
+const FORCE_RELEASE: &str =
+    "DELETE FROM idempotency_records WHERE key = ?1 AND state = 'in_flight'";
+
+/// Through the partial index on in-flight rows' `created_at`.
+const IN_FLIGHT_OLDER_THAN: &str = concat!(
+    info_columns!(),
+    " WHERE state = 'in_flight' AND expires_at > unixepoch('subsec')
+  AND created_at <= unixepoch('subsec') - ?1 / 1e6
+ORDER BY created_at
+LIMIT ?2"
+);
+
+const COUNTS: &str = "
+SELECT count(*) FILTER (WHERE expires_at > unixepoch('subsec') AND state = 'in_flight'
+                          AND lease_expires_at > unixepoch('subsec')) AS in_flight,
+       count(*) FILTER (WHERE expires_at > unixepoch('subsec') AND state = 'in_flight'
+                          AND lease_expires_at <= unixepoch('subsec')) AS lease_expired,
+       count(*) FILTER (WHERE expires_at > unixepoch('subsec') AND state = 'completed')
+           AS completed,
+       count(*) FILTER (WHERE expires_at > unixepoch('subsec') AND state = 'too_large'
+                          AND headers IS NULL) AS too_large,
+       count(*) FILTER (WHERE expires_at > unixepoch('subsec') AND state = 'too_large'
+                          AND headers IS NOT NULL) AS incomplete,
+       count(*) FILTER (WHERE expires_at <= unixepoch('subsec')) AS expired
+FROM idempotency_records";
 
 /// Keeps records in one SQLite file (WAL mode), so a single node keeps its
 /// guarantee across restarts. The proxy's default store.
@@ -180,5 +239,18 @@ super::sql::sql_store!(
         renew: RENEW,
         sweep: SWEEP,
         identity: IDENTITY,
+    }
+);
+
+super::sql::sql_admin!(
+    SqliteStore,
+    sql::AdminStatements {
+        inspect: INSPECT,
+        purge: PURGE,
+        principal_keys: PRINCIPAL_KEYS,
+        purge_principal: PURGE_PRINCIPAL,
+        force_release: FORCE_RELEASE,
+        in_flight_older_than: IN_FLIGHT_OLDER_THAN,
+        counts: COUNTS,
     }
 );

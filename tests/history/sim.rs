@@ -15,6 +15,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tower::util::BoxCloneService;
 use tower::ServiceExt;
+use tower_idempotency::engine::{EncryptionKey, KeySecret, Keyring};
 use tower_idempotency::layer::RequestBody;
 use tower_idempotency::{
     Engine, EngineConfig, IdempotencyLayer, InFlightPolicy, Policy, Principal, Routes,
@@ -125,6 +126,9 @@ pub struct Config {
     pub in_flight: InFlightPolicy,
     pub instances: usize,
     pub mutation: Option<Mutation>,
+    /// Every instance keys its scopes with one secret and seals what it
+    /// stores with one keyring (secrets at rest).
+    pub secrets: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -172,6 +176,7 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
         },
         instances: rng.random_range(1..=2),
         mutation,
+        secrets: false,
     };
     let span = lease * 4;
     let principals: Vec<usize> = {
@@ -390,6 +395,13 @@ fn build(faulty: Arc<Faulty>, shared: Arc<Shared>, config: &Config) -> Svc {
         Routes::all(policy).expect("valid policy"),
         EngineConfig {
             store_timeout: config.store_timeout,
+            key_secret: config
+                .secrets
+                .then(|| KeySecret::new(vec![0x5e; 32]).expect("a valid secret")),
+            encryption: config.secrets.then(|| {
+                let key = EncryptionKey::new("1", &[1; 32]).expect("a valid key");
+                Keyring::new(vec![key], "1").expect("a valid keyring")
+            }),
             ..EngineConfig::default()
         },
     );

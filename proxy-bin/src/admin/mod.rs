@@ -6,6 +6,7 @@
 //! command line (where `ps` would show it). Without a token, the operator
 //! API is off: only `/healthz` and `/metrics` answer.
 
+mod keys;
 mod outbox;
 mod token;
 
@@ -122,6 +123,9 @@ impl Admin {
 
     /// The operator API, reached only with the right token.
     async fn operator(&self, session: &mut ServerSession) -> Answer {
+        if let Some(answer) = keys::serve(&self.engine, session).await {
+            return answer;
+        }
         if let Some(answer) = outbox::route(self.outbox.as_ref(), session.req_header()).await {
             return answer;
         }

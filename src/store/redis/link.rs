@@ -8,12 +8,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClient;
+use ::redis::cluster_async::ClusterConnection;
 use ::redis::{Client, Cmd, FromRedisValue, RedisError};
 use tokio::sync::Notify;
 
 use super::super::{Fingerprint, OwnerToken, Record, RecordState, ScopeKey};
 use super::RedisCacheConfig;
 use super::{decode, encode, redact};
+
+/// The value that marks a purged record: a miss, and it keeps a copy made
+/// before the purge from being filled in again (fills never replace an
+/// entry).
+pub(super) const TOMBSTONE: u8 = 0;
 
 /// Whether a write may replace an existing entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -25,11 +32,25 @@ pub(super) enum Write {
     IfAbsent,
 }
 
+/// Where the cache's Redis is: one server, or a Redis Cluster.
+pub(super) enum Target {
+    Single(Client),
+    Cluster(ClusterClient),
+}
+
+/// A connection to the [`Target`]; both reconnect by themselves (the
+/// cluster one also follows `MOVED` redirections and slot changes).
+#[derive(Clone)]
+pub(super) enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
 /// The connection, settings and counters shared by clones of a cache.
 pub(super) struct Link {
-    pub(super) client: Client,
+    pub(super) client: Target,
     /// Set once the first connection succeeded; it reconnects by itself.
-    pub(super) manager: OnceLock<ConnectionManager>,
+    pub(super) manager: OnceLock<Connection>,
     /// A background connect is under way.
     pub(super) connecting: AtomicBool,
     /// Woken when a background connect ends, either way.
@@ -74,8 +95,7 @@ const WARN_EVERY_MS: u64 = 10_000;
 impl Link {
     /// The Redis key of `key`; `None` while the namespace is unknown.
     pub(super) fn key(&self, key: &ScopeKey) -> Option<String> {
-        let namespace = self.namespace.get()?;
-        Some(format!("{namespace}{}", key.to_hex()))
+        Some(record_key(self.namespace.get()?, key))
     }
 
     pub(super) fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
@@ -106,7 +126,7 @@ impl Link {
     /// cooling down, undecodable entry) to ask the inner store.
     pub(super) async fn lookup(self: &Arc<Self>, key: &ScopeKey) -> Option<Record> {
         let value: Option<Vec<u8>> = self.call(::redis::cmd("GET").arg(self.key(key)?)).await?;
-        let Some(value) = value else {
+        let Some(value) = value.filter(|value| value.as_slice() != [TOMBSTONE]) else {
             self.misses.fetch_add(1, Relaxed);
             return None;
         };
@@ -187,6 +207,45 @@ impl Link {
         let _: Option<::redis::Value> = self.call(&cmd).await;
     }
 
+    /// Overwrites the cached copies of `keys`' records with tombstones
+    /// that outlive any copy made before (a fill lands within `fill_ttl`
+    /// of its read, a write within the timeout): a tombstone is a miss,
+    /// and a fill never replaces it. Runs even while cooling down; an
+    /// error means some copies may still be answered.
+    pub(super) async fn invalidate(self: &Arc<Self>, keys: &[ScopeKey]) -> Result<(), String> {
+        let ttl = self.config.fill_ttl + self.config.timeout + Duration::from_secs(1);
+        let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
+        for chunk in keys.chunks(500) {
+            let mut pipe = ::redis::pipe();
+            for key in chunk {
+                let key = self.key(key).ok_or("the store's identity is unknown")?;
+                pipe.cmd("SET")
+                    .arg(key)
+                    .arg(&[TOMBSTONE][..])
+                    .arg("PX")
+                    .arg(ms)
+                    .ignore();
+            }
+            let sent = tokio::time::timeout(self.config.timeout, async {
+                match self.connection().await? {
+                    Connection::Single(mut connection) => {
+                        pipe.query_async::<()>(&mut connection).await
+                    }
+                    Connection::Cluster(mut connection) => {
+                        pipe.query_async::<()>(&mut connection).await
+                    }
+                }
+            })
+            .await;
+            match sent {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => return Err(error.to_string()),
+                Err(_) => return Err("timed out".to_owned()),
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `cmd` within the timeout; `None` when skipped or failed.
     pub(super) async fn call<T: FromRedisValue>(self: &Arc<Self>, cmd: &Cmd) -> Option<T> {
         if self.now_ms() < self.skip_until_ms.load(Relaxed) {
@@ -194,8 +253,10 @@ impl Link {
             return None;
         }
         let result = tokio::time::timeout(self.config.timeout, async {
-            let mut connection = self.connection().await?;
-            cmd.query_async::<T>(&mut connection).await
+            match self.connection().await? {
+                Connection::Single(mut connection) => cmd.query_async::<T>(&mut connection).await,
+                Connection::Cluster(mut connection) => cmd.query_async::<T>(&mut connection).await,
+            }
         })
         .await;
         let error = match result {
@@ -211,7 +272,7 @@ impl Link {
     /// The connection manager, connecting in the background on first use
     /// (so a slow connect outlives the caller's timeout) and after a failed
     /// connect.
-    pub(super) async fn connection(self: &Arc<Self>) -> Result<ConnectionManager, RedisError> {
+    pub(super) async fn connection(self: &Arc<Self>) -> Result<Connection, RedisError> {
         // The common case, without registering as a waiter.
         if let Some(manager) = self.manager.get() {
             return Ok(manager.clone());
@@ -235,12 +296,20 @@ impl Link {
     }
 
     pub(super) async fn connect(&self) {
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(self.config.timeout.max(Duration::from_secs(1)))
-            .set_response_timeout(self.config.timeout)
-            .set_number_of_retries(2)
-            .set_max_delay(500);
-        match ConnectionManager::new_with_config(self.client.clone(), config).await {
+        let connected = match &self.client {
+            Target::Single(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(self.config.timeout.max(Duration::from_secs(1)))
+                    .set_response_timeout(self.config.timeout)
+                    .set_number_of_retries(2)
+                    .set_max_delay(500);
+                ConnectionManager::new_with_config(client.clone(), config)
+                    .await
+                    .map(Connection::Single)
+            }
+            Target::Cluster(client) => client.get_async_connection().await.map(Connection::Cluster),
+        };
+        match connected {
             Ok(manager) => {
                 let _ = self.manager.set(manager);
                 tracing::info!(url = %redact(&self.config.url), "redis cache connected");
@@ -283,4 +352,51 @@ impl Link {
             );
         }
     }
+}
+
+/// The Redis key of a record: `namespace` then the scope key's hex in a
+/// hash tag (`{…}`), so everything kept for one record hashes to one Redis
+/// Cluster slot (the one the record's hash picks), and different records
+/// spread over all slots. The namespace holds no `{` (see
+/// [`cluster_nodes`]), so the tag is always the record's hash.
+pub(super) fn record_key(namespace: &str, key: &ScopeKey) -> String {
+    format!("{namespace}{{{}}}", key.to_hex())
+}
+
+/// What a Redis Cluster URL must look like, for error messages.
+const CLUSTER_URL: &str = "redis+cluster://[user:password@]host:port,host:port,…";
+
+/// The node URLs of a Redis Cluster URL (`redis+cluster://` or
+/// `rediss+cluster://`, then optional credentials and comma-separated
+/// `host:port` seed nodes); `None` for any other URL.
+///
+/// The credentials apply to every node. A cluster has one database, so a
+/// path or query is refused, like an empty node.
+pub(super) fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
+    let (scheme, rest) = if let Some(rest) = url.strip_prefix("redis+cluster://") {
+        ("redis", rest)
+    } else {
+        ("rediss", url.strip_prefix("rediss+cluster://")?)
+    };
+    let (userinfo, hosts) = match rest.rfind('@') {
+        Some(at) => (&rest[..=at], &rest[at + 1..]),
+        None => ("", rest),
+    };
+    if hosts.contains(['/', '?', '#']) {
+        return Some(Err(format!(
+            "a Redis Cluster URL names no database or options (a cluster has one database): \
+             expected {CLUSTER_URL}"
+        )));
+    }
+    let nodes: Vec<String> = hosts
+        .split(',')
+        .map(|host| format!("{scheme}://{userinfo}{host}"))
+        .collect();
+    if hosts.split(',').any(|host| host.trim().is_empty()) {
+        return Some(Err(format!(
+            "a Redis Cluster URL needs at least one `host:port` and no empty one between \
+             commas: expected {CLUSTER_URL}"
+        )));
+    }
+    Some(Ok(nodes))
 }

@@ -8,24 +8,29 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use ::redis::cluster::ClusterClient;
 use ::redis::Client;
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::{
-    Claim, Fingerprint, Maintenance, Outcome, OwnerToken, Record, RecordState, ScopeKey, Store,
-    StoreError,
+    Admin, Claim, Fingerprint, Maintenance, Outcome, OwnerToken, PrincipalHash, Record,
+    RecordState, ScopeKey, Store, StoreError,
 };
 
+mod admin;
 mod link;
 
-use link::{Link, Write};
+use link::{cluster_nodes, Link, Target, Write};
 
 /// How [`RedisCache`] reaches Redis.
 #[derive(Clone)]
 pub struct RedisCacheConfig {
     /// The Redis URL, e.g. `redis://127.0.0.1:6379` or
-    /// `redis://:password@host:6379/2`.
+    /// `redis://:password@host:6379/2` for one server, or
+    /// `redis+cluster://[user:password@]host:port,host:port` for a Redis
+    /// Cluster (`rediss+cluster://` with TLS): the listed nodes are seeds,
+    /// the cluster's other nodes and its slot map are discovered from them.
     pub url: String,
     /// Prepended to every key (default `idem:`), to share a Redis with
     /// other applications. The inner store's
@@ -150,6 +155,15 @@ pub(super) fn redact(url: &str) -> String {
 ///   only write where nothing is cached (`SET NX`), so a slow fill of an old
 ///   record can never replace the entry of a newer completion.
 ///
+/// # Purges
+///
+/// An operator's purge ([`Admin::purge`], [`Admin::purge_principal`])
+/// overwrites the cached copies with tombstones (a miss, never replaced by
+/// a fill) that outlive any copy made before, first before the inner
+/// records are deleted and again, a timeout later, after: Redis never
+/// replays a purged record. When Redis cannot be told, the purge fails (on
+/// the first pass, nothing was deleted) and can simply be run again.
+///
 /// # Redis failures change latency, never an outcome
 ///
 /// Every Redis call is bounded by [`RedisCacheConfig::timeout`]. A failure,
@@ -162,7 +176,7 @@ pub(super) fn redact(url: &str) -> String {
 /// `redis` crate's connection manager reconnects after a restart. A flushed
 /// or evicted Redis is just a cold cache.
 ///
-/// Redis keys are `prefix + store id + ":" + hex(scope key)`: hashes only,
+/// Redis keys are `prefix + store id + ":{" + hex(scope key) + "}"`: hashes only,
 /// no raw key, principal or body. The store id is the inner store's
 /// [`Store::identity`] (kept in the database itself for PostgreSQL and
 /// SQLite, random per [`MemoryStore`](crate::MemoryStore)), read once on
@@ -174,6 +188,14 @@ pub(super) fn redact(url: &str) -> String {
 /// Run Redis with a `maxmemory` and a `volatile-*` eviction policy: every
 /// entry has a TTL, and an evicted entry is a miss.
 ///
+/// # Redis Cluster
+///
+/// With a `redis+cluster://` URL the cache talks to a Redis Cluster. The
+/// scope key's hex is the key's hash tag (the part in braces), so every key
+/// of one record lands in one slot — any future multi-key command or script
+/// on one record stays on one node — while records spread over all slots.
+/// A node failing over is one more Redis failure: a miss, never an outcome.
+///
 /// Clones share the connection and the counters.
 #[derive(Clone)]
 pub struct RedisCache<S> {
@@ -184,12 +206,36 @@ pub struct RedisCache<S> {
 impl<S: Store> RedisCache<S> {
     /// A cache for `inner` in the Redis that `config` names.
     ///
-    /// Only the URL is checked here (a malformed one is
-    /// [`StoreError::Unavailable`]); Redis itself is connected on first use,
-    /// in the background, so this succeeds while Redis is down.
+    /// Only the URL and prefix are checked here (a malformed URL, or a
+    /// prefix with `{` or `}`, which would move the hash tag that keeps a
+    /// record's keys in one cluster slot, is [`StoreError::Unavailable`]
+    /// naming the problem); Redis itself is connected on first use, in the
+    /// background, so this succeeds while Redis is down.
     pub fn new(inner: S, config: RedisCacheConfig) -> Result<Self, StoreError> {
-        let client =
-            Client::open(config.url.as_str()).map_err(|e| StoreError::Unavailable(Box::new(e)))?;
+        if config.prefix.contains(['{', '}']) {
+            return Err(StoreError::Unavailable(
+                format!(
+                    "the Redis key prefix `{}` holds `{{` or `}}`, which would change the \
+                     Redis Cluster hash tag of every key: use a prefix without braces, \
+                     such as `idem:`",
+                    config.prefix
+                )
+                .into(),
+            ));
+        }
+        let client = match cluster_nodes(&config.url) {
+            Some(nodes) => {
+                let nodes = nodes.map_err(|e| StoreError::Unavailable(e.into()))?;
+                ClusterClient::builder(nodes)
+                    .connection_timeout(config.timeout.max(Duration::from_secs(1)))
+                    .response_timeout(config.timeout)
+                    .retries(2)
+                    .build()
+                    .map(Target::Cluster)
+            }
+            None => Client::open(config.url.as_str()).map(Target::Single),
+        }
+        .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
         Ok(RedisCache {
             inner,
             redis: Arc::new(Link {
@@ -266,6 +312,50 @@ impl<S: fmt::Debug> fmt::Debug for RedisCache<S> {
     }
 }
 
+impl<S: Store> RedisCache<S> {
+    /// [`Store::reserve`], keeping `principal` with the record when the
+    /// inner store has an [`Admin`] side.
+    async fn reserve_with(
+        &self,
+        key: &ScopeKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+        ttl: Duration,
+        principal: Option<&PrincipalHash>,
+    ) -> Result<Claim, StoreError> {
+        let inner = || async {
+            match self.inner.admin() {
+                Some(admin) => {
+                    admin
+                        .reserve_for(key, fingerprint, owner, lease, ttl, principal)
+                        .await
+                }
+                None => {
+                    self.inner
+                        .reserve(key, fingerprint, owner, lease, ttl)
+                        .await
+                }
+            }
+        };
+        if !self.named().await {
+            return inner().await;
+        }
+        if let Some(record) = self.redis.lookup(key).await {
+            return Ok(Claim::Existing(record));
+        }
+        let claim = inner().await?;
+        match &claim {
+            Claim::Acquired { .. } => self.redis.remember(*owner, *fingerprint),
+            Claim::Existing(record) => {
+                let ttl = ttl.min(self.redis.config.fill_ttl);
+                self.redis.fill(key, record, ttl);
+            }
+        }
+        Ok(claim)
+    }
+}
+
 #[async_trait]
 impl<S: Store> Store for RedisCache<S> {
     async fn reserve(
@@ -276,27 +366,8 @@ impl<S: Store> Store for RedisCache<S> {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        if !self.named().await {
-            return self
-                .inner
-                .reserve(key, fingerprint, owner, lease, ttl)
-                .await;
-        }
-        if let Some(record) = self.redis.lookup(key).await {
-            return Ok(Claim::Existing(record));
-        }
-        let claim = self
-            .inner
-            .reserve(key, fingerprint, owner, lease, ttl)
-            .await?;
-        match &claim {
-            Claim::Acquired { .. } => self.redis.remember(*owner, *fingerprint),
-            Claim::Existing(record) => {
-                let ttl = ttl.min(self.redis.config.fill_ttl);
-                self.redis.fill(key, record, ttl);
-            }
-        }
-        Ok(claim)
+        self.reserve_with(key, fingerprint, owner, lease, ttl, None)
+            .await
     }
 
     async fn complete(
@@ -365,6 +436,10 @@ impl<S: Store> Store for RedisCache<S> {
 
     fn maintenance(&self) -> Option<&dyn Maintenance> {
         Some(self)
+    }
+
+    fn admin(&self) -> Option<&dyn Admin> {
+        self.inner.admin().map(|_| self as &dyn Admin)
     }
 }
 
@@ -450,6 +525,58 @@ mod tests {
         assert!(decode(b"").is_err());
         assert!(decode(&[FORMAT, 1, 2]).is_err());
         assert!(decode(&[9; 40]).is_err());
+    }
+
+    #[test]
+    fn cluster_urls_name_their_seed_nodes() {
+        assert!(cluster_nodes("redis://h:6379").is_none());
+        assert_eq!(
+            cluster_nodes("redis+cluster://a:7000,b:7001").unwrap(),
+            Ok(vec![
+                "redis://a:7000".to_owned(),
+                "redis://b:7001".to_owned()
+            ])
+        );
+        assert_eq!(
+            cluster_nodes("rediss+cluster://u:p@a:7000,b:7001").unwrap(),
+            Ok(vec![
+                "rediss://u:p@a:7000".to_owned(),
+                "rediss://u:p@b:7001".to_owned()
+            ])
+        );
+        for bad in [
+            "redis+cluster://a:7000/2",
+            "redis+cluster://",
+            "redis+cluster://a,,b",
+        ] {
+            let error = cluster_nodes(bad).unwrap().unwrap_err();
+            assert!(error.contains("redis+cluster://"), "{bad}: {error}");
+        }
+        let error = RedisCache::new(
+            crate::MemoryStore::new(),
+            RedisCacheConfig::new("redis+cluster://a:7000/1"),
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("no database"), "{error}");
+    }
+
+    #[test]
+    fn a_prefix_with_braces_is_refused() {
+        let error = RedisCache::new(
+            crate::MemoryStore::new(),
+            RedisCacheConfig::new("redis://h").prefix("app{1}:"),
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("app{1}:"), "{error}");
+    }
+
+    #[test]
+    fn a_record_key_is_its_own_hash_tag() {
+        let key = ScopeKey([0xab; 32]);
+        assert_eq!(
+            link::record_key("idem:id:", &key),
+            format!("idem:id:{{{}}}", "ab".repeat(32))
+        );
     }
 
     #[test]

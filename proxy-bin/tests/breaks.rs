@@ -1,0 +1,306 @@
+//! Breaks of the README's guarantees through the real proxy binary, found
+//! by an adversarial review. Each test is the attack; the ones that still
+//! break are `#[ignore = "BREAK: …"]` (remove the `ignore` with the fix:
+//! the test must then pass).
+
+mod common;
+#[path = "frameworks/harness.rs"]
+#[allow(dead_code)]
+mod harness;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+
+use common::{client, send, temp_dir, Proxy, ProxyArgs};
+use harness::{form_fields, App, Framework};
+
+/// An axum backend whose `POST /orders/cancel` acts on the path alone: its
+/// handler takes no body extractor, so it answers before the request body
+/// has arrived (as any handler that ignores the body does), and hyper then
+/// closes the connection with the body unread. Counts its executions.
+async fn early_answering_backend() -> (String, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let app = Router::new().route(
+        "/orders/cancel",
+        post(move || {
+            let counter = counter.clone();
+            async move {
+                let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                (axum::http::StatusCode::CREATED, format!("cancelled {n}"))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, calls)
+}
+
+/// Scenario: a covered route whose backend answers before reading the
+/// request body (an axum handler without a body extractor, an Express
+/// handler that never reads `req`), with a body larger than the socket
+/// buffers (here 8 MiB, under a route's `max_body_bytes` of 16 MiB). The
+/// backend acts and answers 201, then hyper closes the connection with the
+/// body unread (a reset); the proxy's write of the rest of the body fails,
+/// it takes that as "the request never reached the upstream", answers 502
+/// and releases the key. Impact ("at most one execution", "no lost
+/// response"): the caller never sees the 201, and its retry with the same
+/// key executes the order again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_answering_before_the_body_is_read_executes_once() {
+    let (upstream, calls) = early_answering_backend().await;
+    let dir = temp_dir("breaks-early-answer");
+    let config = r#"
+[[route]]
+path = "/orders"
+required = true
+max_body_bytes = 16777216
+"#;
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    let body = vec![b'x'; 8 << 20];
+    let headers = [
+        ("idempotency-key", "cancel-1"),
+        ("content-type", "application/octet-stream"),
+    ];
+    let first = proxy
+        .send("POST", "/orders/cancel", &headers, body.clone())
+        .await;
+    let retry = proxy.send("POST", "/orders/cancel", &headers, body).await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the order was cancelled more than once; first: {} {}, retry: {} {}",
+        first.status,
+        first.text(),
+        retry.status,
+        retry.text()
+    );
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(retry.replayed(), "{} {}", retry.status, retry.text());
+}
+
+/// `docs/frameworks.md`'s Django recipe, as `tests/frameworks.rs` runs it.
+const DJANGO: &str = r#"
+[[route]]
+path = "/contact"
+methods = ["POST"]
+key = { form_field = "submission_token" }
+required = true
+uuid_only = true
+fingerprint_exclude = ["csrfmiddlewaretoken"]
+store_statuses = ["3xx"]
+success_redirects = ["/contact/thanks"]
+mismatch = "replay"
+"#;
+
+/// Scenario: the Django recipe in front of the real Django app (the seed's
+/// contact form), and a form posted with the method spelled `post`. The
+/// proxy passes any method token on; Django's `runserver` (and uvicorn)
+/// hand it on as sent, and Django upper-cases it (`WSGIRequest.method =
+/// environ["REQUEST_METHOD"].upper()`), so the view, the CSRF check and
+/// the form all run as for `POST`. The route covers `POST` only, so the
+/// proxy passes `post` through: a form without a token is not refused
+/// (400 `key-missing`), and the same form with the same token, sent
+/// twice, is two records and two notifications. Impact ("at most one
+/// execution"; a `required` route skipped).
+#[tokio::test(flavor = "multi_thread")]
+async fn django_runs_a_lower_case_post_once() {
+    let app = App::start(Framework::Django, 0);
+    let dir = temp_dir("breaks-django-method");
+    let proxy = Proxy::start(ProxyArgs::new(app.url(), DJANGO, &dir))
+        .await
+        .owning(dir);
+    let http = client();
+    let page = send(
+        &http,
+        proxy.addr,
+        "GET",
+        "/contact",
+        &[("accept", "text/html")],
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(page.status, 200, "{page:?}");
+    let cookie: Vec<String> = page
+        .headers
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok()?.split(';').next().map(str::to_owned))
+        .collect();
+    let cookie = cookie.join("; ");
+    let origin = format!("http://{}", proxy.addr);
+    let referer = format!("{origin}/contact");
+    let headers = [
+        ("cookie", cookie.as_str()),
+        ("content-type", "application/x-www-form-urlencoded"),
+        ("accept", "text/html"),
+        ("origin", origin.as_str()),
+        ("referer", referer.as_str()),
+    ];
+    let fields = form_fields(&page, &[("email", "ada@example.com"), ("message", "Hallo")]);
+    let body = serde_urlencoded::to_string(&fields).unwrap();
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let reply = send(
+            &http,
+            proxy.addr,
+            "post",
+            "/contact",
+            &headers,
+            body.clone(),
+        )
+        .await;
+        answers.push((reply.status, reply.header("location").map(str::to_owned)));
+    }
+    assert_eq!(
+        app.records().await,
+        1,
+        "one form, one token, two records; answers: {answers:?}"
+    );
+}
+
+/// A `php -S` process, killed when dropped.
+struct Php(std::process::Child);
+
+impl Drop for Php {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Scenario: a JSON-less PHP endpoint (`$_POST`, the plain PHP a Laravel
+/// app reads forms with) behind the proxy, the default policy (`mismatch
+/// = "reject"`), and two urlencoded bodies with the same key:
+/// `total_amount=10&total.amount=1000` and
+/// `total.amount=1000&total_amount=10`. PHP turns `.` (and ` `, and a
+/// lone `[`) in field names into `_`, and the last field wins, so it reads
+/// `total_amount` as 1000 from the first and 10 from the second. The
+/// fingerprint sorts fields by their names as sent (`total.amount` and
+/// `total_amount` are two names, each kept in place), so both bodies are
+/// one canonical form. Impact ("same key, different request is refused,
+/// never replayed"): the changed payment is answered with the first one's
+/// response (200 "charged 1000") instead of 422, and never executed; the
+/// form analogue of the `\u0061mount` JSON case the README rules out.
+#[tokio::test(flavor = "multi_thread")]
+async fn php_form_fields_read_differently_never_share_a_fingerprint() {
+    let dir = temp_dir("breaks-php-names");
+    let script = dir.join("pay.php");
+    std::fs::write(
+        &script,
+        "<?php echo 'charged ', $_POST['total_amount'] ?? 'nothing';\n",
+    )
+    .unwrap();
+    let addr = common::free_port();
+    let php = Php(std::process::Command::new("php")
+        .args(["-S", &addr.to_string()])
+        .arg(&script)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("php is installed (scripts/setup.sh)"));
+    common::services::wait_for_port(addr.port());
+    let proxy = Proxy::start(ProxyArgs::new(
+        format!("http://{addr}"),
+        "[[route]]\npath = \"/pay\"\n",
+        &dir,
+    ))
+    .await;
+    let headers = [
+        ("idempotency-key", "pay-1"),
+        ("content-type", "application/x-www-form-urlencoded"),
+    ];
+    let first = proxy
+        .send(
+            "POST",
+            "/pay",
+            &headers,
+            "total_amount=10&total.amount=1000",
+        )
+        .await;
+    assert_eq!(first.text(), "charged 1000");
+    let changed = proxy
+        .send(
+            "POST",
+            "/pay",
+            &headers,
+            "total.amount=1000&total_amount=10",
+        )
+        .await;
+    // What PHP reads from the changed body, asked directly.
+    let direct = send(
+        &client(),
+        addr,
+        "POST",
+        "/pay",
+        &headers[1..],
+        "total.amount=1000&total_amount=10",
+    )
+    .await;
+    assert_eq!(direct.text(), "charged 10");
+    assert_eq!(
+        changed.status,
+        422,
+        "a request PHP reads as another payment got: {} {} (replayed: {})",
+        changed.status,
+        changed.text(),
+        changed.replayed()
+    );
+    drop(php);
+}
+
+/// `docs/frameworks.md`'s Express recipe, as `tests/frameworks.rs` runs it.
+const EXPRESS: &str = r#"
+case_insensitive_paths = true
+[[route]]
+path = "/api/forms/*/submit"
+methods = ["POST"]
+required = true
+uuid_only = true
+store_statuses = ["2xx"]
+mismatch_status = 409
+in_flight_status = 425
+"#;
+
+/// Scenario: the Express recipe in front of the real Express app, and a
+/// client (or a link, a proxy, a hand-typed URL) that spells the path in
+/// another case: `/API/Forms/contact/Submit`. Express routes
+/// case-insensitively by default (`caseSensitive: false`), so the app
+/// accepts the submission; the proxy routes case-sensitively
+/// (`case_insensitive_paths` is off, and the recipe does not set it), so
+/// the request is not covered. Two identical submissions with one
+/// `Idempotency-Key` are two submissions. Impact ("at most one
+/// execution"; a `required` route skipped) behind the documented recipe.
+#[tokio::test(flavor = "multi_thread")]
+async fn express_runs_a_submission_once_in_any_case() {
+    let app = App::start(Framework::Express, 0);
+    let dir = temp_dir("breaks-express-case");
+    let proxy = Proxy::start(ProxyArgs::new(app.url(), EXPRESS, &dir))
+        .await
+        .owning(dir);
+    let key = common::uuid();
+    let headers = [
+        ("content-type", "application/json"),
+        ("idempotency-key", key.as_str()),
+    ];
+    let body = r#"{"email":"ada@example.com","name":"Ada"}"#;
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let reply = proxy
+            .send("POST", "/API/Forms/contact/Submit", &headers, body)
+            .await;
+        answers.push((reply.status, reply.replayed()));
+    }
+    assert_eq!(
+        app.records().await,
+        1,
+        "one key, two submissions; answers: {answers:?}"
+    );
+}

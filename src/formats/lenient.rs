@@ -1,0 +1,273 @@
+//! A JSON value read the way the backends behind us read it, for the one
+//! thing the engine takes from a JSON body on its own: the key at a JSON
+//! pointer.
+//!
+//! `serde_json` refuses documents that JavaScript's `JSON.parse` (Express)
+//! and Python's `json.loads` (Django) accept: a byte order mark before the
+//! document, a lone surrogate escape (`"\ud83c"`, what `JSON.stringify`
+//! writes for a string cut inside an emoji), nesting deeper than 128. A key
+//! the engine cannot see in a body the backend reads would let every retry
+//! run unprotected, so such documents are read here instead: without
+//! recursion (any depth, bounded memory), lone surrogates as U+FFFD, and,
+//! as those parsers do, the last of duplicate members.
+
+use super::array_index;
+
+/// What a document holds at a pointer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Found {
+    /// Nothing, or `null`, or the document is not JSON even to a lenient
+    /// reader.
+    Absent,
+    /// A string, decoded (UTF-8 bytes).
+    String(Vec<u8>),
+    /// Some other value (a number, an object, …).
+    Other,
+}
+
+/// One open container on the way down.
+enum Frame {
+    /// An object and the decoded key of the member being read.
+    Object(Vec<u8>),
+    /// An array and the index of the element being read.
+    Array(usize),
+}
+
+/// The value at `tokens` (a parsed JSON pointer) in `input`, read leniently
+/// (see the module documentation).
+pub fn value_at(input: &[u8], tokens: &[String]) -> Found {
+    let input = input.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(input);
+    let mut reader = Reader { input, pos: 0 };
+    walk(&mut reader, tokens).unwrap_or(Found::Absent)
+}
+
+fn walk(reader: &mut Reader<'_>, tokens: &[String]) -> Option<Found> {
+    let mut stack: Vec<Frame> = Vec::new();
+    let mut found = Found::Absent;
+    loop {
+        // A value starts here.
+        let here = stack.len() == tokens.len() && on_path(&stack, tokens);
+        match reader.peek()? {
+            b'{' => {
+                reader.pos += 1;
+                if here {
+                    found = Found::Other;
+                }
+                if reader.peek()? == b'}' {
+                    reader.pos += 1;
+                } else {
+                    let key = reader.member_key()?;
+                    stack.push(Frame::Object(key));
+                    continue;
+                }
+            }
+            b'[' => {
+                reader.pos += 1;
+                if here {
+                    found = Found::Other;
+                }
+                if reader.peek()? == b']' {
+                    reader.pos += 1;
+                } else {
+                    stack.push(Frame::Array(0));
+                    continue;
+                }
+            }
+            b'"' => {
+                let text = reader.string()?;
+                if here {
+                    found = Found::String(text);
+                }
+            }
+            _ => {
+                let token = reader.scalar()?;
+                if here {
+                    found = if token == b"null" {
+                        Found::Absent
+                    } else {
+                        Found::Other
+                    };
+                }
+            }
+        }
+        // The value ended: close containers until one goes on.
+        loop {
+            let Some(frame) = stack.last_mut() else {
+                // Only whitespace may follow the document.
+                return reader.peek().is_none().then_some(found);
+            };
+            match (reader.peek()?, frame) {
+                (b',', Frame::Object(key)) => {
+                    reader.pos += 1;
+                    *key = reader.member_key()?;
+                    break;
+                }
+                (b',', Frame::Array(index)) => {
+                    reader.pos += 1;
+                    *index += 1;
+                    break;
+                }
+                (b'}', Frame::Object(_)) | (b']', Frame::Array(_)) => {
+                    reader.pos += 1;
+                    stack.pop();
+                }
+                _ => return None,
+            }
+        }
+    }
+}
+
+/// Whether the open containers are exactly the pointer's path.
+fn on_path(stack: &[Frame], tokens: &[String]) -> bool {
+    stack.iter().zip(tokens).all(|(frame, token)| match frame {
+        Frame::Object(key) => key == token.as_bytes(),
+        Frame::Array(index) => array_index(token) == Some(*index),
+    })
+}
+
+struct Reader<'a> {
+    input: &'a [u8],
+    pos: usize,
+}
+
+impl Reader<'_> {
+    /// The next byte after whitespace, not consumed.
+    fn peek(&mut self) -> Option<u8> {
+        loop {
+            match *self.input.get(self.pos)? {
+                b' ' | b'\t' | b'\n' | b'\r' => self.pos += 1,
+                byte => return Some(byte),
+            }
+        }
+    }
+
+    /// `"key" :`, decoded.
+    fn member_key(&mut self) -> Option<Vec<u8>> {
+        if self.peek()? != b'"' {
+            return None;
+        }
+        let key = self.string()?;
+        (self.peek()? == b':').then(|| self.pos += 1)?;
+        Some(key)
+    }
+
+    /// A number, `true`, `false` or `null`, as written.
+    fn scalar(&mut self) -> Option<&[u8]> {
+        let start = self.pos;
+        while let Some(&byte) = self.input.get(self.pos) {
+            if !(byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'+' | b'.')) {
+                break;
+            }
+            self.pos += 1;
+        }
+        let token = &self.input[start..self.pos];
+        let number = token
+            .first()
+            .is_some_and(|b| b.is_ascii_digit() || *b == b'-');
+        (number || matches!(token, b"true" | b"false" | b"null")).then_some(token)
+    }
+
+    /// A string at `"`, decoded; a lone surrogate escape reads as U+FFFD.
+    fn string(&mut self) -> Option<Vec<u8>> {
+        self.pos += 1;
+        let mut out = Vec::new();
+        loop {
+            let byte = *self.input.get(self.pos)?;
+            self.pos += 1;
+            match byte {
+                b'"' => return Some(out),
+                b'\\' => {
+                    let escape = *self.input.get(self.pos)?;
+                    self.pos += 1;
+                    match escape {
+                        b'"' | b'\\' | b'/' => out.push(escape),
+                        b'b' => out.push(0x08),
+                        b'f' => out.push(0x0c),
+                        b'n' => out.push(b'\n'),
+                        b'r' => out.push(b'\r'),
+                        b't' => out.push(b'\t'),
+                        b'u' => {
+                            let unit = self.hex4()?;
+                            let c = match unit {
+                                0xD800..=0xDBFF => self.low_surrogate(unit),
+                                0xDC00..=0xDFFF => char::REPLACEMENT_CHARACTER,
+                                _ => char::from_u32(unit as u32)?,
+                            };
+                            let mut utf8 = [0; 4];
+                            out.extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
+                        }
+                        _ => return None,
+                    }
+                }
+                byte if byte < 0x20 => return None,
+                byte => out.push(byte),
+            }
+        }
+    }
+
+    /// The character of a high surrogate `high` and the `\uDC00`–`\uDFFF`
+    /// escape that follows it; U+FFFD (and nothing consumed) without one.
+    fn low_surrogate(&mut self, high: u16) -> char {
+        let rest = &self.input[self.pos..];
+        if rest.len() >= 6 && rest[0] == b'\\' && rest[1] == b'u' {
+            let saved = self.pos;
+            self.pos += 2;
+            if let Some(low @ 0xDC00..=0xDFFF) = self.hex4() {
+                let code = 0x10000 + ((u32::from(high) - 0xD800) << 10) + (u32::from(low) - 0xDC00);
+                return char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
+            }
+            self.pos = saved;
+        }
+        char::REPLACEMENT_CHARACTER
+    }
+
+    fn hex4(&mut self) -> Option<u16> {
+        let digits = self.input.get(self.pos..self.pos + 4)?;
+        let text = std::str::from_utf8(digits).ok()?;
+        let unit = u16::from_str_radix(text, 16).ok()?;
+        self.pos += 4;
+        Some(unit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::parse_pointer;
+
+    fn at(input: &str, pointer: &str) -> Found {
+        value_at(input.as_bytes(), &parse_pointer(pointer))
+    }
+
+    #[test]
+    fn reads_what_backends_read() {
+        let key = |s: &str| Found::String(s.as_bytes().to_vec());
+        assert_eq!(at(r#"{"k":"a","x":"\ud83c"}"#, "/k"), key("a"));
+        assert_eq!(at("\u{feff}{\"k\":\"a\"}", "/k"), key("a"));
+        let deep = format!(
+            r#"{{"k":"a","d":{}1{}}}"#,
+            "[".repeat(5000),
+            "]".repeat(5000)
+        );
+        assert_eq!(at(&deep, "/k"), key("a"));
+        // The last of duplicate members, as JSON.parse and json.loads.
+        assert_eq!(at(r#"{"k":"a","k":"b"}"#, "/k"), key("b"));
+        assert_eq!(at(r#"{"\u006b":"a"}"#, "/k"), key("a"));
+        assert_eq!(at(r#"{"m":{"k":"a"},"k":"b"}"#, "/m/k"), key("a"));
+        assert_eq!(at(r#"{"a":[{"k":"x"},{"k":"y"}]}"#, "/a/1/k"), key("y"));
+        assert_eq!(at(r#"{"k":"\ud83c\udf89"}"#, "/k"), key("\u{1f389}"));
+        assert_eq!(at(r#"{"k":"\udf89"}"#, "/k"), key("\u{fffd}"));
+    }
+
+    #[test]
+    fn absent_null_other_and_broken() {
+        assert_eq!(at(r#"{"k":null}"#, "/k"), Found::Absent);
+        assert_eq!(at(r#"{"j":"a"}"#, "/k"), Found::Absent);
+        assert_eq!(at(r#"{"k":1}"#, "/k"), Found::Other);
+        assert_eq!(at(r#"{"k":{"a":1}}"#, "/k"), Found::Other);
+        assert_eq!(at(r#"{"k":"a""#, "/k"), Found::Absent);
+        assert_eq!(at(r#"{"k":"a"} x"#, "/k"), Found::Absent);
+        assert_eq!(at(r#"{"k" "a"}"#, "/k"), Found::Absent);
+        assert_eq!(at("[", "/0"), Found::Absent);
+    }
+}
