@@ -6,8 +6,12 @@
 //!    `outbox::enqueue` against the same transaction with a plain `INSERT`
 //!    of the same row into an identical table;
 //! 2. **throughput**: deliveries per second by one worker with 1, 4 and 16
-//!    concurrent deliveries to a no-op HTTP receiver, against a floor of the
-//!    claim and complete statements alone at the same concurrency;
+//!    concurrent deliveries to a no-op HTTP receiver, against two floors of
+//!    the claim and complete statements alone at the same concurrency: N
+//!    tasks of this process calling `Outbox::claim(1)` and `complete`, and
+//!    `pgbench -c N` running the same two statements (SQL of
+//!    `src/outbox/postgres.rs`, parameters inlined) as its script — skipped
+//!    with a note when `pgbench` is not on `PATH` (or `PGBENCH`);
 //! 3. **latency**: median time from commit to the receiver with an idle
 //!    worker, woken by `LISTEN/NOTIFY` (polling every second) against
 //!    polling every 100 ms.
@@ -190,6 +194,83 @@ async fn floor_rate(pool: &PgPool, concurrency: usize, n: usize) -> f64 {
     n as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The claim (one row) and the fenced complete of `src/outbox/postgres.rs`
+/// as a pgbench script: `\gset` keeps the claimed row's id and owner.
+const PGBENCH_SCRIPT: &str = r"WITH due AS MATERIALIZED (
+    SELECT id FROM outbox_messages
+    WHERE state IN ('available', 'retryable') AND next_attempt_at <= now()
+      AND (NULL::text[] IS NULL OR topic = ANY(NULL::text[]))
+    ORDER BY next_attempt_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
+) UPDATE outbox_messages AS m SET state = 'running', attempt = m.attempt + 1, owner = uuid_send(gen_random_uuid()), lease_expires_at = now() + 30000000::bigint * interval '1 microsecond', updated_at = now() FROM due WHERE m.id = due.id AND m.state IN ('available', 'retryable') RETURNING m.id AS claimed, encode(m.owner, 'hex') AS owner, m.topic, m.source, m.delivery_key, m.payload, m.content_type, m.attempt, m.max_attempts \gset
+UPDATE outbox_messages SET state = 'completed', owner = NULL, lease_expires_at = NULL, completed_at = now(), updated_at = now(), last_error_class = NULL, last_error = NULL, last_status = 204, last_request_id = NULL WHERE id = :claimed AND owner = decode(':owner', 'hex') AND state = 'running';
+";
+
+/// Claim-and-complete cycles per second of `pgbench -c concurrency` on the
+/// same table (`None` without pgbench).
+async fn pgbench_rate(
+    pool: &PgPool,
+    url: &str,
+    schema: &str,
+    concurrency: usize,
+    n: usize,
+) -> Option<f64> {
+    sqlx::query("TRUNCATE outbox_messages")
+        .execute(pool)
+        .await
+        .unwrap();
+    let transactions = n / concurrency;
+    fill(pool, "crm", transactions * concurrency).await;
+    let script = std::env::temp_dir().join(format!("outbox_bench_{}.sql", std::process::id()));
+    std::fs::write(&script, PGBENCH_SCRIPT).unwrap();
+    let program = std::env::var("PGBENCH").unwrap_or_else(|_| "pgbench".to_owned());
+    let output = tokio::process::Command::new(program)
+        .env("PGOPTIONS", format!("-c search_path={schema}"))
+        .args(["-n", "-f"])
+        .arg(&script)
+        .args([
+            "-c",
+            &concurrency.to_string(),
+            "-j",
+            &concurrency.min(4).to_string(),
+        ])
+        .args(["-t", &transactions.to_string()])
+        .arg(url)
+        .output()
+        .await;
+    let _ = std::fs::remove_file(&script);
+    let output = match output {
+        Ok(output) if output.status.success() => output,
+        Ok(output) => panic!(
+            "pgbench failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ),
+        Err(error) => {
+            println!("pgbench floor skipped: cannot run pgbench ({error})");
+            return None;
+        }
+    };
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_messages WHERE state = 'completed'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        completed as usize,
+        transactions * concurrency,
+        "every pgbench cycle completed a row"
+    );
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.lines()
+        .find(|line| line.starts_with("tps = "))
+        .and_then(|line| {
+            line["tps = ".len()..]
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+}
+
 /// Median commit-to-receiver time over `samples` messages sent one at a
 /// time to an idle worker.
 async fn latency(pool: &PgPool, listen: bool, poll: Duration, samples: usize) -> Duration {
@@ -263,6 +344,7 @@ async fn main() {
     );
 
     let n = messages();
+    let url_db = url.clone();
     let (url, _) = receiver().await;
     for concurrency in [1, 4, 16] {
         let delivered = worker_rate(&pool, &url, concurrency, n).await;
@@ -271,6 +353,12 @@ async fn main() {
             "throughput, {concurrency:>2} concurrent: {delivered:.0} deliveries/s vs floor {floor:.0} claim+complete/s: {:.2}x (target >= 0.7x)",
             delivered / floor
         );
+        if let Some(pgbench) = pgbench_rate(&pool, &url_db, &schema, concurrency, n).await {
+            println!(
+                "throughput, {concurrency:>2} concurrent: {delivered:.0} deliveries/s vs pgbench -c {concurrency} claim+complete {pgbench:.0} tps: {:.2}x (target >= 0.7x)",
+                delivered / pgbench
+            );
+        }
     }
 
     let notified = latency(&pool, true, Duration::from_secs(1), 50).await;

@@ -1,23 +1,29 @@
 //! The Next.js seed's form platform, both halves: a submission accepted
 //! once (the idempotency layer), and each of its integrations receiving it
-//! once (the transactional outbox).
+//! once (the transactional outbox, with the receiver behind
+//! `idempotency-proxy`).
 //!
 //! ```text
-//! cargo run --example form_outbox --features outbox,sqlite
+//! cargo build -p idempotency-proxy
+//! PATH=$PWD/target/debug:$PATH cargo run --example form_outbox --features outbox,sqlite
 //! curl -i -X POST http://127.0.0.1:3000/forms/contact/submit \
 //!      -H 'Idempotency-Key: 7c1e7a52-54c5-4a8e-9d1f-2f0c3c1d1e01' \
 //!      -H 'Content-Type: application/json' -d '{"email":"jane@example.com"}'
-//! curl http://127.0.0.1:3000/crm           # what the CRM stand-in received
+//! curl http://127.0.0.1:3002/crm           # what the CRM stand-in received
 //! ```
 //!
-//! * `POST /forms/{id}/submit` (a UUID `Idempotency-Key` required) writes
-//!   the submission and one outbox row per integration (`crm`, `mail`) in
-//!   one SQLite transaction and answers 202 with the submission id. A
-//!   repeat with the same key is replayed by the layer (the same id).
-//! * A worker delivers each row to the "CRM" stand-in (`/crm/…` on the same
-//!   server, for the demo), which sits behind its own idempotency layer
-//!   keyed on the delivery key: a redelivery after a crash is absorbed
-//!   there, so each integration performs its effect once.
+//! * `POST /forms/{id}/submit` on :3000 (a UUID `Idempotency-Key`
+//!   required) writes the submission and one outbox row per integration
+//!   (`crm`, `mail`) in one SQLite transaction and answers 202 with the
+//!   submission id. A repeat with the same key is replayed by the layer
+//!   (the same id).
+//! * A worker delivers each row to the "CRM" stand-in (:3002), which does
+//!   no deduplication of its own: it sits behind `idempotency-proxy`
+//!   (:3001, started by this example), keyed on `Idempotency-Key` — the
+//!   delivery key. A redelivery after a worker crash (the CRM acted, the
+//!   worker died before recording it) carries the same key and is answered
+//!   by the proxy from its store, so each integration performs its effect
+//!   once.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -121,21 +127,15 @@ impl Crm {
     }
 }
 
-/// The CRM stand-in, behind its own idempotency layer keyed on the
-/// delivery key (`Idempotency-Key`): `POST /crm/{integration}` verifies the
-/// signature and records one effect; `GET /crm` lists them.
+/// The CRM stand-in: `POST /crm/{integration}` verifies the signature and
+/// records one effect per request; `GET /crm` lists them. It does not
+/// deduplicate: put it behind `idempotency-proxy` (as `main` does) or this
+/// crate's layer, keyed on `Idempotency-Key`.
 pub fn crm(crm: Arc<Crm>) -> Router {
-    let routes = Routes::new()
-        .route("/crm/*", Policy::default().required(true))
-        .expect("the CRM policy is valid");
     Router::new()
         .route("/crm", get(crm_effects))
         .route("/crm/{integration}", post(crm_receive))
         .with_state(crm)
-        .layer(IdempotencyLayer::new(Engine::new(
-            MemoryStore::new(),
-            routes,
-        )))
 }
 
 async fn crm_receive(State(crm): State<Arc<Crm>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -183,25 +183,45 @@ pub fn deliverer(base: &str) -> WebhookDeliverer {
 #[allow(dead_code)] // the tests use the functions above, not `main`
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let port = std::env::var("PORT").unwrap_or_else(|_| "3000".to_owned());
     let outbox = outbox::Outbox::connect("form_outbox.db").await?;
     let pool = outbox_pool("form_outbox.db").await?;
     migrate(&pool).await?;
-    let listener = tokio::net::TcpListener::bind(format!("127.0.0.1:{port}")).await?;
-    let base = format!("http://{}", listener.local_addr()?);
-    let worker = outbox::Worker::new(outbox, deliverer(&base)).spawn();
-    println!("form platform on {base}: POST /forms/contact/submit, GET /crm");
-    let server = app(pool).merge(crm(Arc::default()));
-    // On Ctrl-C the worker stops first (finishing what it holds); its
-    // client's keep-alive connections to this server then close, so the
-    // server's graceful shutdown does not wait for them.
-    axum::serve(listener, server)
+    // The CRM stand-in on :3002, and idempotency-proxy in front of it on
+    // :3001 (records in memory: enough for the demo).
+    let crm_listener = tokio::net::TcpListener::bind("127.0.0.1:3002").await?;
+    tokio::spawn(async move { axum::serve(crm_listener, crm(Arc::default())).await });
+    let proxy = std::env::var("IDEMPOTENCY_PROXY").unwrap_or_else(|_| "idempotency-proxy".into());
+    let mut proxy = std::process::Command::new(&proxy)
+        .args([
+            "--listen",
+            "127.0.0.1:3001",
+            "--upstream",
+            "http://127.0.0.1:3002",
+        ])
+        .args(["--store", "memory"])
+        .spawn()
+        .map_err(|error| {
+            format!(
+                "cannot start `{proxy}` ({error}): build it with `cargo build -p \
+                 idempotency-proxy` and put target/debug on PATH, or set IDEMPOTENCY_PROXY"
+            )
+        })?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+    let worker = outbox::Worker::new(outbox, deliverer("http://127.0.0.1:3001")).spawn();
+    println!(
+        "form platform on http://127.0.0.1:3000: POST /forms/contact/submit; \
+         CRM stand-in behind idempotency-proxy: GET http://127.0.0.1:3002/crm"
+    );
+    // On Ctrl-C the worker stops first (finishing what it holds).
+    let served = axum::serve(listener, app(pool))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
             worker.shutdown().await;
         })
-        .await?;
-    Ok(())
+        .await;
+    let _ = proxy.kill();
+    let _ = proxy.wait();
+    Ok(served?)
 }
 
 /// The application's own pool on the same file (the store's settings).

@@ -1339,6 +1339,34 @@ async fn connect_opens_and_migrates_an_sqlite_file() {
     assert_eq!(again.counts().await.unwrap().available, 1);
 }
 
+/// The outbox may live in the idempotency store's own database (as
+/// `idempotency-proxy` runs it by default): both sets of migrations apply,
+/// in either order, on one `_sqlx_migrations` table.
+#[tokio::test]
+async fn the_outbox_and_the_store_share_one_database() {
+    let path = fixtures::sqlite_path();
+    let url = format!("sqlite://{}", path.display());
+    SqliteStore::connect(&url).await.unwrap();
+    let outbox = Outbox::connect(&url).await.unwrap();
+    SqliteStore::connect(&url).await.unwrap();
+    assert!(outbox
+        .enqueue(&Message::new("crm", "sub-1", payload("sub-1")))
+        .await
+        .unwrap());
+
+    let options = fixtures::fresh_schema().await;
+    let pool = fixtures::pool(options, 2).await;
+    let store = tower_idempotency::PostgresStore::from_pool(pool.clone());
+    let outbox = Outbox::postgres(pool.clone());
+    outbox.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    outbox.migrate().await.unwrap();
+    assert!(outbox
+        .enqueue(&Message::new("crm", "sub-1", payload("sub-1")))
+        .await
+        .unwrap());
+}
+
 /// A `tracing` writer into a shared buffer.
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -1438,7 +1466,18 @@ async fn the_form_platform_example_takes_each_submission_and_each_integration_on
     let crm = Arc::new(form_outbox::Crm::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let server = form_outbox::app(pool.clone()).merge(form_outbox::crm(crm.clone()));
+    // The CRM stand-in deduplicates nothing itself: here it sits behind
+    // the layer keyed on the delivery key, as it sits behind
+    // idempotency-proxy in the example's `main` (and in
+    // proxy-bin/tests/outbox.rs, where a worker is killed after its effect).
+    let crm_routes = Routes::new()
+        .route("/crm/*", Policy::default().required(true))
+        .unwrap();
+    let crm_app = form_outbox::crm(crm.clone()).layer(IdempotencyLayer::new(Engine::new(
+        MemoryStore::new(),
+        crm_routes,
+    )));
+    let server = form_outbox::app(pool.clone()).merge(crm_app);
     tokio::spawn(async move { axum::serve(listener, server).await.unwrap() });
     let outbox = Outbox::sqlite(pool.clone());
     let worker = Worker::new(outbox.clone(), form_outbox::deliverer(&base))

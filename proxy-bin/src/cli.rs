@@ -1,6 +1,6 @@
 //! The subcommands of `idempotency-proxy` (without one, it runs the
-//! proxy): `keys …`, the operator's key operations against a store, with
-//! no proxy running.
+//! proxy): `keys …`, the operator's key operations against a store, and
+//! `outbox …`, the outbox's workers and repairs, with no proxy running.
 //!
 //! ```text
 //! idempotency-proxy keys lookup --key order-1 --path /orders --host shop.example \
@@ -30,11 +30,16 @@ use crate::config::Config;
 use crate::keys::{self, Failure, Op, PrincipalInput, Query, Target};
 
 /// A subcommand; none runs the proxy.
+// Parsed once per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Look up, purge and force-release idempotency keys in a store, list
     /// stuck keys and count records — without a running proxy.
     Keys(KeysArgs),
+    /// Run outbox workers alone, or look at and repair the outbox table,
+    /// without a running proxy.
+    Outbox(crate::outbox::cli::OutboxArgs),
 }
 
 /// `keys`: where the records are, and the operation.
@@ -202,7 +207,18 @@ impl KeysCommand {
 
 /// Runs a subcommand to its exit status.
 pub fn run(command: Command) -> ExitCode {
-    let Command::Keys(args) = command;
+    let args = match command {
+        Command::Keys(args) => args,
+        Command::Outbox(args) => {
+            return match crate::outbox::cli::run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("idempotency-proxy: {error}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    };
     match run_keys(&args) {
         Ok(answer) => {
             println!(

@@ -7,6 +7,8 @@
 //! * `[secrets]`: where the key secret and the encryption keys are read
 //!   from, environment variables or files ([`SecretsSettings`]);
 //! * `[defaults]`: a [`Policy`] applied to every route (any policy key);
+//! * `[outbox]` and `[[outbox.destination]]`: outbox workers
+//!   (`crate::outbox::config`);
 //! * `[[route]]`: `path` (a prefix such as `/orders`, or a glob with `*` /
 //!   `**`), `enabled` (alias `idempotency`; `false` leaves matching paths as
 //!   plain passthrough) and any policy key, overriding `[defaults]`.
@@ -30,6 +32,7 @@ use serde::Deserialize;
 use toml::Spanned;
 use tower_idempotency::{EngineConfig, Policy, PolicyError, Routes};
 
+use crate::outbox::config::{OutboxFile, OutboxSettings};
 use crate::secrets::SecretsSettings;
 
 /// The `[proxy]` table. Every key is optional; the command line overrides
@@ -191,6 +194,8 @@ pub struct Config {
     pub secrets: SecretsSettings,
     /// The route table, in file order.
     pub routes: Routes,
+    /// `[outbox]`: outbox workers to run, if configured.
+    pub outbox: Option<OutboxSettings>,
 }
 
 impl Config {
@@ -201,6 +206,7 @@ impl Config {
             proxy: ProxySettings::default(),
             secrets: SecretsSettings::default(),
             routes: Routes::all(Policy::default()).expect("the default policy is valid"),
+            outbox: None,
         }
     }
 
@@ -239,6 +245,7 @@ impl Config {
             }
         })?;
         let at = |span: &Range<usize>, message: String| (Some(line_of(text, span.start)), message);
+        let outbox = file.outbox.map(|outbox| outbox.check(text)).transpose()?;
 
         // `[defaults]` alone must be a valid policy, reported at its own lines.
         let defaults = file.defaults.unwrap_or_default();
@@ -307,6 +314,7 @@ impl Config {
             proxy: file.proxy.unwrap_or_default(),
             secrets: file.secrets.unwrap_or_default(),
             routes: routes.case_insensitive(file.case_insensitive_paths),
+            outbox,
         })
     }
 }
@@ -329,6 +337,8 @@ struct File {
     defaults: Option<BTreeMap<Spanned<String>, Spanned<toml::Value>>>,
     #[serde(default)]
     route: Vec<Spanned<BTreeMap<Spanned<String>, Spanned<toml::Value>>>>,
+    /// Outbox workers (`crate::outbox::config`).
+    outbox: Option<OutboxFile>,
 }
 
 /// Deserializes a [`Policy`] from merged entries. Each key is first tried
@@ -351,7 +361,7 @@ fn policy_of(entries: &Entries) -> Result<Policy, (Range<usize>, String)> {
         .map_err(|error| (0..0, error.message().trim().to_owned()))
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
+pub(crate) fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
 }
 

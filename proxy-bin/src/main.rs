@@ -5,6 +5,8 @@
 //! idempotency-proxy --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
 //!     [--store memory | sqlite://PATH | postgres://URL] [--redis redis://URL | redis+cluster://HOST:PORT,…] \
 //!     [--config idempotency.toml] [--admin 127.0.0.1:9090]
+//! idempotency-proxy outbox run --config idempotency.toml
+//! idempotency-proxy outbox counts|dead|retry ID|purge … --store URL | --config FILE
 //! idempotency-proxy keys lookup|purge|purge-principal|release|in-flight|counts … \
 //!     --store URL [--config idempotency.toml]
 //! ```
@@ -20,6 +22,7 @@ mod config;
 mod demo;
 mod exchange;
 mod keys;
+mod outbox;
 mod proxy;
 mod secrets;
 mod shutdown;
@@ -78,7 +81,8 @@ struct Cli {
     redis_prefix: Option<String>,
 
     /// A TOML file with the [proxy] settings, [defaults] and [[route]]
-    /// policies. A bad file is refused at start with its line and key.
+    /// policies, and [outbox] workers to run. A bad file is refused at
+    /// start with its line and key.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
 
@@ -210,6 +214,19 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         let _entered = runtime.enter();
         engine.spawn_sweeper(settings.sweep_interval, 1000);
     }
+    // `[outbox]`: its workers run on the store's runtime.
+    let outbox = match &config.outbox {
+        Some(outbox_settings) => {
+            let file = cli.config.as_deref().unwrap_or(std::path::Path::new("-"));
+            let database = outbox_settings.database_or(&settings.store)?;
+            let secrets = outbox_settings.secrets(file)?;
+            let outbox = runtime.block_on(outbox::workers::open(&database))?;
+            let _entered = runtime.enter();
+            let workers = outbox::workers::Workers::start(outbox.clone(), outbox_settings, secrets);
+            Some((outbox, workers))
+        }
+        None => None,
+    };
 
     let mut conf = ServerConf::new().ok_or("Pingora configuration")?;
     conf.threads = settings.threads;
@@ -240,6 +257,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             admin::Admin {
                 engine,
                 token: admin_token,
+                outbox: outbox.as_ref().map(|(outbox, _)| outbox.clone()),
             },
         );
         admin.threads = Some(1);
@@ -263,6 +281,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         redis = settings.redis.is_some(),
         admin = settings.admin.as_deref().unwrap_or("off"),
         operator_api,
+        outbox_destinations = config.outbox.as_ref().map_or(0, |o| o.destinations.len()),
         keyed_scopes,
         encryption_key = %encryption_key,
         "idempotency-proxy started"
@@ -270,6 +289,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let signals = Signals {
         drain,
         engine: engine_for_shutdown,
+        outbox: outbox.map(|(_, workers)| workers),
         runtime: runtime.handle().clone(),
         timeout: settings.shutdown_timeout,
     };

@@ -1,7 +1,9 @@
 //! Graceful shutdown: on SIGTERM, stop accepting, let every request in
 //! flight finish (and its response be stored), then wait for the engine's
 //! background work (answers whose storing failed and is being retried,
-//! releases), then exit — as soon as all of it is done, not after a fixed
+//! releases) and for the outbox workers (which stop claiming at once,
+//! finish their deliveries within `shutdown_grace` and give back the rows
+//! of the others), then exit — as soon as all of it is done, not after a fixed
 //! grace period, and at the latest after `shutdown_timeout`.
 //!
 //! Pingora stops its listeners and closes idle keep-alive connections on
@@ -19,6 +21,8 @@ use async_trait::async_trait;
 use pingora_core::server::{ShutdownSignal, ShutdownSignalWatch};
 use tokio::signal::unix::{signal, SignalKind};
 use tower_idempotency::Engine;
+
+use crate::outbox::workers::Workers;
 
 /// Counts the work that must finish before the process may exit.
 #[derive(Clone, Debug, Default)]
@@ -61,6 +65,8 @@ pub struct Signals {
     pub drain: Drain,
     /// The engine whose background work is waited for.
     pub engine: Engine,
+    /// The outbox workers running in this process, if any.
+    pub outbox: Option<Workers>,
     /// A runtime to wait for the engine on (its timers).
     pub runtime: tokio::runtime::Handle,
     /// The longest the whole shutdown may take (`shutdown_timeout`).
@@ -71,6 +77,12 @@ impl Signals {
     /// Waits for the requests in flight, then for the engine's background
     /// work, until `deadline`; logs what it had to abandon.
     fn drain_until(&self, deadline: Instant) -> (usize, usize) {
+        // The workers stop claiming at once and finish alongside the
+        // requests.
+        let workers = self
+            .outbox
+            .clone()
+            .map(|workers| self.runtime.spawn(async move { workers.shutdown().await }));
         while self.drain.active() > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -86,7 +98,18 @@ impl Signals {
         // too. The engine logs each key it abandons.
         let left = deadline.saturating_duration_since(Instant::now());
         let report = self.runtime.block_on(self.engine.drain(left));
-        (requests, report.abandoned.len())
+        let mut abandoned = report.abandoned.len();
+        if let Some(workers) = workers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let stopped = self
+                .runtime
+                .block_on(async { tokio::time::timeout(left, workers).await });
+            if stopped.is_err() {
+                tracing::error!("outbox workers still delivering; their rows go to the rescuer");
+                abandoned += 1;
+            }
+        }
+        (requests, abandoned)
     }
 }
 
@@ -102,6 +125,7 @@ impl ShutdownSignalWatch for Signals {
                 let signals = Signals {
                     drain: self.drain.clone(),
                     engine: self.engine.clone(),
+                    outbox: self.outbox.clone(),
                     runtime: self.runtime.clone(),
                     timeout: self.timeout,
                 };

@@ -133,6 +133,14 @@ WHERE id = $1 AND state = 'dead'";
 pub(super) const PURGE_DEAD: &str = "
 DELETE FROM outbox_messages WHERE id = $1 AND state = 'dead'";
 
+pub(super) const PURGE_DEAD_OLDER: &str = "
+DELETE FROM outbox_messages
+WHERE state = 'dead' AND ($1::text IS NULL OR topic = $1)
+  AND updated_at <= now() - $2::bigint * interval '1 microsecond'";
+
+pub(super) const PAYLOAD: &str = "
+SELECT payload, content_type FROM outbox_messages WHERE id = $1";
+
 pub(super) const COUNTS: &str = "
 SELECT state, count(*) FROM outbox_messages GROUP BY state";
 

@@ -112,6 +112,14 @@ WHERE id = ?1 AND state = 'dead'";
 pub(super) const PURGE_DEAD: &str = "
 DELETE FROM outbox_messages WHERE id = ?1 AND state = 'dead'";
 
+pub(super) const PURGE_DEAD_OLDER: &str = "
+DELETE FROM outbox_messages
+WHERE state = 'dead' AND (?1 IS NULL OR topic = ?1)
+  AND updated_at <= unixepoch('subsec') - ?2 / 1e6";
+
+pub(super) const PAYLOAD: &str = "
+SELECT CAST(payload AS BLOB) AS payload, content_type FROM outbox_messages WHERE id = ?1";
+
 pub(super) const COUNTS: &str = "
 SELECT state, count(*) FROM outbox_messages GROUP BY state";
 

@@ -354,6 +354,35 @@ impl Outbox {
         Ok(done == 1)
     }
 
+    /// Deletes the dead rows last changed more than `older_than` ago
+    /// (`Duration::ZERO`: every dead row), only of `topic` when given;
+    /// returns how many. Rows in any other state are never touched.
+    pub async fn purge_dead_older_than(
+        &self,
+        topic: Option<&str>,
+        older_than: Duration,
+    ) -> Result<u64, OutboxError> {
+        Ok(with_backend!(self, |pool, sql| {
+            sqlx::query(sql::PURGE_DEAD_OLDER)
+                .bind(topic)
+                .bind(micros(older_than))
+                .execute(pool)
+                .await?
+                .rows_affected()
+        }))
+    }
+
+    /// The payload and content type of row `id`, for an operator looking
+    /// at a dead row; `None` when there is no such row.
+    pub async fn payload(&self, id: i64) -> Result<Option<(Vec<u8>, String)>, OutboxError> {
+        Ok(with_backend!(self, |pool, sql| {
+            sqlx::query_as(sql::PAYLOAD)
+                .bind(id)
+                .fetch_optional(pool)
+                .await?
+        }))
+    }
+
     /// How many rows are in each state.
     pub async fn counts(&self) -> Result<Counts, OutboxError> {
         let rows: Vec<(String, i64)> = with_backend!(self, |pool, sql| {

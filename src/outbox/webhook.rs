@@ -118,11 +118,12 @@ impl Destination {
 /// * `Content-Type`: the message's.
 ///
 /// A 2xx answer is success; 408, 429 and 5xx are transient (their
-/// `Retry-After`, seconds or an HTTP date, is honoured); any other status
-/// is permanent, as is a topic without a destination. A connection error or
-/// a timeout is transient. The receiver's `X-Request-Id` (or `Request-Id`)
-/// is kept; its answer body is read (up to 64 KiB) and discarded, never
-/// stored.
+/// `Retry-After`, seconds or an HTTP date, is honoured), and so is a 409
+/// with `Retry-After` (an idempotent receiver still running the first
+/// delivery of the key); any other status is permanent, as is a topic
+/// without a destination. A connection error or a timeout is transient.
+/// The receiver's `X-Request-Id` (or `Request-Id`) is kept; its answer
+/// body is read (up to 64 KiB) and discarded, never stored.
 ///
 /// A worker given this deliverer claims only the topics it has
 /// destinations for.
@@ -230,11 +231,12 @@ where
                 request_id,
             });
         }
+        let retry_after = headers.get(RETRY_AFTER).and_then(retry_after);
         Err(DeliveryError {
-            class: ErrorClass::of_status(status.as_u16()),
+            class: class_of(status.as_u16(), retry_after.is_some()),
             status: Some(status.as_u16()),
             request_id,
-            retry_after: headers.get(RETRY_AFTER).and_then(retry_after),
+            retry_after,
             reason: format!("HTTP {}", status.as_u16()),
         })
     }
@@ -243,6 +245,18 @@ where
         let mut topics: Vec<String> = self.destinations.keys().cloned().collect();
         topics.sort();
         Some(topics)
+    }
+}
+
+/// A failed answer's class: [`ErrorClass::of_status`], except that a 409
+/// with `Retry-After` is transient — an idempotent receiver's "a request
+/// with this key is still in progress" (this crate's layer and
+/// `idempotency-proxy` answer so when a redelivery meets the first
+/// delivery still running), which must be retried, not sent to `dead`.
+fn class_of(status: u16, retry_after: bool) -> ErrorClass {
+    match (status, retry_after) {
+        (409, true) => ErrorClass::Transient,
+        _ => ErrorClass::of_status(status),
     }
 }
 
@@ -270,6 +284,14 @@ mod tests {
             br#"{"test": 2432232314}"#,
         );
         assert_eq!(signature, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn an_in_flight_409_with_retry_after_is_transient() {
+        assert_eq!(class_of(409, true), ErrorClass::Transient);
+        assert_eq!(class_of(409, false), ErrorClass::Permanent);
+        assert_eq!(class_of(400, true), ErrorClass::Permanent);
+        assert_eq!(class_of(503, false), ErrorClass::Transient);
     }
 
     #[test]

@@ -7,19 +7,22 @@
 //! API is off: only `/healthz` and `/metrics` answer.
 
 mod keys;
+mod outbox;
 mod token;
 
 use async_trait::async_trait;
 use http::{header, Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
 use pingora_core::protocols::http::ServerSession;
+use tower_idempotency::outbox::Outbox;
 use tower_idempotency::Engine;
 
 pub use token::{AdminToken, TOKEN_ENV};
 
 /// Serves `/healthz` (200 while the store answers, 503 otherwise),
 /// `/metrics` (Prometheus text: requests per outcome, store latency,
-/// in-flight count, store counters such as Redis hits and misses), and,
+/// in-flight count, store counters such as Redis hits and misses; the
+/// outbox counters and latencies when `[outbox]` runs here), and,
 /// only to a request carrying `Authorization: Bearer <token>`, the operator
 /// API.
 pub struct Admin {
@@ -27,6 +30,9 @@ pub struct Admin {
     pub engine: Engine,
     /// The operator API's bearer token; `None` turns the API off.
     pub token: Option<AdminToken>,
+    /// The outbox this process runs workers for (`[outbox]`): its metrics
+    /// join `/metrics`, its rows the operator API (`/outbox/…`).
+    pub outbox: Option<Outbox>,
 }
 
 /// An answer of the admin listener, before it is written.
@@ -68,7 +74,7 @@ impl ServeHttp for Admin {
                 return Answer {
                     status: StatusCode::OK,
                     content_type: "text/plain; version=0.0.4",
-                    body: self.engine.render_metrics().into_bytes(),
+                    body: self.metrics().into_bytes(),
                 }
                 .into_response(None)
             }
@@ -106,9 +112,21 @@ impl Admin {
         }
     }
 
+    /// The engine's metrics, then the outbox's when it runs here.
+    fn metrics(&self) -> String {
+        let mut text = self.engine.render_metrics();
+        if let Some(outbox) = &self.outbox {
+            text.push_str(&outbox.metrics().render_prometheus());
+        }
+        text
+    }
+
     /// The operator API, reached only with the right token.
     async fn operator(&self, session: &mut ServerSession) -> Answer {
         if let Some(answer) = keys::serve(&self.engine, session).await {
+            return answer;
+        }
+        if let Some(answer) = outbox::route(self.outbox.as_ref(), session.req_header()).await {
             return answer;
         }
         let path = session.req_header().uri.path().to_owned();

@@ -1,0 +1,459 @@
+//! The `[outbox]` table and its `[[outbox.destination]]` entries.
+//!
+//! ```toml
+//! [outbox]
+//! database = "postgres://app@db/app"   # default: [proxy] store, when PostgreSQL or SQLite
+//! concurrency = 16
+//! lease = "30s"
+//! poll_interval = "1s"
+//! retention = "7d"
+//!
+//! [[outbox.destination]]
+//! topic = "crm"
+//! url = "http://crm.internal/hooks"
+//! secret_env = "CRM_WEBHOOK_SECRET"    # or secret_file = "/run/secrets/crm"
+//! max_attempts = 12
+//! backoff_base = "1s"
+//! backoff_max = "1h"
+//! timeout = "10s"
+//! ```
+//!
+//! Everything that can be checked without the environment is checked when
+//! the file is parsed (a mistake names its line and key); secrets are read
+//! when the workers start ([`OutboxSettings::secrets`]), and a missing one
+//! is refused with the same precision.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+use tower_idempotency::outbox::{Backoff, WebhookSecret, WorkerConfig};
+
+/// `[outbox]` as written in the file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutboxFile {
+    database: Option<Spanned<String>>,
+    concurrency: Option<Spanned<usize>>,
+    #[serde(default, with = "humantime_serde::option")]
+    lease: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    poll_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    retention: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    rescue_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    shutdown_grace: Option<Duration>,
+    listen: Option<bool>,
+    #[serde(default)]
+    destination: Vec<Spanned<DestinationFile>>,
+}
+
+/// One `[[outbox.destination]]` as written in the file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DestinationFile {
+    topic: Option<Spanned<String>>,
+    url: Option<Spanned<String>>,
+    secret_env: Option<Spanned<String>>,
+    secret_file: Option<Spanned<PathBuf>>,
+    /// Caught to refuse it with a clear message: secrets are never inline.
+    secret: Option<Spanned<toml::Value>>,
+    max_attempts: Option<Spanned<u32>>,
+    #[serde(default, with = "humantime_serde::option")]
+    backoff_base: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    backoff_max: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    timeout: Option<Duration>,
+}
+
+/// `[outbox]`, checked, with its defaults applied.
+#[derive(Clone, Debug)]
+pub struct OutboxSettings {
+    /// The outbox database, if given (else the proxy's store).
+    pub database: Option<String>,
+    /// The settings shared by every destination's worker (its backoff is
+    /// the destination's).
+    pub worker: WorkerConfig,
+    /// Where each topic goes.
+    pub destinations: Vec<DestinationSettings>,
+}
+
+/// One destination, checked.
+#[derive(Clone, Debug)]
+pub struct DestinationSettings {
+    /// The topic whose rows go there.
+    pub topic: String,
+    /// `http://…`.
+    pub url: http::Uri,
+    /// Where its signing secret comes from, if it signs.
+    pub secret: Option<SecretSource>,
+    /// Attempts before `dead`, when lower than the row's own
+    /// `max_attempts`.
+    pub max_attempts: Option<u32>,
+    /// Its retry schedule.
+    pub backoff: Backoff,
+    /// The whole exchange's timeout.
+    pub timeout: Duration,
+}
+
+/// Where a signing secret is read from at start; the line of its key.
+#[derive(Clone, Debug)]
+pub enum SecretSource {
+    /// An environment variable.
+    Env(String, usize),
+    /// A file (its content, trimmed).
+    File(PathBuf, usize),
+}
+
+/// An error of the parsed file: its line, if known, and the message.
+pub type Refusal = (Option<usize>, String);
+
+const TABLE: &str = "[[outbox.destination]]";
+
+impl OutboxFile {
+    /// Checks the table; `text` is the whole file (for line numbers).
+    pub fn check(self, text: &str) -> Result<OutboxSettings, Refusal> {
+        let line = |offset: usize| crate::config::line_of(text, offset);
+        let defaults = WorkerConfig::default();
+        let database = match self.database {
+            Some(url) => {
+                let value = url.get_ref();
+                if !is_database(value) {
+                    return Err((
+                        Some(line(url.span().start)),
+                        "[outbox] `database`: expected `postgres://URL` or `sqlite://PATH`"
+                            .to_owned(),
+                    ));
+                }
+                Some(value.clone())
+            }
+            None => None,
+        };
+        let concurrency = match self.concurrency {
+            Some(n) if *n.get_ref() == 0 => {
+                return Err((
+                    Some(line(n.span().start)),
+                    "[outbox] `concurrency`: must be at least 1".to_owned(),
+                ))
+            }
+            Some(n) => n.into_inner(),
+            None => defaults.concurrency,
+        };
+        let positive = |value: Option<Duration>, key: &str, default: Duration| match value {
+            Some(d) if d.is_zero() => Err((
+                None,
+                format!("[outbox] `{key}`: must be longer than zero (e.g. \"1s\")"),
+            )),
+            Some(d) => Ok(d),
+            None => Ok(default),
+        };
+        let worker = WorkerConfig {
+            concurrency,
+            lease: positive(self.lease, "lease", defaults.lease)?,
+            poll_interval: positive(self.poll_interval, "poll_interval", defaults.poll_interval)?,
+            rescue_interval: positive(
+                self.rescue_interval,
+                "rescue_interval",
+                defaults.rescue_interval,
+            )?,
+            shutdown_grace: self.shutdown_grace.unwrap_or(defaults.shutdown_grace),
+            retention: match self.retention {
+                Some(d) if d.is_zero() => None,
+                Some(d) => Some(d),
+                None => defaults.retention,
+            },
+            listen: self.listen.unwrap_or(defaults.listen),
+            ..defaults
+        };
+        if self.destination.is_empty() {
+            return Err((
+                None,
+                format!("[outbox] needs at least one {TABLE} with a `topic` and a `url`"),
+            ));
+        }
+        let mut topics = HashSet::new();
+        let mut destinations = Vec::new();
+        for entry in self.destination {
+            let at = line(entry.span().start);
+            let entry = entry.into_inner();
+            let refuse = |span: Option<std::ops::Range<usize>>, key: &str, what: &str| {
+                let line = span.map_or(at, |span| line(span.start));
+                (Some(line), format!("{TABLE} `{key}`: {what}"))
+            };
+            let Some(topic) = entry.topic else {
+                return Err(refuse(
+                    None,
+                    "topic",
+                    "missing (the topic this destination takes)",
+                ));
+            };
+            if topic.get_ref().is_empty() || topic.get_ref().len() > 200 {
+                return Err(refuse(
+                    Some(topic.span()),
+                    "topic",
+                    "must be 1 to 200 bytes",
+                ));
+            }
+            if !topics.insert(topic.get_ref().clone()) {
+                return Err(refuse(
+                    Some(topic.span()),
+                    "topic",
+                    &format!(
+                        "`{}` has two destinations; give each topic one",
+                        topic.get_ref()
+                    ),
+                ));
+            }
+            let Some(url) = entry.url else {
+                return Err(refuse(
+                    None,
+                    "url",
+                    "missing (e.g. \"http://crm.internal/hooks\")",
+                ));
+            };
+            let url =
+                check_url(url.get_ref()).map_err(|what| refuse(Some(url.span()), "url", &what))?;
+            if let Some(secret) = &entry.secret {
+                return Err(refuse(
+                    Some(secret.span()),
+                    "secret",
+                    "a secret is never written in the file: name an environment variable \
+                     with `secret_env` or a file with `secret_file`",
+                ));
+            }
+            let secret = match (entry.secret_env, entry.secret_file) {
+                (Some(_), Some(file)) => {
+                    return Err(refuse(
+                        Some(file.span()),
+                        "secret_file",
+                        "give `secret_env` or `secret_file`, not both",
+                    ))
+                }
+                (Some(env), None) if env.get_ref().is_empty() => {
+                    return Err(refuse(
+                        Some(env.span()),
+                        "secret_env",
+                        "empty variable name",
+                    ))
+                }
+                (Some(env), None) => Some(SecretSource::Env(
+                    env.get_ref().clone(),
+                    line(env.span().start),
+                )),
+                (None, Some(file)) => Some(SecretSource::File(
+                    file.get_ref().clone(),
+                    line(file.span().start),
+                )),
+                (None, None) => None,
+            };
+            if let Some(max) = &entry.max_attempts {
+                if *max.get_ref() == 0 {
+                    return Err(refuse(
+                        Some(max.span()),
+                        "max_attempts",
+                        "must be at least 1",
+                    ));
+                }
+            }
+            let backoff = Backoff {
+                base: entry.backoff_base.unwrap_or(Backoff::default().base),
+                max: entry.backoff_max.unwrap_or(Backoff::default().max),
+                ..Backoff::default()
+            };
+            if backoff.base > backoff.max {
+                return Err(refuse(
+                    None,
+                    "backoff_base",
+                    "must not be longer than `backoff_max`",
+                ));
+            }
+            let timeout = entry
+                .timeout
+                .unwrap_or(tower_idempotency::outbox::Destination::DEFAULT_TIMEOUT);
+            if timeout.is_zero() {
+                return Err(refuse(
+                    None,
+                    "timeout",
+                    "must be longer than zero (e.g. \"10s\")",
+                ));
+            }
+            destinations.push(DestinationSettings {
+                topic: topic.into_inner(),
+                url,
+                secret,
+                max_attempts: entry.max_attempts.map(Spanned::into_inner),
+                backoff,
+                timeout,
+            });
+        }
+        Ok(OutboxSettings {
+            database,
+            worker,
+            destinations,
+        })
+    }
+}
+
+/// Whether `url` names a database the outbox runs on.
+pub fn is_database(url: &str) -> bool {
+    ["postgres://", "postgresql://", "sqlite:"]
+        .iter()
+        .any(|scheme| url.starts_with(scheme))
+}
+
+fn check_url(url: &str) -> Result<http::Uri, String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|_| "not a URL (e.g. \"http://crm.internal/hooks\")".to_owned())?;
+    match uri.scheme_str() {
+        Some("http") if uri.host().is_some() => Ok(uri),
+        Some("https") => Err("https:// is not supported by the proxy's deliverer yet: \
+                              deliver over http:// to a TLS-terminating sidecar, or use \
+                              the library with a TLS connector"
+            .to_owned()),
+        _ => Err("expected http://HOST[:PORT]/PATH".to_owned()),
+    }
+}
+
+impl OutboxSettings {
+    /// The outbox database: `database`, else the proxy's `store` when it
+    /// is PostgreSQL or SQLite.
+    pub fn database_or(&self, store: &str) -> Result<String, String> {
+        match &self.database {
+            Some(url) => Ok(url.clone()),
+            None if is_database(store) => Ok(store.to_owned()),
+            None => Err(format!(
+                "[outbox] has no `database` and the proxy's store is `{}`: set `database` \
+                 to postgres://URL or sqlite://PATH",
+                store.split(':').next().unwrap_or(store)
+            )),
+        }
+    }
+
+    /// Reads every destination's secret (`file` is the configuration file:
+    /// a relative `secret_file` is found next to it). A variable that is unset or a file that cannot be
+    /// read, or a value that is not `whsec_<base64>`, is refused with its
+    /// line and key; the value is never printed.
+    pub fn secrets(&self, file: &Path) -> Result<Vec<Option<WebhookSecret>>, String> {
+        let refuse = |line: usize, key: &str, what: String| {
+            format!("{}:{line}: {TABLE} `{key}`: {what}", file.display())
+        };
+        let decode = |value: &str, line: usize, key: &str, origin: &str| {
+            WebhookSecret::from_whsec(value.trim()).ok_or_else(|| {
+                refuse(
+                    line,
+                    key,
+                    format!("{origin} is not a secret of the form whsec_<base64>"),
+                )
+            })
+        };
+        self.destinations
+            .iter()
+            .map(|destination| match &destination.secret {
+                None => Ok(None),
+                Some(SecretSource::Env(name, line)) => {
+                    let value = std::env::var(name).map_err(|_| {
+                        refuse(
+                            *line,
+                            "secret_env",
+                            format!("the environment variable {name} is not set"),
+                        )
+                    })?;
+                    decode(&value, *line, "secret_env", &format!("the value of {name}")).map(Some)
+                }
+                Some(SecretSource::File(path, line)) => {
+                    let path = &file.parent().unwrap_or(Path::new("")).join(path);
+                    let value = std::fs::read_to_string(path).map_err(|error| {
+                        refuse(
+                            *line,
+                            "secret_file",
+                            format!("cannot read {}: {error}", path.display()),
+                        )
+                    })?;
+                    decode(&value, *line, "secret_file", &path.display().to_string()).map(Some)
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// The example file's `[outbox]` block, uncommented (one secret
+    /// source: they exclude each other).
+    fn example_outbox() -> String {
+        let text = include_str!("../../idempotency.example.toml");
+        let block = &text[text.find("# [outbox]").expect("an [outbox] block")..];
+        block
+            .lines()
+            .filter_map(|line| {
+                let code = line.strip_prefix("# ")?;
+                let is_code = code.starts_with('[')
+                    || code.split_once(" = ").is_some_and(|(key, _)| {
+                        key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    });
+                (is_code && !code.starts_with("secret_file")).then(|| format!("{code}\n"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_examples_outbox_block_is_valid_and_shows_the_defaults() {
+        let config = Config::parse(&example_outbox()).unwrap();
+        let outbox = config.outbox.unwrap();
+        let defaults = WorkerConfig::default();
+        assert_eq!(outbox.worker.concurrency, defaults.concurrency);
+        assert_eq!(outbox.worker.lease, defaults.lease);
+        assert_eq!(outbox.worker.poll_interval, defaults.poll_interval);
+        assert_eq!(outbox.worker.rescue_interval, defaults.rescue_interval);
+        assert_eq!(outbox.worker.retention, defaults.retention);
+        assert_eq!(outbox.worker.shutdown_grace, defaults.shutdown_grace);
+        let crm = &outbox.destinations[0];
+        assert_eq!(crm.topic, "crm");
+        assert_eq!(crm.backoff, Backoff::default());
+        assert_eq!(crm.timeout, Duration::from_secs(10));
+        assert_eq!(crm.max_attempts, Some(12));
+        assert!(
+            matches!(&crm.secret, Some(SecretSource::Env(name, _)) if name == "CRM_WEBHOOK_SECRET")
+        );
+    }
+
+    #[test]
+    fn the_database_defaults_to_the_proxys_store_when_it_is_one() {
+        let text = "[outbox]\n[[outbox.destination]]\ntopic = \"t\"\nurl = \"http://a/h\"\n";
+        let outbox = Config::parse(text).unwrap().outbox.unwrap();
+        assert_eq!(
+            outbox.database_or("sqlite://x.db").unwrap(),
+            "sqlite://x.db"
+        );
+        assert_eq!(
+            outbox.database_or("postgres://db/app").unwrap(),
+            "postgres://db/app"
+        );
+        let error = outbox.database_or("memory").unwrap_err();
+        assert!(error.contains("`database`"), "{error}");
+        let (line, message) = Config::parse(&format!("{text}[outbox]\n")).unwrap_err();
+        assert!(line.is_some() && message.contains("outbox"), "{message}");
+        let (_, message) = Config::parse("[outbox]\nlease = \"30s\"\n").unwrap_err();
+        assert!(message.contains("[[outbox.destination]]"), "{message}");
+    }
+
+    #[test]
+    fn a_topic_has_one_destination() {
+        let one = "[[outbox.destination]]\ntopic = \"crm\"\nurl = \"http://a/h\"\n";
+        let (line, message) = Config::parse(&format!("[outbox]\n{one}{one}")).unwrap_err();
+        assert_eq!(line, Some(6));
+        assert!(
+            message.contains("`topic`") && message.contains("crm"),
+            "{message}"
+        );
+    }
+}

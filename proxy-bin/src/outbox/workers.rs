@@ -1,0 +1,170 @@
+//! Opening the outbox database and running one worker per destination.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tower_idempotency::outbox::{
+    Delivered, Deliverer, Delivery, DeliveryError, Destination, ErrorClass, Outbox,
+    WebhookDeliverer, WebhookSecret, Worker, WorkerConfig, WorkerHandle,
+};
+use tower_idempotency::PostgresStore;
+
+use super::config::{DestinationSettings, OutboxSettings};
+
+/// Opens the outbox on `url` (`postgres://…` or `sqlite://…`) without
+/// applying the migrations. A PostgreSQL pool connects lazily, so the
+/// proxy starts (and its operator API answers 503) while the database is
+/// down; an SQLite file that cannot be opened is an error. Errors never
+/// repeat the URL (it may hold a password).
+pub async fn open(url: &str) -> Result<Outbox, String> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let pool = PostgresStore::pool_options()
+            .connect_lazy(url)
+            .map_err(|_| "the outbox's PostgreSQL URL is malformed".to_owned())?;
+        Ok(Outbox::postgres(pool))
+    } else {
+        Outbox::connect(url)
+            .await
+            .map_err(|error| format!("cannot open the outbox's SQLite database: {error}"))
+    }
+}
+
+/// The running workers, one per destination; clones share them.
+#[derive(Clone, Debug, Default)]
+pub struct Workers {
+    handles: Arc<Mutex<Vec<WorkerHandle>>>,
+    stopping: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Workers {
+    /// Applies the migrations (retrying every second while the database
+    /// is unreachable), then starts one worker per destination on the
+    /// current runtime. Returns at once; the workers start in the
+    /// background.
+    pub fn start(
+        outbox: Outbox,
+        settings: &OutboxSettings,
+        secrets: Vec<Option<WebhookSecret>>,
+    ) -> Workers {
+        let workers = Workers::default();
+        let plans: Vec<(WorkerConfig, Capped)> = settings
+            .destinations
+            .iter()
+            .zip(secrets)
+            .map(|(destination, secret)| plan(&settings.worker, destination, secret))
+            .collect();
+        let started = workers.clone();
+        tokio::spawn(async move {
+            let mut logged = false;
+            while let Err(error) = outbox.migrate().await {
+                if !logged {
+                    tracing::warn!(%error, "outbox database unavailable; workers start when it answers");
+                    logged = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if started.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
+            }
+            let mut handles = started
+                .handles
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if started.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            for (config, deliverer) in plans {
+                tracing::info!(
+                    topic = %deliverer.topic,
+                    concurrency = config.concurrency,
+                    "outbox worker started"
+                );
+                handles.push(
+                    Worker::new(outbox.clone(), deliverer)
+                        .config(config)
+                        .spawn(),
+                );
+            }
+        });
+        workers
+    }
+
+    /// Stops every worker gracefully: no more claims, running deliveries
+    /// finish within `shutdown_grace`, the rows of the others are given
+    /// back (`retryable`, due now). Workers not yet started never start.
+    pub async fn shutdown(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let handles =
+            std::mem::take(&mut *self.handles.lock().unwrap_or_else(PoisonError::into_inner));
+        futures_join(handles.into_iter().map(WorkerHandle::shutdown)).await;
+    }
+}
+
+/// Awaits every future, concurrently.
+async fn futures_join<F: std::future::Future<Output = ()> + Send + 'static>(
+    futures: impl Iterator<Item = F>,
+) {
+    let mut set = tokio::task::JoinSet::new();
+    for future in futures {
+        set.spawn(future);
+    }
+    while set.join_next().await.is_some() {}
+}
+
+/// A destination's worker configuration and deliverer.
+fn plan(
+    shared: &WorkerConfig,
+    destination: &DestinationSettings,
+    secret: Option<WebhookSecret>,
+) -> (WorkerConfig, Capped) {
+    let mut target = Destination::new(destination.url.clone()).timeout(destination.timeout);
+    if let Some(secret) = secret {
+        target = target.secret(secret);
+    }
+    let config = WorkerConfig {
+        backoff: destination.backoff,
+        topics: Some(vec![destination.topic.clone()]),
+        ..shared.clone()
+    };
+    let deliverer = Capped {
+        topic: destination.topic.clone(),
+        inner: WebhookDeliverer::new().destination(destination.topic.clone(), target),
+        max_attempts: destination.max_attempts,
+    };
+    (config, deliverer)
+}
+
+/// The webhook deliverer of one destination, whose `max_attempts` (when
+/// set) ends a row's retries even if the row allows more: the failure of
+/// its last allowed attempt is recorded as permanent, so the row goes to
+/// `dead`.
+struct Capped {
+    topic: String,
+    inner: WebhookDeliverer,
+    max_attempts: Option<u32>,
+}
+
+#[async_trait]
+impl Deliverer for Capped {
+    async fn deliver(&self, delivery: &Delivery) -> Result<Delivered, DeliveryError> {
+        match (self.inner.deliver(delivery).await, self.max_attempts) {
+            (Err(mut error), Some(max))
+                if delivery.attempt() >= max && !error.class.is_permanent() =>
+            {
+                error.class = ErrorClass::Permanent;
+                error.reason = format!(
+                    "{}; the destination's max_attempts ({max}) reached",
+                    error.reason
+                );
+                Err(error)
+            }
+            (result, _) => result,
+        }
+    }
+
+    fn topics(&self) -> Option<Vec<String>> {
+        self.inner.topics()
+    }
+}
