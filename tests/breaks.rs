@@ -6,6 +6,7 @@
 //! with their fix: the test must then pass). Those ignored as `BREAK: …`
 //! are open breaks the README does not state yet.
 
+mod fixtures;
 mod support;
 
 use axum::body::Body;
@@ -618,4 +619,311 @@ async fn an_encoded_slash_does_not_skip_a_required_route() {
         .await;
     }
     assert!(app.calls() <= 1, "payments executed: {}", app.calls());
+}
+
+/// The operator's key API against real stores (engine methods, as the
+/// proxy's `/keys` routes and `keys` command call them).
+#[cfg(all(feature = "test-util", feature = "redis", feature = "sqlite"))]
+mod operator {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+    use tower_idempotency::engine::{Coverage, Decision, RequestHead};
+    use tower_idempotency::{
+        Engine, EngineConfig, MemoryStore, Policy, PrincipalPolicy, Routes, Store,
+    };
+
+    use super::fixtures;
+
+    struct Sent {
+        uri: Uri,
+        headers: HeaderMap,
+    }
+
+    fn sent(path: &str, key: &str, headers: &[(&str, &str)]) -> Sent {
+        let mut map = HeaderMap::new();
+        map.insert("host", HeaderValue::from_static("shop.example"));
+        map.insert("idempotency-key", HeaderValue::from_str(key).unwrap());
+        for (name, value) in headers {
+            map.insert(
+                http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_str(value).unwrap(),
+            );
+        }
+        Sent {
+            uri: path.parse().unwrap(),
+            headers: map,
+        }
+    }
+
+    impl Sent {
+        fn head(&self) -> RequestHead<'_> {
+            RequestHead {
+                method: &Method::POST,
+                uri: &self.uri,
+                headers: &self.headers,
+                principal: None,
+            }
+        }
+    }
+
+    async fn begin(engine: &Engine, sent: &Sent) -> Decision {
+        let Coverage::Covered(covered) = engine.classify(&sent.head()) else {
+            panic!("covered");
+        };
+        engine.begin(&covered, sent.head(), b"{}").await
+    }
+
+    async fn answer(decision: Decision, body: &'static str) {
+        let Decision::Proceed(reservation) = decision else {
+            panic!("expected to run, got {decision:?}");
+        };
+        let mut recorder = reservation
+            .record(StatusCode::CREATED, &HeaderMap::new())
+            .await;
+        recorder.chunk(&Bytes::from_static(body.as_bytes())).await;
+        recorder.end().await;
+    }
+
+    fn header_routes() -> Routes {
+        Routes::new()
+            .route(
+                "/orders",
+                Policy {
+                    principal: Some(PrincipalPolicy::header("x-user-id")),
+                    ..Policy::default()
+                },
+            )
+            .unwrap()
+    }
+
+    /// Scenario: the proxy runs with `redis = "redis+cluster://…"` in front
+    /// of PostgreSQL (docs/scaling.md) and an operator deletes one caller's
+    /// records (`POST /keys/purge-principal`, GDPR erasure). The caller has
+    /// two records, whose Redis keys hash to different slots (the scope
+    /// hash is the hash tag, by design). `Link::invalidate` sends every
+    /// tombstone of a batch in one non-atomic pipeline; the cluster client
+    /// routes a pipeline to one slot and refuses it ("Received crossed
+    /// slots in pipeline", `CrossSlot`). The purge fails before deleting
+    /// anything, every time: on a Redis Cluster a principal with more than
+    /// one record can never be purged.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "BREAK: purge-principal through a Redis Cluster front cache fails with CrossSlot (one pipeline of tombstones across slots)"]
+    async fn a_principal_with_two_records_is_purged_through_a_redis_cluster() {
+        let cache = fixtures::redis_cluster_cache(MemoryStore::new());
+        let engine = Engine::with_config(
+            Arc::new(cache.clone()) as Arc<dyn Store>,
+            header_routes(),
+            EngineConfig::default(),
+        );
+        for key in ["k-1", "k-2", "k-3"] {
+            let request = sent("/orders", key, &[("x-user-id", "alice")]);
+            answer(begin(&engine, &request).await, "stored").await;
+        }
+        cache.settled().await;
+        // One record at a time works (a one-command pipeline).
+        let one = sent("/orders", "k-3", &[("x-user-id", "alice")]);
+        let scope = engine.scope_of(&one.head(), b"k-3").unwrap().0;
+        assert!(engine.purge(&scope).await.unwrap());
+        // Two records of one caller: one pipeline over two slots.
+        let purged = engine.purge_principal(b"alice").await;
+        assert!(
+            matches!(purged, Ok(2)),
+            "the principal's purge failed: {purged:?}"
+        );
+        for key in ["k-1", "k-2"] {
+            let request = sent("/orders", key, &[("x-user-id", "alice")]);
+            assert!(matches!(
+                begin(&engine, &request).await,
+                Decision::Proceed(_)
+            ));
+        }
+    }
+    /// Scenario: two instances share one store of record and one Redis
+    /// front cache (`redis = …` in [proxy]); say a proxy instance under CPU
+    /// load and the operator's `idempotency-proxy keys purge` (or a second
+    /// instance's `/keys/purge`). The loaded instance completes a record:
+    /// the store of record commits, and the copy for Redis is written in a
+    /// background task (`Link::write_behind`, `Write::Overwrite`), which a
+    /// starved runtime polls late. Meanwhile the operator purges the key:
+    /// tombstone, delete, a `timeout` later a second tombstone — then the
+    /// purge reports success. The late copy then lands and *overwrites* the
+    /// tombstone (a completion replaces anything), with the record's full
+    /// TTL. README/docs/redis.md: "Redis never replays a purged record";
+    /// here every instance replays the purged response for the record's
+    /// whole retention, and the next request with the key never runs.
+    #[test]
+    #[ignore = "BREAK: a completion's late Redis write overwrites the purge's tombstone; Redis replays the purged record for its whole TTL"]
+    fn a_late_completion_copy_never_revives_a_purged_record() {
+        let url =
+            std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+        let prefix = format!("test:{}:", uuid::Uuid::new_v4().simple());
+        let config = tower_idempotency::RedisCacheConfig::new(url).prefix(prefix);
+        // One store of record, two instances, each with its own connection.
+        let inner = MemoryStore::new();
+        let loaded = tower_idempotency::RedisCache::new(inner.clone(), config.clone()).unwrap();
+        let operator = tower_idempotency::RedisCache::new(inner.clone(), config).unwrap();
+        let engine_a = Engine::with_config(
+            Arc::new(loaded.clone()) as Arc<dyn Store>,
+            header_routes(),
+            EngineConfig::default(),
+        );
+        let engine_b = Engine::with_config(
+            Arc::new(operator) as Arc<dyn Store>,
+            header_routes(),
+            EngineConfig::default(),
+        );
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+        };
+        // The loaded instance's runtime only runs while it is driven.
+        let (rt_a, rt_b) = (runtime(), runtime());
+        let request = sent("/orders", "late-1", &[("x-user-id", "alice")]);
+        // Warm both instances' Redis connections (a miss each).
+        let warm = sent("/orders", "warm", &[("x-user-id", "alice")]);
+        rt_a.block_on(async {
+            answer(begin(&engine_a, &warm).await, "warm").await;
+            loaded.settled().await;
+        });
+        rt_b.block_on(async {
+            assert!(matches!(
+                begin(&engine_b, &warm).await,
+                Decision::Respond(_)
+            ));
+        });
+        // The loaded instance executes and completes; its copy for Redis
+        // is queued behind the answer.
+        rt_a.block_on(async {
+            answer(begin(&engine_a, &request).await, "first").await;
+        });
+        // The operator purges: it succeeds.
+        let scope = engine_b.scope_of(&request.head(), b"late-1").unwrap().0;
+        assert!(rt_b.block_on(engine_b.purge(&scope)).unwrap());
+        assert!(rt_b.block_on(inner.get(&scope)).unwrap().is_none());
+        // The loaded instance's runtime gets the CPU back.
+        rt_a.block_on(loaded.settled());
+        // The next request with the purged key must run again.
+        let next = rt_b.block_on(begin(&engine_b, &request));
+        assert!(
+            matches!(next, Decision::Proceed(_)),
+            "the purged record was replayed from Redis: {next:?}"
+        );
+    }
+    /// Scenario: one deployment, two routes: `/orders` scoped by a trusted
+    /// gateway's `x-user-id` (the gateway forwards the user name the user
+    /// chose at sign-up), `/pay` scoped by a verified JWT. A user signs up
+    /// as `[null,"alice"]` — exactly the bytes `jwt_principal(None,
+    /// "alice")` makes of the JWT caller `sub = alice` without `iss` — and
+    /// stores a record on `/orders`. The operator erases the JWT caller
+    /// alice (`POST /keys/purge-principal {"principal": {"sub": "alice"}}`):
+    /// the principal hash has no source tag, so the other user's record is
+    /// deleted too (its next request with the key runs again). docs: a
+    /// principal's purge removes "that caller's records only".
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "BREAK: purge-principal of a JWT caller also deletes a header principal spelled like its jwt_principal bytes (no source tag)"]
+    async fn a_jwt_callers_purge_leaves_a_header_principal_alone() {
+        use jsonwebtoken::{encode, EncodingKey, Header};
+        use tower_idempotency::policy::principal::jwt_principal;
+        use tower_idempotency::JwtPolicy;
+
+        const SECRET: &[u8] = b"a shared secret of at least 32 bytes, for HS256";
+        let secret = std::env::temp_dir().join(format!("ti-breaks-jwt-{}", uuid::Uuid::new_v4()));
+        std::fs::write(&secret, SECRET).unwrap();
+        let routes = header_routes()
+            .route(
+                "/pay",
+                Policy {
+                    principal: Some(PrincipalPolicy::jwt(JwtPolicy {
+                        hs256_secret_file: vec![secret.clone()],
+                        ..JwtPolicy::default()
+                    })),
+                    ..Policy::default()
+                },
+            )
+            .unwrap();
+        let engine = Engine::with_config(
+            Arc::new(fixtures::sqlite_store().await) as Arc<dyn Store>,
+            routes,
+            EngineConfig::default(),
+        );
+        let exp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 600;
+        let claims = serde_json::json!({ "sub": "alice", "exp": exp });
+        let token = encode(
+            &Header::default(),
+            &claims,
+            &EncodingKey::from_secret(SECRET),
+        )
+        .unwrap();
+        let bearer = format!("Bearer {token}");
+        let jwt_alice = sent("/pay", "k-1", &[("authorization", &bearer)]);
+        answer(begin(&engine, &jwt_alice).await, "paid").await;
+        let other_user = sent("/orders", "k-1", &[("x-user-id", "[null,\"alice\"]")]);
+        answer(begin(&engine, &other_user).await, "ordered").await;
+
+        let purged = engine
+            .purge_principal(&jwt_principal(None, "alice"))
+            .await
+            .unwrap();
+        std::fs::remove_file(secret).ok();
+        assert!(matches!(
+            begin(&engine, &jwt_alice).await,
+            Decision::Proceed(_)
+        ));
+        assert_eq!(purged, 1, "another caller's record was purged");
+    }
+    /// Scenario: an axum application mounts its shop with
+    /// `Router::nest("/shop-a", shop)` and the layer on `shop`, its routes
+    /// written as the layer sees them (`/orders`, as `original_uri`'s doc
+    /// says). A client's order with key `k-nest` is stored (scoped by
+    /// axum's `OriginalUri`, `/shop-a/orders`). The operator looks the key
+    /// up (`Engine::lookup`, "the scope is computed exactly as for a live
+    /// request") with the path as the client sent it: no route covers
+    /// `/shop-a/orders`; with the route's path `/orders` the lookup
+    /// computes another scope and answers "absent" — so does a purge,
+    /// which deletes nothing. No spelling of the request reaches its
+    /// record: `RequestHead` has one URI, the layer uses two.
+    #[tokio::test]
+    #[ignore = "BREAK: behind Router::nest, Engine::lookup/purge compute another scope than the live request (one URI for route and scope)"]
+    async fn a_lookup_finds_a_record_stored_behind_nest() {
+        use axum::body::Body;
+        use axum::routing::post;
+        use axum::Router;
+        use http::Request;
+        use tower::ServiceExt;
+        use tower_idempotency::IdempotencyLayer;
+
+        let routes = Routes::new().route("/orders", Policy::default()).unwrap();
+        let engine = Engine::new(MemoryStore::new(), routes);
+        let shop = Router::new()
+            .route("/orders", post(|| async { (StatusCode::CREATED, "order") }))
+            .layer(IdempotencyLayer::new(engine.clone()));
+        let app = Router::new().nest("/shop-a", shop);
+        let order = Request::post("/shop-a/orders")
+            .header("host", "shop.example")
+            .header("idempotency-key", "k-nest")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.oneshot(order).await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        assert_eq!(engine.counts().await.unwrap().completed, 1, "stored");
+
+        let as_sent = sent("/shop-a/orders", "k-nest", &[]);
+        let by_client_path = engine.lookup(&as_sent.head(), b"k-nest").await;
+        let as_routed = sent("/orders", "k-nest", &[]);
+        let by_route_path = engine.lookup(&as_routed.head(), b"k-nest").await.unwrap();
+        assert!(
+            by_route_path.record.is_some()
+                || by_client_path.is_ok_and(|found| found.record.is_some()),
+            "no lookup finds the stored record (route path: {:?})",
+            by_route_path.record
+        );
+    }
 }
