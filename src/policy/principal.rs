@@ -396,8 +396,14 @@ fn public_pem(path: &std::path::Path, setting: &str) -> Result<Vec<u8>, PolicyEr
 /// The principal a verified JWT names, as its route scopes keys by it: its
 /// `iss` (or none) and `sub`. An operator looking up or purging a JWT
 /// caller's records gives these two, never the token.
+///
+/// The bytes begin with a NUL-framed tag, which no header value can hold,
+/// so a gateway header spelled like a JWT principal (`[null,"alice"]`) is
+/// never the same caller, neither for a scope nor for a purge.
 pub fn jwt_principal(iss: Option<&str>, sub: &str) -> Vec<u8> {
-    serde_json::to_vec(&(iss, sub)).unwrap_or_default()
+    let mut principal = b"\0jwt\0".to_vec();
+    principal.extend(serde_json::to_vec(&(iss, sub)).unwrap_or_default());
+    principal
 }
 
 #[derive(Deserialize)]

@@ -22,10 +22,17 @@ use super::{decode, encode, redact};
 /// entry).
 pub(super) const TOMBSTONE: u8 = 0;
 
+/// `SET KEYS[1] ARGV[1] PX ARGV[3]`, unless it holds the tombstone
+/// `ARGV[2]`.
+const UNLESS_TOMBSTONE: &str = "if redis.call('GET', KEYS[1]) == ARGV[2] then return 0 end \
+     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3]) return 1";
+
 /// Whether a write may replace an existing entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Write {
-    /// A completion: the newest truth, replaces anything.
+    /// A completion: the newest truth, replaces anything but a purge's
+    /// tombstone (a completion's copy that ran late must not revive a
+    /// record an operator purged meanwhile).
     Overwrite,
     /// A copy from the inner store: never replaces an entry, which may come
     /// from a newer completion.
@@ -199,11 +206,24 @@ impl Link {
         let Some(key) = self.key(key).filter(|_| ms > 0) else {
             return;
         };
-        let mut cmd = ::redis::cmd("SET");
-        cmd.arg(key).arg(value).arg("PX").arg(ms);
-        if mode == Write::IfAbsent {
-            cmd.arg("NX");
-        }
+        let cmd = match mode {
+            Write::IfAbsent => {
+                let mut cmd = ::redis::cmd("SET");
+                cmd.arg(key).arg(value).arg("PX").arg(ms).arg("NX");
+                cmd
+            }
+            // One key, so one slot: atomic on a cluster too.
+            Write::Overwrite => {
+                let mut cmd = ::redis::cmd("EVAL");
+                cmd.arg(UNLESS_TOMBSTONE)
+                    .arg(1)
+                    .arg(key)
+                    .arg(value)
+                    .arg(&[TOMBSTONE][..])
+                    .arg(ms);
+                cmd
+            }
+        };
         let _: Option<::redis::Value> = self.call(&cmd).await;
     }
 
@@ -215,6 +235,25 @@ impl Link {
     pub(super) async fn invalidate(self: &Arc<Self>, keys: &[ScopeKey]) -> Result<(), String> {
         let ttl = self.config.fill_ttl + self.config.timeout + Duration::from_secs(1);
         let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
+        let connection = tokio::time::timeout(self.config.timeout, self.connection())
+            .await
+            .map_err(|_| "timed out".to_owned())?
+            .map_err(|error| error.to_string())?;
+        if let Connection::Cluster(mut connection) = connection {
+            // A pipeline may not cross slots: one command per key.
+            for key in keys {
+                let key = self.key(key).ok_or("the store's identity is unknown")?;
+                let mut cmd = ::redis::cmd("SET");
+                cmd.arg(key).arg(&[TOMBSTONE][..]).arg("PX").arg(ms);
+                let set = cmd.query_async::<()>(&mut connection);
+                match tokio::time::timeout(self.config.timeout, set).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(error)) => return Err(error.to_string()),
+                    Err(_) => return Err("timed out".to_owned()),
+                }
+            }
+            return Ok(());
+        }
         for chunk in keys.chunks(500) {
             let mut pipe = ::redis::pipe();
             for key in chunk {

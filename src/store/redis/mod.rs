@@ -151,9 +151,10 @@ pub(super) fn redact(url: &str) -> String {
 ///   key gets the old replay (or mismatch) instead of a fresh execution. It
 ///   can never cause a second execution. Keep `fill_ttl` short (default
 ///   60 s) relative to the retention.
-/// * **A new record after expiry.** Completions overwrite (`SET`), fills
-///   only write where nothing is cached (`SET NX`), so a slow fill of an old
-///   record can never replace the entry of a newer completion.
+/// * **A new record after expiry.** Completions overwrite (anything but a
+///   purge's tombstone), fills only write where nothing is cached (`SET
+///   NX`), so a slow fill of an old record can never replace the entry of a
+///   newer completion, and no late copy revives a purged record.
 ///
 /// # Purges
 ///
