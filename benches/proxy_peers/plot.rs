@@ -7,6 +7,9 @@ use plotters::prelude::*;
 
 use super::Cells;
 
+/// One configuration's points: concurrency, requests/s, p50 in µs.
+type Points = Vec<(f64, f64, f64)>;
+
 /// Writes the SVG to `path`: requests/s on the left, p50 (log scale) on
 /// the right, concurrency (log scale) along both.
 pub fn write(
@@ -18,7 +21,7 @@ pub fn write(
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| e.to_string())?;
     }
-    let series: Vec<(&str, Vec<(f64, f64, f64)>)> = names
+    let series: Vec<(&str, Points)> = names
         .iter()
         .map(|&name| {
             let points = cells
@@ -31,7 +34,7 @@ pub fn write(
                 .collect();
             (name, points)
         })
-        .filter(|(_, points): &(&str, Vec<_>)| !points.is_empty())
+        .filter(|(_, points): &(&str, Points)| !points.is_empty())
         .collect();
     let max_rps = series
         .iter()
