@@ -213,7 +213,7 @@ impl Exchange {
 /// Whether the upstream's response body ends only where its connection
 /// closes (no `Content-Length`, not chunked), as the upstream session
 /// frames it.
-fn framed_by_close(request: &RequestHeader, head: &ResponseHeader) -> bool {
+pub fn framed_by_close(request: &RequestHeader, head: &ResponseHeader) -> bool {
     let status = head.status;
     let no_body = request.method == http::Method::HEAD
         || status.is_informational()

@@ -22,7 +22,9 @@ mod config;
 mod demo;
 mod exchange;
 mod keys;
+mod logs;
 mod outbox;
+mod passthrough;
 mod proxy;
 mod secrets;
 mod shutdown;
@@ -41,6 +43,13 @@ use tower_idempotency::{Engine, EngineConfig};
 use crate::config::{Config, ProxySettings};
 use crate::shutdown::{Drain, Signals};
 use crate::upstream::{Timeouts, Upstream};
+
+/// mimalloc instead of glibc's `malloc`: a request allocates and frees
+/// many small objects across threads (Pingora's sessions, headers, the
+/// engine's records), where glibc's allocator took about a tenth of the
+/// proxy's CPU.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Makes POST/PATCH requests take effect once, in front of any HTTP backend.
 ///
@@ -127,18 +136,17 @@ impl Cli {
 
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
-        )
-        .init();
-    if let Some(command) = cli.command.take() {
-        return cli::run(command);
-    }
-    match run(cli) {
+    logs::init();
+    let result = match cli.command.take() {
+        Some(command) => {
+            let code = cli::run(command);
+            logs::flush();
+            return code;
+        }
+        None => run(cli),
+    };
+    logs::flush();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("idempotency-proxy: {error}");

@@ -1,7 +1,9 @@
 //! The Pingora front end: it moves bytes, the [`Engine`] decides.
 //!
 //! * A request the engine does not cover (safe methods, unmatched paths,
-//!   disabled routes) takes Pingora's normal proxy path: streamed both ways,
+//!   disabled routes) is sent upstream directly when it is plain HTTP/1.1
+//!   with a small `Content-Length` body or none (`passthrough.rs`);
+//!   otherwise it takes Pingora's normal proxy path: streamed both ways,
 //!   never buffered.
 //! * A covered request is handled whole in [`ProxyHttp::request_filter`]:
 //!   its body is buffered up to the route's limit (over it: 413, nothing
@@ -21,6 +23,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use http::{header, Response};
+use pingora_core::modules::http::HttpModules;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
@@ -31,6 +34,7 @@ use tracing::Instrument;
 
 use crate::body::{discard_body, expects_continue, read_body, BodyFailure};
 use crate::exchange::{self, relay, Exchange};
+use crate::passthrough;
 use crate::shutdown::{Active, Drain};
 use crate::upstream::Upstream;
 
@@ -175,12 +179,30 @@ impl ProxyHttp for IdempotencyProxy {
         }
     }
 
+    /// No downstream modules. Pingora's default is a response compression
+    /// module at level 0 (off), which still inspects every request and
+    /// response; the proxy relays bodies as the upstream encoded them.
+    fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
+
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         let request = session.req_header();
         let Coverage::Covered(covered) = self.engine.classify(&request_head(request)) else {
-            // Not covered, or unprotected anyway: stream it, without a
-            // body limit.
-            return Ok(false);
+            // Not covered, or unprotected anyway: sent directly when it
+            // is a plain HTTP/1.1 request with a small body, otherwise
+            // streamed by Pingora, without a body limit.
+            return match passthrough::eligible(request) {
+                Some(length) => {
+                    passthrough::forward(
+                        session,
+                        &self.engine,
+                        &self.upstream,
+                        length,
+                        self.body_timeout,
+                    )
+                    .await
+                }
+                None => Ok(false),
+            };
         };
         if let Some(refused) = self
             .engine

@@ -138,6 +138,7 @@ impl ShutdownSignalWatch for Signals {
                     } else {
                         tracing::error!(requests, background, "shutdown_timeout passed; exiting with work abandoned");
                     }
+                    crate::logs::flush();
                     std::process::exit(0);
                 });
                 ShutdownSignal::GracefulTerminate

@@ -427,6 +427,42 @@ async fn unmatched_requests_pass_through_unchanged() {
     assert_eq!(backend.hits("/plain/submit"), 2);
 }
 
+/// Uncovered requests take the direct path when small and plain, and
+/// Pingora's streaming path otherwise (a body over 16 KiB): both forward
+/// the body whole and the same headers, and a `HEAD` answer (a length but
+/// no body) leaves the connection usable for the next request.
+#[tokio::test(flavor = "multi_thread")]
+async fn uncovered_bodies_of_any_size_and_head_requests_pass_through() {
+    let (backend, proxy) = start("passthrough-sizes", FORMS).await;
+    for size in [0, 1, 16 * 1024, 16 * 1024 + 1, 200 * 1024] {
+        let body = "b".repeat(size);
+        let reply = proxy
+            .send("PUT", "/plain/sized", &[("x-custom", "kept")], body.clone())
+            .await;
+        assert_eq!(reply.status, 200, "{size} bytes: {}", reply.text());
+        let echo = reply.json();
+        assert_eq!(
+            echo["body"].as_str().map(str::len),
+            Some(size),
+            "{size} bytes"
+        );
+        assert_eq!(echo["headers"]["x-custom"], "kept", "{size} bytes");
+        assert_eq!(
+            echo["headers"]["x-forwarded-for"], "127.0.0.1",
+            "{size} bytes"
+        );
+    }
+    for _ in 0..2 {
+        let head = proxy.send("HEAD", "/page", &[], "").await;
+        assert_eq!(head.status, 200);
+        assert!(head.body.is_empty());
+        let get = proxy.send("GET", "/page", &[], "").await;
+        assert_eq!(get.status, 200);
+        assert_eq!(get.json()["method"], "GET");
+    }
+    assert_eq!(backend.hits("/plain/sized"), 5);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn covered_requests_carry_forwarding_headers_and_their_body() {
     let (backend, proxy) = start("forwarding", FORMS).await;

@@ -1,0 +1,137 @@
+//! The log: lines formatted on the request's thread, written to stderr in
+//! batches by a thread of their own.
+//!
+//! Each engine decision is one line (see docs/proxy.md). Written with a
+//! system call per line on the request's thread, that line cost a replay
+//! about a fifth of its throughput; handed to a writer thread line by line
+//! (a channel that wakes it for each), it cost as much again. Here a line
+//! is appended to a shared buffer under a lock, and the writer thread
+//! writes what has gathered every [`INTERVAL`] in one `write`, or at once
+//! when [`EAGER`] bytes are waiting. Nothing is dropped: past [`CAP`]
+//! bytes the thread adding a line writes the whole buffer itself (a log
+//! that cannot keep up slows requests down instead). Every exit path calls
+//! [`flush`] (the drained shutdown exits the process itself); a crash may
+//! lose up to [`INTERVAL`] of lines.
+
+use std::io::{IsTerminal, Write};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How often the writer thread writes what has gathered.
+const INTERVAL: Duration = Duration::from_millis(20);
+/// Waiting bytes that wake the writer thread before its interval.
+const EAGER: usize = 64 * 1024;
+/// Waiting bytes past which a logging thread writes them itself.
+const CAP: usize = 4 * 1024 * 1024;
+
+/// The default filter: our lines at `info`, Pingora's at `warn`.
+const DEFAULT_FILTER: &str = "info,pingora_core=warn,pingora_proxy=warn";
+
+struct Pending {
+    bytes: Vec<u8>,
+    /// Set by [`flush`]: the writer thread writes what is left and stops.
+    closing: bool,
+    /// Set by the writer thread with its last batch taken: lines are
+    /// written through from then on.
+    stopped: bool,
+}
+
+static PENDING: Mutex<Pending> = Mutex::new(Pending {
+    bytes: Vec::new(),
+    closing: false,
+    stopped: false,
+});
+static WAKE: Condvar = Condvar::new();
+static WRITER: Mutex<Option<JoinHandle<()>>> = Mutex::new(None);
+
+fn pending() -> MutexGuard<'static, Pending> {
+    PENDING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One logging thread's handle on the shared buffer.
+struct Batched;
+
+impl Write for Batched {
+    fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
+        let mut pending = pending();
+        if pending.stopped {
+            drop(pending);
+            return std::io::stderr().write_all(line).map(|()| line.len());
+        }
+        pending.bytes.extend_from_slice(line);
+        let waiting = pending.bytes.len();
+        if waiting >= CAP {
+            // Written under the lock: lines stay in order.
+            let result = std::io::stderr().write_all(&pending.bytes);
+            pending.bytes.clear();
+            result?;
+        } else if waiting >= EAGER {
+            WAKE.notify_one();
+        }
+        Ok(line.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Installs the subscriber: filter from `RUST_LOG` (else
+/// [`DEFAULT_FILTER`]), lines to stderr through the writer thread.
+pub fn init() {
+    let ansi = std::io::stderr().is_terminal();
+    let writer = std::thread::Builder::new()
+        .name("idempotency-log".into())
+        .spawn(write_batches)
+        .expect("the log writer thread starts");
+    *WRITER.lock().unwrap_or_else(|e| e.into_inner()) = Some(writer);
+    tracing_subscriber::fmt()
+        .with_writer(|| Batched)
+        .with_ansi(ansi)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| DEFAULT_FILTER.into()),
+        )
+        .init();
+}
+
+/// The writer thread: every [`INTERVAL`] (or when woken), takes what has
+/// gathered and writes it; ends once [`flush`] stopped the log.
+fn write_batches() {
+    let mut batch = Vec::new();
+    loop {
+        let stopped = {
+            let pending = pending();
+            let (mut pending, _) = WAKE
+                .wait_timeout(pending, INTERVAL)
+                .unwrap_or_else(|e| e.into_inner());
+            std::mem::swap(&mut batch, &mut pending.bytes);
+            // The last batch is taken under the same lock that makes later
+            // lines write through: none is lost, none overtakes it.
+            pending.stopped = pending.closing;
+            pending.stopped
+        };
+        if !batch.is_empty() {
+            let _ = std::io::stderr().write_all(&batch);
+            batch.clear();
+        }
+        if stopped {
+            return;
+        }
+    }
+}
+
+/// Writes every waiting line to stderr and stops the writer thread; lines
+/// logged afterwards are written directly. Call it before the process
+/// exits.
+pub fn flush() {
+    let writer = WRITER.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let Some(writer) = writer else {
+        pending().stopped = true;
+        return;
+    };
+    pending().closing = true;
+    WAKE.notify_one();
+    let _ = writer.join();
+}
