@@ -268,6 +268,8 @@ async fn an_operator_frees_a_stuck_key_and_the_first_answer_is_not_stored() {
     );
     assert_eq!(backend.hits("/hold-first"), 2);
 
+    let mut proxy = proxy;
+    proxy.stop().await;
     let text = std::fs::read_to_string(&log).unwrap();
     let short = &found["scope"].as_str().unwrap()[..8];
     assert!(

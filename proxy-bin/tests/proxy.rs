@@ -760,7 +760,7 @@ async fn every_decision_line_has_outcome_status_duration_and_key_hash() {
     // within read_timeout: the line under test is the duplicate's.
     assert!(matches!(first.await.unwrap(), 201 | 504));
     // Stopped, not dropped: the log lives in the proxy's directory.
-    proxy.kill();
+    proxy.stop().await;
 
     let text = std::fs::read_to_string(&log).unwrap();
     let decisions: Vec<&str> = text

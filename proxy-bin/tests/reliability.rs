@@ -1125,6 +1125,9 @@ async fn no_key_principal_or_body_in_postgres_redis_or_logs() {
         "no cached record"
     );
     assert_no_secret("Redis", &cached);
+    // Every line written (the log is written in batches).
+    let mut proxy = proxy;
+    proxy.stop().await;
     let logs = std::fs::read(&log).unwrap();
     assert!(!logs.is_empty(), "the proxy logged");
     assert_no_secret("the proxy log", &logs);

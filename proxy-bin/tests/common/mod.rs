@@ -416,6 +416,16 @@ impl Proxy {
         assert!(status.success());
     }
 
+    /// SIGTERM, then waits for a clean exit: every log line is written
+    /// (the proxy writes its log in batches; `kill` may lose the last).
+    pub async fn stop(&mut self) {
+        self.terminate();
+        assert!(
+            self.wait_exit().await,
+            "idempotency-proxy exited with an error"
+        );
+    }
+
     /// Waits (at most 20 s) for the process to exit; its success.
     pub async fn wait_exit(&mut self) -> bool {
         for _ in 0..1000 {
