@@ -236,7 +236,11 @@ pub(super) struct Statements {
 /// Implements [`Store`](super::Store) and [`Maintenance`](super::Maintenance)
 /// for a SQL store: a type with a `pool` field and an `id` field (an
 /// `Arc<OnceLock<String>>` caching [`Statements::identity`]), given its
-/// dialect's [`Statements`].
+/// dialect's [`Statements`]. Reads go to the pool; the record writes go
+/// through the type's own `write_scalar` (a statement returning whether it
+/// wrote) and `write_execute` (its count of changed rows), which take the
+/// statement with owned (`'static`) parameters, so a store may hand it to
+/// a writer of its own (SQLite's group commit).
 ///
 /// A reservation is `INSERT … ON CONFLICT DO NOTHING`, then (on a conflict)
 /// `SELECT`, then (only when that record may be taken over) `UPDATE …
@@ -270,14 +274,15 @@ macro_rules! sql_store {
                 ttl: std::time::Duration,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
                 let write = |statement: &'static str| async move {
-                    sqlx::query_scalar::<_, bool>(statement)
-                        .bind(key.as_bytes().as_slice())
-                        .bind(fingerprint.as_bytes().as_slice())
-                        .bind(owner.as_bytes().as_slice())
-                        .bind($crate::store::sql::micros(lease))
-                        .bind($crate::store::sql::micros(ttl))
-                        .fetch_optional(&self.pool)
-                        .await
+                    self.write_scalar(
+                        sqlx::query_scalar::<_, bool>(statement)
+                            .bind(key.as_bytes().to_vec())
+                            .bind(fingerprint.as_bytes().to_vec())
+                            .bind(owner.as_bytes().to_vec())
+                            .bind($crate::store::sql::micros(lease))
+                            .bind($crate::store::sql::micros(ttl)),
+                    )
+                    .await
                 };
                 $crate::store::sql::reserve(
                     fingerprint,
@@ -296,18 +301,20 @@ macro_rules! sql_store {
                 ttl: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
                 let columns = $crate::store::sql::OutcomeColumns::from(outcome);
-                let done = sqlx::query(Self::STATEMENTS.complete)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind(columns.state)
-                    .bind(columns.status)
-                    .bind(columns.headers)
-                    .bind(columns.body)
-                    .bind($crate::store::sql::micros(ttl))
-                    .execute(&self.pool)
+                let done = self
+                    .write_execute(
+                        sqlx::query(Self::STATEMENTS.complete)
+                            .bind(key.as_bytes().to_vec())
+                            .bind(owner.as_bytes().to_vec())
+                            .bind(columns.state)
+                            .bind(columns.status)
+                            .bind(columns.headers)
+                            .bind(columns.body.map(<[u8]>::to_vec))
+                            .bind($crate::store::sql::micros(ttl)),
+                    )
                     .await
                     .map_err($crate::store::sql::store_error)?;
-                Ok(done.rows_affected() == 1)
+                Ok(done == 1)
             }
 
             async fn release(
@@ -315,13 +322,15 @@ macro_rules! sql_store {
                 key: &$crate::store::ScopeKey,
                 owner: &$crate::store::OwnerToken,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.release)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .execute(&self.pool)
+                let done = self
+                    .write_execute(
+                        sqlx::query(Self::STATEMENTS.release)
+                            .bind(key.as_bytes().to_vec())
+                            .bind(owner.as_bytes().to_vec()),
+                    )
                     .await
                     .map_err($crate::store::sql::store_error)?;
-                Ok(done.rows_affected() == 1)
+                Ok(done == 1)
             }
 
             async fn renew(
@@ -330,14 +339,16 @@ macro_rules! sql_store {
                 owner: &$crate::store::OwnerToken,
                 lease: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(Self::STATEMENTS.renew)
-                    .bind(key.as_bytes().as_slice())
-                    .bind(owner.as_bytes().as_slice())
-                    .bind($crate::store::sql::micros(lease))
-                    .execute(&self.pool)
+                let done = self
+                    .write_execute(
+                        sqlx::query(Self::STATEMENTS.renew)
+                            .bind(key.as_bytes().to_vec())
+                            .bind(owner.as_bytes().to_vec())
+                            .bind($crate::store::sql::micros(lease)),
+                    )
                     .await
                     .map_err($crate::store::sql::store_error)?;
-                Ok(done.rows_affected() == 1)
+                Ok(done == 1)
             }
 
             async fn get(
