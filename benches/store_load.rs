@@ -259,13 +259,28 @@ async fn run() -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         rows.extend(store_cells("PostgreSQL", &store).await);
         store.close().await;
+        // The same with a larger pool (`PG_POOL`, e.g. 64: one connection
+        // per concurrent request, as pgbench has).
+        if let Some(size) = std::env::var("PG_POOL")
+            .ok()
+            .and_then(|s| s.parse::<u32>().ok())
+        {
+            let pool = PostgresStore::pool_options()
+                .max_connections(size)
+                .connect(&db.url())
+                .await
+                .map_err(|e| e.to_string())?;
+            let store = PostgresStore::from_pool(pool);
+            rows.extend(store_cells(&format!("PostgreSQL, pool of {size}"), &store).await);
+            store.close().await;
+        }
         floors.extend(postgres_floors(&db.url(), &dir)?);
     }
     if wanted("redis") {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         let prefix = format!("bench_store_{}:", std::process::id());
         let store = RedisCache::new(
-            MemoryStore::new(),
+            MemoryStore::with_limits(usize::MAX, usize::MAX),
             RedisCacheConfig::new(url.clone()).prefix(prefix.clone()),
         )
         .map_err(|e| e.to_string())?;

@@ -122,17 +122,23 @@ pub(super) fn micros(duration: Duration) -> i64 {
 
 /// The reserve protocol shared by the SQL stores.
 ///
-/// `insert()` writes a new record (for the caller's owner token) unless one stands (`Some` when it
-/// wrote). Otherwise `existing()` reads the record that stands, which is
-/// the answer — unless it is gone, past its retention, or an in-flight
-/// record of the same fingerprint whose lease ran out. Only then does
-/// `take_over()` run: one atomic `UPDATE` whose own condition decides
-/// which of several concurrent callers wins; a caller that loses it gets
-/// the record it read. If the record vanished in between (released or
-/// expired), the round repeats; under any real contention the second round
-/// ends it.
+/// `existing()` first reads the live record of the key, if any: that is
+/// the answer (a replay or a wait costs one read, and no write) — unless it
+/// is an in-flight record of the same fingerprint whose lease ran out.
+/// With no live record, `insert()` writes a new one (for the caller's owner
+/// token) unless a row stands (`Some` when it wrote); if one does (another
+/// caller inserted it meanwhile, or it is past its retention), `existing()`
+/// reads again. Only for an expired row or lease does `take_over()` run:
+/// one atomic `UPDATE` whose own condition decides which of several
+/// concurrent callers wins; a caller that loses it gets the record it read.
+/// If the record vanished in between (released or expired), the round
+/// repeats; under any real contention the second round ends it. Every
+/// decision to acquire is an atomic write's own; the read only ever
+/// answers with a committed record, which is what the write's conflict
+/// would have led to as well.
 ///
-/// A first execution costs one statement, a replay two, a takeover three.
+/// A replay costs one statement (a read), a first execution two (a read,
+/// then the insert), a takeover two or three.
 pub(super) async fn reserve<I, T, E>(
     fingerprint: &Fingerprint,
     mut insert: impl FnMut() -> I,
@@ -146,14 +152,21 @@ where
 {
     const ROUNDS: usize = 8;
     for _ in 0..ROUNDS {
-        if let Some(takeover) = insert().await.map_err(store_error)? {
-            return Ok(Claim::Acquired { takeover });
-        }
-        let record = existing()
+        let mut record = existing()
             .await
             .map_err(store_error)?
             .map(RecordRow::into_record)
             .transpose()?;
+        if record.is_none() {
+            if let Some(takeover) = insert().await.map_err(store_error)? {
+                return Ok(Claim::Acquired { takeover });
+            }
+            record = existing()
+                .await
+                .map_err(store_error)?
+                .map(RecordRow::into_record)
+                .transpose()?;
+        }
         let candidate = match record {
             Some(record) if !(record.lease_expired() && record.fingerprint == *fingerprint) => {
                 return Ok(Claim::Existing(record));
@@ -242,9 +255,9 @@ pub(super) struct Statements {
 /// statement with owned (`'static`) parameters, so a store may hand it to
 /// a writer of its own (SQLite's group commit).
 ///
-/// A reservation is `INSERT … ON CONFLICT DO NOTHING`, then (on a conflict)
-/// `SELECT`, then (only when that record may be taken over) `UPDATE …
-/// WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
+/// A reservation is a `SELECT` of the live record, then (with none)
+/// `INSERT … ON CONFLICT DO NOTHING`, then (only when a record may be
+/// taken over) `UPDATE … WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
 /// live record writes nothing: replays and polling waiters take no row lock
 /// and cost no commit flush.
 macro_rules! sql_store {
