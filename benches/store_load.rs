@@ -334,6 +334,16 @@ impl Drop for Cleanup {
     }
 }
 
+/// The columns of the store's lookup.
+type LiveRow = (
+    Vec<u8>,
+    String,
+    Option<i16>,
+    Option<Vec<u8>>,
+    Option<Vec<u8>>,
+    Option<i64>,
+);
+
 /// The store's own lookup (as `src/store/sqlite.rs` has it), run directly.
 async fn sqlite_select_floor(path: &std::path::Path, concurrency: usize) -> Result<Cell, String> {
     use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -352,14 +362,7 @@ async fn sqlite_select_floor(path: &std::path::Path, concurrency: usize) -> Resu
     let cell = drive(concurrency, move |n| {
         let (pool, keys) = (pool.clone(), keys.clone());
         async move {
-            let row: Option<(
-                Vec<u8>,
-                String,
-                Option<i16>,
-                Option<Vec<u8>>,
-                Option<Vec<u8>>,
-                Option<i64>,
-            )> = sqlx::query_as(
+            let row: Option<LiveRow> = sqlx::query_as(
                 "SELECT fingerprint, state, status, headers, body,
                             CAST(max(lease_expires_at - unixepoch('subsec'), 0) * 1e6 AS INTEGER)
                                 AS lease_remaining_us
@@ -524,8 +527,7 @@ fn redis_floor(url: &str) -> Result<(String, f64, Duration), String> {
     // "GET: 17000.00 requests per second, p50=0.055 msec"
     let line = out
         .split(['\r', '\n'])
-        .filter(|l| l.starts_with("GET:"))
-        .last()
+        .rfind(|l| l.starts_with("GET:"))
         .ok_or_else(|| format!("no GET line: {out}"))?;
     let rate = line
         .trim_start_matches("GET:")
