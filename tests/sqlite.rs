@@ -50,3 +50,74 @@ async fn the_store_id_is_kept_in_the_file() {
     let other = fixtures::sqlite_store().await;
     assert_ne!(other.identity().await.unwrap(), Some(id));
 }
+
+/// Concurrent writes are grouped into shared transactions (group commit):
+/// every write answered as done is on disk (still there after the file is
+/// reopened), and each keeps its own outcome — exactly one of the callers
+/// racing for one key acquires it, a completion fenced on the wrong owner
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouped_writes_keep_each_outcome_and_are_on_disk_when_answered() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tower_idempotency::store::{Claim, Outcome, OwnerToken, RecordState};
+    use tower_idempotency::Store;
+
+    const REQUESTS: usize = 64;
+    let path = fixtures::sqlite_path();
+    let path = path.to_str().unwrap();
+    let store = SqliteStore::connect(path).await.unwrap();
+    let contested = fixtures::random_key();
+    let lease = Duration::from_secs(30);
+    let ttl = Duration::from_secs(3600);
+    let start = Arc::new(tokio::sync::Barrier::new(REQUESTS));
+    let tasks: Vec<_> = (0..REQUESTS)
+        .map(|_| {
+            let (store, start) = (store.clone(), start.clone());
+            tokio::spawn(async move {
+                let own = fixtures::random_key();
+                let owner = OwnerToken::random();
+                let stranger = OwnerToken::random();
+                let fp = fixtures::fingerprint(1);
+                start.wait().await;
+                let contested_claim = store
+                    .reserve(&contested, &fp, &OwnerToken::random(), lease, ttl)
+                    .await
+                    .unwrap();
+                let claim = store.reserve(&own, &fp, &owner, lease, ttl).await.unwrap();
+                assert!(matches!(claim, Claim::Acquired { takeover: false }));
+                let outcome = Outcome::TooLarge {
+                    status: http::StatusCode::CREATED,
+                };
+                let fenced = store
+                    .complete(&own, &stranger, &outcome, ttl)
+                    .await
+                    .unwrap();
+                let done = store.complete(&own, &owner, &outcome, ttl).await.unwrap();
+                (own, contested_claim, fenced, done)
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.unwrap());
+    }
+    let acquired = results
+        .iter()
+        .filter(|(_, claim, _, _)| matches!(claim, Claim::Acquired { .. }))
+        .count();
+    assert_eq!(acquired, 1, "exactly one caller acquires the contested key");
+    assert!(results.iter().all(|(_, _, fenced, _)| !fenced));
+    assert!(results.iter().all(|(_, _, _, done)| *done));
+    store.close().await;
+
+    let reopened = SqliteStore::connect(path).await.unwrap();
+    for (key, _, _, _) in &results {
+        let record = reopened
+            .get(key)
+            .await
+            .unwrap()
+            .expect("a committed record");
+        assert!(matches!(record.state, RecordState::Completed(_)));
+    }
+}

@@ -38,6 +38,8 @@ mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 #[cfg(feature = "sqlite")]
+mod sqlite_writer;
+#[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
 #[cfg(feature = "redis")]
 mod redis;

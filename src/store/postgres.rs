@@ -278,6 +278,24 @@ impl PostgresStore {
     pub async fn close(&self) {
         self.pool.close().await;
     }
+
+    /// A record write that returns whether it wrote: its own transaction
+    /// on a pooled connection.
+    async fn write_scalar(
+        &self,
+        query: sqlx::query::QueryScalar<'static, sqlx::Postgres, bool, sqlx::postgres::PgArguments>,
+    ) -> Result<Option<bool>, sqlx::Error> {
+        query.fetch_optional(&self.pool).await
+    }
+
+    /// A record write answered with its count of changed rows: its own
+    /// transaction on a pooled connection.
+    async fn write_execute(
+        &self,
+        statement: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<u64, sqlx::Error> {
+        Ok(statement.execute(&self.pool).await?.rows_affected())
+    }
 }
 
 super::sql::sql_store!(

@@ -145,17 +145,23 @@ pub(super) fn micros(duration: Duration) -> i64 {
 
 /// The reserve protocol shared by the SQL stores.
 ///
-/// `insert()` writes a new record (for the caller's owner token) unless one stands (`Some` when it
-/// wrote). Otherwise `existing()` reads the record that stands, which is
-/// the answer — unless it is gone, past its retention, or an in-flight
-/// record of the same fingerprint whose lease ran out. Only then does
-/// `take_over()` run: one atomic `UPDATE` whose own condition decides
-/// which of several concurrent callers wins; a caller that loses it gets
-/// the record it read. If the record vanished in between (released or
-/// expired), the round repeats; under any real contention the second round
-/// ends it.
+/// `existing()` first reads the live record of the key, if any: that is
+/// the answer (a replay or a wait costs one read, and no write) — unless it
+/// is an in-flight record of the same fingerprint whose lease ran out.
+/// With no live record, `insert()` writes a new one (for the caller's owner
+/// token) unless a row stands (`Some` when it wrote); if one does (another
+/// caller inserted it meanwhile, or it is past its retention), `existing()`
+/// reads again. Only for an expired row or lease does `take_over()` run:
+/// one atomic `UPDATE` whose own condition decides which of several
+/// concurrent callers wins; a caller that loses it gets the record it read.
+/// If the record vanished in between (released or expired), the round
+/// repeats; under any real contention the second round ends it. Every
+/// decision to acquire is an atomic write's own; the read only ever
+/// answers with a committed record, which is what the write's conflict
+/// would have led to as well.
 ///
-/// A first execution costs one statement, a replay two, a takeover three.
+/// A replay costs one statement (a read), a first execution two (a read,
+/// then the insert), a takeover two or three.
 pub(super) async fn reserve<I, T, E>(
     fingerprint: &Fingerprint,
     mut insert: impl FnMut() -> I,
@@ -169,14 +175,21 @@ where
 {
     const ROUNDS: usize = 8;
     for _ in 0..ROUNDS {
-        if let Some(takeover) = insert().await.map_err(store_error)? {
-            return Ok(Claim::Acquired { takeover });
-        }
-        let record = existing()
+        let mut record = existing()
             .await
             .map_err(store_error)?
             .map(RecordRow::into_record)
             .transpose()?;
+        if record.is_none() {
+            if let Some(takeover) = insert().await.map_err(store_error)? {
+                return Ok(Claim::Acquired { takeover });
+            }
+            record = existing()
+                .await
+                .map_err(store_error)?
+                .map(RecordRow::into_record)
+                .transpose()?;
+        }
         let candidate = match record {
             Some(record) if !(record.lease_expired() && record.fingerprint == *fingerprint) => {
                 return Ok(Claim::Existing(record));
@@ -336,11 +349,15 @@ pub(super) struct Statements {
 /// Implements [`Store`](super::Store) and [`Maintenance`](super::Maintenance)
 /// for a SQL store: a type with a `pool` field and an `id` field (an
 /// `Arc<OnceLock<String>>` caching [`Statements::identity`]), given its
-/// dialect's [`Statements`].
+/// dialect's [`Statements`]. Reads go to the pool; the record writes go
+/// through the type's own `write_scalar` (a statement returning whether it
+/// wrote) and `write_execute` (its count of changed rows), which take the
+/// statement with owned (`'static`) parameters, so a store may hand it to
+/// a writer of its own (SQLite's group commit).
 ///
-/// A reservation is `INSERT … ON CONFLICT DO NOTHING`, then (on a conflict)
-/// `SELECT`, then (only when that record may be taken over) `UPDATE …
-/// WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
+/// A reservation is a `SELECT` of the live record, then (with none)
+/// `INSERT … ON CONFLICT DO NOTHING`, then (only when a record may be
+/// taken over) `UPDATE … WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
 /// live record writes nothing: replays and polling waiters take no row lock
 /// and cost no commit flush.
 ///
@@ -393,17 +410,20 @@ macro_rules! sql_store {
                 ttl: std::time::Duration,
                 principal: Option<&$crate::store::PrincipalHash>,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
-                let principal = principal.map(|p| p.as_bytes().as_slice());
+                let principal = principal.map(|p| p.as_bytes().to_vec());
                 let write = |statement: &'static str| {
+                    let principal = principal.clone();
                     $crate::store::sql::retrying(self.statement_retry_budget(), move || {
-                        sqlx::query_scalar::<_, bool>(statement)
-                            .bind(key.as_bytes().as_slice())
-                            .bind(fingerprint.as_bytes().as_slice())
-                            .bind(owner.as_bytes().as_slice())
-                            .bind($crate::store::sql::micros(lease))
-                            .bind($crate::store::sql::micros(ttl))
-                            .bind(principal)
-                            .fetch_optional(&self.pool)
+                        // Through the store's writer (SQLite: the group commit).
+                        self.write_scalar(
+                            sqlx::query_scalar::<_, bool>(statement)
+                                .bind(key.as_bytes().to_vec())
+                                .bind(fingerprint.as_bytes().to_vec())
+                                .bind(owner.as_bytes().to_vec())
+                                .bind($crate::store::sql::micros(lease))
+                                .bind($crate::store::sql::micros(ttl))
+                                .bind(principal.clone()),
+                        )
                     })
                 };
                 $crate::store::sql::reserve(
@@ -439,19 +459,20 @@ macro_rules! sql_store {
             ) -> Result<bool, $crate::store::StoreError> {
                 let columns = $crate::store::sql::OutcomeColumns::from(outcome);
                 let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
-                    sqlx::query(Self::STATEMENTS.complete)
-                        .bind(key.as_bytes().as_slice())
-                        .bind(owner.as_bytes().as_slice())
-                        .bind(columns.state)
-                        .bind(columns.status)
-                        .bind(columns.headers.as_deref())
-                        .bind(columns.body)
-                        .bind($crate::store::sql::micros(ttl))
-                        .execute(&self.pool)
+                    self.write_execute(
+                        sqlx::query(Self::STATEMENTS.complete)
+                            .bind(key.as_bytes().to_vec())
+                            .bind(owner.as_bytes().to_vec())
+                            .bind(columns.state)
+                            .bind(columns.status)
+                            .bind(columns.headers.clone())
+                            .bind(columns.body.map(<[u8]>::to_vec))
+                            .bind($crate::store::sql::micros(ttl)),
+                    )
                 })
                 .await
                 .map_err($crate::store::sql::store_error)?;
-                Ok(done.rows_affected() == 1)
+                Ok(done == 1)
             }
 
             async fn release(
@@ -460,14 +481,15 @@ macro_rules! sql_store {
                 owner: &$crate::store::OwnerToken,
             ) -> Result<bool, $crate::store::StoreError> {
                 let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
-                    sqlx::query(Self::STATEMENTS.release)
-                        .bind(key.as_bytes().as_slice())
-                        .bind(owner.as_bytes().as_slice())
-                        .execute(&self.pool)
+                    self.write_execute(
+                        sqlx::query(Self::STATEMENTS.release)
+                            .bind(key.as_bytes().to_vec())
+                            .bind(owner.as_bytes().to_vec()),
+                    )
                 })
                 .await
                 .map_err($crate::store::sql::store_error)?;
-                Ok(done.rows_affected() == 1)
+                Ok(done == 1)
             }
 
             async fn renew(
@@ -477,15 +499,16 @@ macro_rules! sql_store {
                 lease: std::time::Duration,
             ) -> Result<bool, $crate::store::StoreError> {
                 let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
-                    sqlx::query(Self::STATEMENTS.renew)
-                        .bind(key.as_bytes().as_slice())
-                        .bind(owner.as_bytes().as_slice())
-                        .bind($crate::store::sql::micros(lease))
-                        .execute(&self.pool)
+                    self.write_execute(
+                        sqlx::query(Self::STATEMENTS.renew)
+                            .bind(key.as_bytes().to_vec())
+                            .bind(owner.as_bytes().to_vec())
+                            .bind($crate::store::sql::micros(lease)),
+                    )
                 })
                 .await
                 .map_err($crate::store::sql::store_error)?;
-                Ok(done.rows_affected() == 1)
+                Ok(done == 1)
             }
 
             async fn get(

@@ -8,6 +8,7 @@ use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 
 use super::sql::{self, store_error};
+use super::sqlite_writer::{self, Writer};
 use super::StoreError;
 
 // Time is SQLite's own clock, `unixepoch('subsec')`: seconds since the Unix
@@ -142,10 +143,17 @@ FROM idempotency_records";
 /// guarantee across restarts. The proxy's default store.
 ///
 /// * Every write (insert, takeover, completion, release, renewal) is one
-///   statement, and SQLite runs write statements one at a time, so the
-///   pool's connections (and other processes opening the same file) never
-///   see a half-made decision. A writer waits up to
+///   statement, run by the store's one writer connection, so the pool's
+///   connections (and other processes opening the same file) never see a
+///   half-made decision. The writer waits up to
 ///   [`BUSY_TIMEOUT`](SqliteStore::BUSY_TIMEOUT) for the file lock.
+/// * **Group commit**: the writes of concurrent callers are run one after
+///   another in one transaction (at most
+///   [`MAX_BATCH`](SqliteStore::MAX_BATCH)), and each caller is answered
+///   only once that transaction is on disk; a failed statement or commit
+///   rolls the whole transaction back and fails every write in it. Each
+///   write's outcome is the one it would have had alone in that order; one
+///   disk sync serves many requests.
 /// * Time is SQLite's own clock (`unixepoch('subsec')`, millisecond
 ///   precision), the same value throughout a statement.
 /// * Every commit is synced to disk (`synchronous = FULL`): a record the
@@ -155,7 +163,10 @@ FROM idempotency_records";
 /// Clones share the pool.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
+    /// Reads, migrations, sweeps.
     pool: SqlitePool,
+    /// The record writes, grouped into transactions.
+    writer: Writer,
     /// The store's id, read once.
     id: Arc<OnceLock<String>>,
 }
@@ -171,6 +182,9 @@ impl SqliteStore {
     /// How long a writer waits for another connection's write to finish
     /// before the store reports [`StoreError::Unavailable`].
     pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// The most writes one group commit holds.
+    pub const MAX_BATCH: usize = sqlite_writer::MAX_BATCH;
 
     /// Opens (creating it if missing) the database at `path_or_url` — a file
     /// path such as `idempotency.db`, or a `sqlite://` URL — and applies the
@@ -199,11 +213,13 @@ impl SqliteStore {
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .acquire_timeout(Self::BUSY_TIMEOUT)
-            .connect_with(options)
+            .connect_with(options.clone())
             .await
             .map_err(store_error)?;
+        let writer = Writer::open(&options).await.map_err(store_error)?;
         Ok(SqliteStore {
             pool,
+            writer,
             id: Arc::default(),
         })
     }
@@ -224,7 +240,23 @@ impl SqliteStore {
     /// Closes the database (waiting for running statements); later calls
     /// fail with [`StoreError::Unavailable`].
     pub async fn close(&self) {
+        self.writer.close().await;
         self.pool.close().await;
+    }
+
+    /// A record write that returns whether it wrote: in the next group
+    /// commit, answered once it is on disk.
+    async fn write_scalar(
+        &self,
+        query: sqlite_writer::Scalar,
+    ) -> Result<Option<bool>, sqlx::Error> {
+        self.writer.fetch(query).await
+    }
+
+    /// A record write answered with its count of changed rows: in the next
+    /// group commit, answered once it is on disk.
+    async fn write_execute(&self, statement: sqlite_writer::Statement) -> Result<u64, sqlx::Error> {
+        self.writer.execute(statement).await
     }
 }
 

@@ -1,0 +1,260 @@
+//! Group commit for the SQLite store: one writer connection that runs the
+//! writes of concurrent callers in one transaction and answers each of them
+//! only after that transaction is on disk.
+//!
+//! SQLite runs one write transaction at a time, and with `synchronous =
+//! FULL` every commit waits for the disk. One transaction per write makes
+//! the disk sync the bottleneck: concurrent requests queue on the file lock
+//! and each pays a sync of its own. Here every write (reservation,
+//! takeover, completion, release, renewal) is a job sent to one writer,
+//! which owns the only connection that writes records:
+//!
+//! * it takes the first job waiting and, if others wait too, begins one
+//!   transaction (`BEGIN IMMEDIATE`), runs every job waiting (and those that
+//!   arrive meanwhile, up to [`MAX_BATCH`]) in order, commits, and only then
+//!   answers each job with its own statement's result;
+//! * a lone job runs on its own (its statement is its own transaction, as
+//!   before), so a quiet store costs no extra round trip;
+//! * jobs run one after another on one connection, so each statement sees
+//!   every earlier one: the outcome of each job is the one it would have had
+//!   run alone in that order, and the atomicity of each statement (an
+//!   `INSERT … ON CONFLICT DO NOTHING`, an `UPDATE … WHERE owner = ?`) is
+//!   what it always was;
+//! * if a statement or the commit fails, the whole transaction is rolled
+//!   back and **every** job of it is answered with an error: no caller is
+//!   ever told of a write that is not on disk;
+//! * the writer runs on a thread of its own, so a caller that goes away
+//!   mid-call (a timeout) never leaves a transaction half done, and the
+//!   store works from any Tokio runtime.
+//!
+//! Reads go through the store's pool and see committed records only, which
+//! is also all that any caller has been told about.
+
+use std::collections::VecDeque;
+
+use sqlx::query::{Query, QueryScalar};
+use sqlx::sqlite::{Sqlite, SqliteArguments, SqliteConnectOptions, SqliteConnection};
+use sqlx::Connection;
+use tokio::sync::{mpsc, oneshot};
+
+/// A statement that returns whether it wrote (`RETURNING` a boolean).
+pub(super) type Scalar = QueryScalar<'static, Sqlite, bool, SqliteArguments<'static>>;
+/// A statement whose count of changed rows is its answer.
+pub(super) type Statement = Query<'static, Sqlite, SqliteArguments<'static>>;
+
+/// The most jobs one transaction runs; more wait for the next.
+pub(super) const MAX_BATCH: usize = 256;
+
+enum Job {
+    Scalar(Scalar, oneshot::Sender<Result<Option<bool>, sqlx::Error>>),
+    Execute(Statement, oneshot::Sender<Result<u64, sqlx::Error>>),
+    Close(oneshot::Sender<()>),
+}
+
+/// An answer held until its transaction is committed.
+enum Answer {
+    Scalar(
+        Option<bool>,
+        oneshot::Sender<Result<Option<bool>, sqlx::Error>>,
+    ),
+    Execute(u64, oneshot::Sender<Result<u64, sqlx::Error>>),
+}
+
+impl Answer {
+    fn send(self) {
+        // A caller that went away no longer wants its answer.
+        match self {
+            Answer::Scalar(value, to) => drop(to.send(Ok(value))),
+            Answer::Execute(value, to) => drop(to.send(Ok(value))),
+        }
+    }
+
+    fn fail(self, why: &str) {
+        match self {
+            Answer::Scalar(_, to) => drop(to.send(Err(batch_failed(why)))),
+            Answer::Execute(_, to) => drop(to.send(Err(batch_failed(why)))),
+        }
+    }
+}
+
+fn batch_failed(why: &str) -> sqlx::Error {
+    sqlx::Error::Protocol(format!(
+        "the transaction this write was grouped in failed and was rolled back: {why}"
+    ))
+}
+
+fn closed() -> sqlx::Error {
+    sqlx::Error::PoolClosed
+}
+
+/// The handle to the writer; clones share it. The writer stops when the
+/// last handle is dropped or [`close`](Writer::close) is called.
+#[derive(Clone, Debug)]
+pub(super) struct Writer {
+    jobs: mpsc::UnboundedSender<Job>,
+}
+
+impl Writer {
+    /// Opens the writer's own connection with `options` and starts it.
+    pub(super) async fn open(options: &SqliteConnectOptions) -> Result<Self, sqlx::Error> {
+        let connection = SqliteConnection::connect_with(options).await?;
+        let (jobs, queue) = mpsc::unbounded_channel();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .map_err(sqlx::Error::Io)?;
+        std::thread::Builder::new()
+            .name("sqlite-writer".into())
+            .spawn(move || runtime.block_on(run(connection, queue)))
+            .map_err(sqlx::Error::Io)?;
+        Ok(Writer { jobs })
+    }
+
+    /// Runs `query` in the next group commit; `Some(returned)` when it
+    /// returned a row, answered once the transaction is on disk.
+    pub(super) async fn fetch(&self, query: Scalar) -> Result<Option<bool>, sqlx::Error> {
+        let (to, answer) = oneshot::channel();
+        self.jobs
+            .send(Job::Scalar(query, to))
+            .map_err(|_| closed())?;
+        answer.await.map_err(|_| closed())?
+    }
+
+    /// Runs `statement` in the next group commit; the number of rows it
+    /// changed, answered once the transaction is on disk.
+    pub(super) async fn execute(&self, statement: Statement) -> Result<u64, sqlx::Error> {
+        let (to, answer) = oneshot::channel();
+        self.jobs
+            .send(Job::Execute(statement, to))
+            .map_err(|_| closed())?;
+        answer.await.map_err(|_| closed())?
+    }
+
+    /// Finishes the jobs sent so far, closes the connection and stops;
+    /// later writes fail.
+    pub(super) async fn close(&self) {
+        let (to, done) = oneshot::channel();
+        if self.jobs.send(Job::Close(to)).is_ok() {
+            let _ = done.await;
+        }
+    }
+}
+
+/// The writer's loop: one batch per turn.
+async fn run(mut connection: SqliteConnection, mut queue: mpsc::UnboundedReceiver<Job>) {
+    let mut waiting = VecDeque::new();
+    let mut closing = None;
+    while closing.is_none() {
+        let Some(first) = queue.recv().await else {
+            break;
+        };
+        waiting.push_back(first);
+        while waiting.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(job) => waiting.push_back(job),
+                Err(_) => break,
+            }
+        }
+        if waiting.len() == 1 {
+            // Alone: the statement is its own transaction.
+            let job = waiting.pop_front().expect("one job");
+            match run_one(job, &mut connection).await {
+                Ok(Some(answer)) => answer.send(),
+                Ok(None) => {}
+                Err(to) => closing = Some(to),
+            }
+            continue;
+        }
+        closing = batch(&mut connection, &mut waiting, &mut queue).await;
+    }
+    // Jobs queued behind a close are refused (their senders see `closed`).
+    drop(queue);
+    let _ = connection.close().await;
+    if let Some(to) = closing {
+        let _ = to.send(());
+    }
+}
+
+/// Runs one job on its own; `Err` carries a close request.
+async fn run_one(
+    job: Job,
+    connection: &mut SqliteConnection,
+) -> Result<Option<Answer>, oneshot::Sender<()>> {
+    match job {
+        Job::Scalar(query, to) => {
+            let _ = to.send(query.fetch_optional(&mut *connection).await);
+        }
+        Job::Execute(statement, to) => {
+            let result = statement.execute(&mut *connection).await;
+            let _ = to.send(result.map(|done| done.rows_affected()));
+        }
+        Job::Close(to) => return Err(to),
+    }
+    Ok(None)
+}
+
+/// One group commit of the jobs waiting (and those that arrive while it
+/// runs, up to [`MAX_BATCH`]). Returns a close request met on the way
+/// (the jobs before it are committed first).
+async fn batch(
+    connection: &mut SqliteConnection,
+    waiting: &mut VecDeque<Job>,
+    queue: &mut mpsc::UnboundedReceiver<Job>,
+) -> Option<oneshot::Sender<()>> {
+    let mut answers = Vec::with_capacity(waiting.len());
+    let mut closing = None;
+    let mut failure = sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut *connection)
+        .await
+        .err();
+    let mut taken = 0;
+    while failure.is_none() && closing.is_none() {
+        let job = match waiting.pop_front() {
+            Some(job) => job,
+            None if taken < MAX_BATCH => match queue.try_recv() {
+                Ok(job) => job,
+                Err(_) => break,
+            },
+            None => break,
+        };
+        taken += 1;
+        match job {
+            Job::Scalar(query, to) => match query.fetch_optional(&mut *connection).await {
+                Ok(value) => answers.push(Answer::Scalar(value, to)),
+                Err(error) => {
+                    let _ = to.send(Err(batch_failed(&error.to_string())));
+                    failure = Some(error);
+                }
+            },
+            Job::Execute(statement, to) => match statement.execute(&mut *connection).await {
+                Ok(done) => answers.push(Answer::Execute(done.rows_affected(), to)),
+                Err(error) => {
+                    let _ = to.send(Err(batch_failed(&error.to_string())));
+                    failure = Some(error);
+                }
+            },
+            Job::Close(to) => closing = Some(to),
+        }
+    }
+    if failure.is_none() {
+        failure = sqlx::query("COMMIT").execute(&mut *connection).await.err();
+    }
+    match failure {
+        None => answers.into_iter().for_each(Answer::send),
+        Some(error) => {
+            // Whatever SQLite already undid, nothing of this batch stays.
+            let _ = sqlx::query("ROLLBACK").execute(&mut *connection).await;
+            let why = error.to_string();
+            answers.into_iter().for_each(|answer| answer.fail(&why));
+            // Jobs not yet run (a failed BEGIN) are answered with the same
+            // failure, never run outside a transaction.
+            for job in waiting.drain(..) {
+                match job {
+                    Job::Scalar(_, to) => drop(to.send(Err(batch_failed(&why)))),
+                    Job::Execute(_, to) => drop(to.send(Err(batch_failed(&why)))),
+                    Job::Close(to) => closing = closing.or(Some(to)),
+                }
+            }
+        }
+    }
+    closing
+}
