@@ -40,7 +40,7 @@ use crate::store::Fingerprint;
 
 pub use crate::formats::parse_pointer;
 
-mod json;
+pub(crate) mod json;
 #[cfg(test)]
 mod reference;
 

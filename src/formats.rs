@@ -20,8 +20,6 @@
 //!   (`application/json; charset`), which clients do send; the essence
 //!   match here reads only the part before `;`, as before.
 
-pub mod lenient;
-
 use http::HeaderMap;
 use memchr::memmem;
 

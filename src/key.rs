@@ -7,6 +7,8 @@
 //! [`KeyError::Ambiguous`]). Anything else is a [`KeyError`], which the
 //! engine answers with 400 before anything is reserved.
 
+mod json;
+
 use http::{HeaderMap, Uri};
 
 use crate::formats::{self, View};
@@ -90,10 +92,10 @@ pub fn extract_from(
             let Ok(value) = serde_json::from_slice::<serde_json::Value>(body.bytes) else {
                 // What serde_json refuses but backends read (a BOM, a lone
                 // surrogate, deep nesting) must not hide the key.
-                return match formats::lenient::value_at(body.bytes, &tokens) {
-                    formats::lenient::Found::Absent => Ok(None),
-                    formats::lenient::Found::String(key) => Ok(Some(key)),
-                    formats::lenient::Found::Other => Err(KeyError::NotAString),
+                return match json::value_at(body.bytes, &tokens) {
+                    json::Found::Absent => Ok(None),
+                    json::Found::String(key) => Ok(Some(key)),
+                    json::Found::Other => Err(KeyError::NotAString),
                 };
             };
             match formats::pointer_get(&value, &tokens) {

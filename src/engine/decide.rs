@@ -149,7 +149,12 @@ impl Engine {
             settings.key,
             KeySource::FormField(_) | KeySource::JsonPointer(_)
         );
-        if in_body && encoded(head.headers) {
+        let encoded = super::headers::lists_coding_other_than(
+            head.headers,
+            &http::header::CONTENT_ENCODING,
+            b"identity",
+        );
+        if in_body && encoded {
             return KeyRead::Refused(
                 Problem::new(
                     ProblemKind::ContentEncodingUnsupported,
@@ -440,17 +445,6 @@ impl Engine {
             FailMode::Closed => Decision::Respond(self.store_unavailable(head.headers)),
         }
     }
-}
-
-/// Whether the body carries a `Content-Encoding` other than `identity`
-/// (which a backend may decode before reading it, but the engine does not).
-fn encoded(headers: &http::HeaderMap) -> bool {
-    headers
-        .get_all(http::header::CONTENT_ENCODING)
-        .iter()
-        .flat_map(|value| value.as_bytes().split(|&b| b == b','))
-        .map(<[u8]>::trim_ascii)
-        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
 }
 
 /// A store's reserve call in progress.

@@ -40,6 +40,18 @@ pub fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
+/// Whether a comma-separated coding header (`Transfer-Encoding`,
+/// `Content-Encoding`) lists any coding other than `allowed`, in any case
+/// and repetition of the header.
+pub fn lists_coding_other_than(headers: &HeaderMap, name: &HeaderName, allowed: &[u8]) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(allowed))
+}
+
 /// The request headers not forwarded with a buffered body: the connection
 /// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
 /// `Upgrade`, `Expect`), and every header `Connection` lists. The caller

@@ -125,12 +125,11 @@ impl Engine {
         covered: &Covered,
         request: &HeaderMap,
     ) -> Option<Response<Bytes>> {
-        let unsupported = request
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .flat_map(|value| value.as_bytes().split(|&b| b == b','))
-            .map(<[u8]>::trim_ascii)
-            .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"chunked"));
+        let unsupported = super::headers::lists_coding_other_than(
+            request,
+            &header::TRANSFER_ENCODING,
+            b"chunked",
+        );
         unsupported.then(|| {
             let mut response = Problem::new(
                 ProblemKind::TransferCodingUnsupported,

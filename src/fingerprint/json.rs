@@ -447,7 +447,7 @@ fn some_digits(input: &[u8], from: usize) -> Option<usize> {
 /// The length of the escape sequence at the start of `bytes` (which starts
 /// with `\`): `\"`, `\\`, `\/`, `\b`, `\f`, `\n`, `\r`, `\t` or `\u` and
 /// four hex digits.
-fn escape_len(bytes: &[u8]) -> Option<usize> {
+pub(crate) fn escape_len(bytes: &[u8]) -> Option<usize> {
     match *bytes.get(1)? {
         b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(2),
         b'u' => bytes
@@ -512,7 +512,7 @@ fn special_bytes(word: u64) -> u64 {
 /// three-byte sequence (generalised UTF-8, as WTF-8 does). Bytewise order
 /// of the result is code point order, and two keys decode alike exactly
 /// when a parser reads them as the same text.
-fn decode_key(raw: &[u8], out: &mut Vec<u8>) {
+pub(crate) fn decode_key(raw: &[u8], out: &mut Vec<u8>) {
     let hex4 = |at: usize| {
         raw[at..at + 4].iter().fold(0u32, |n, &digit| {
             n * 16 + (digit as char).to_digit(16).unwrap_or(0)

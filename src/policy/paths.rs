@@ -89,17 +89,20 @@ pub fn normalize_path(path: &str, case_insensitive: bool) -> std::borrow::Cow<'_
 /// Whether `path` holds a percent-encoded dot (`%2e`): backends disagree
 /// on whether `/%2e%2e/` is a `..` segment.
 pub(super) fn has_encoded_dot(path: &str) -> bool {
-    path.as_bytes()
-        .windows(3)
-        .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'e'))
+    has_escape_2x(path, b'e')
 }
 
 /// Whether `path` holds a percent-encoded slash (`%2F`): some backends
 /// decode it before routing.
 pub(super) fn has_encoded_slash(path: &str) -> bool {
+    has_escape_2x(path, b'f')
+}
+
+/// Whether `path` holds the escape `%2` + `digit` (in either case).
+fn has_escape_2x(path: &str, digit: u8) -> bool {
     path.as_bytes()
         .windows(3)
-        .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'f'))
+        .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&digit))
 }
 
 /// `path` with every `%2F` read as `/`.

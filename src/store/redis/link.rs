@@ -22,6 +22,14 @@ use super::{decode, encode, redact};
 /// entry).
 pub(super) const TOMBSTONE: u8 = 0;
 
+/// `SET key <tombstone> PX ms`: a miss that no fill replaces while it
+/// lives.
+fn tombstone(key: String, ms: u64) -> ::redis::Cmd {
+    let mut cmd = ::redis::cmd("SET");
+    cmd.arg(key).arg(&[TOMBSTONE][..]).arg("PX").arg(ms);
+    cmd
+}
+
 /// `SET KEYS[1] ARGV[1] PX ARGV[3]`, unless it holds the tombstone
 /// `ARGV[2]`.
 const UNLESS_TOMBSTONE: &str = "if redis.call('GET', KEYS[1]) == ARGV[2] then return 0 end \
@@ -243,8 +251,7 @@ impl Link {
             // A pipeline may not cross slots: one command per key.
             for key in keys {
                 let key = self.key(key).ok_or("the store's identity is unknown")?;
-                let mut cmd = ::redis::cmd("SET");
-                cmd.arg(key).arg(&[TOMBSTONE][..]).arg("PX").arg(ms);
+                let cmd = tombstone(key, ms);
                 let set = cmd.query_async::<()>(&mut connection);
                 match tokio::time::timeout(self.config.timeout, set).await {
                     Ok(Ok(())) => {}
@@ -258,12 +265,7 @@ impl Link {
             let mut pipe = ::redis::pipe();
             for key in chunk {
                 let key = self.key(key).ok_or("the store's identity is unknown")?;
-                pipe.cmd("SET")
-                    .arg(key)
-                    .arg(&[TOMBSTONE][..])
-                    .arg("PX")
-                    .arg(ms)
-                    .ignore();
+                pipe.add_command(tombstone(key, ms)).ignore();
             }
             let sent = tokio::time::timeout(self.config.timeout, async {
                 match self.connection().await? {

@@ -11,11 +11,12 @@
 //! recursion (any depth, bounded memory), lone surrogates as U+FFFD, and,
 //! as those parsers do, the last of duplicate members.
 
-use super::array_index;
+use crate::fingerprint::json::{decode_key, escape_len};
+use crate::formats::array_index;
 
 /// What a document holds at a pointer.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Found {
+pub(crate) enum Found {
     /// Nothing, or `null`, or the document is not JSON even to a lenient
     /// reader.
     Absent,
@@ -35,7 +36,7 @@ enum Frame {
 
 /// The value at `tokens` (a parsed JSON pointer) in `input`, read leniently
 /// (see the module documentation).
-pub fn value_at(input: &[u8], tokens: &[String]) -> Found {
+pub(crate) fn value_at(input: &[u8], tokens: &[String]) -> Found {
     let input = input.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(input);
     let mut reader = Reader { input, pos: 0 };
     walk(&mut reader, tokens).unwrap_or(Found::Absent)
@@ -167,66 +168,24 @@ impl Reader<'_> {
         (number || matches!(token, b"true" | b"false" | b"null")).then_some(token)
     }
 
-    /// A string at `"`, decoded; a lone surrogate escape reads as U+FFFD.
+    /// A string at `"`, decoded as the fingerprint decodes keys (surrogate
+    /// pairs joined, a lone surrogate as U+FFFD); `None` for a bad escape,
+    /// a control character or no closing quote.
     fn string(&mut self) -> Option<Vec<u8>> {
-        self.pos += 1;
-        let mut out = Vec::new();
+        let start = self.pos + 1;
+        let mut end = start;
         loop {
-            let byte = *self.input.get(self.pos)?;
-            self.pos += 1;
-            match byte {
-                b'"' => return Some(out),
-                b'\\' => {
-                    let escape = *self.input.get(self.pos)?;
-                    self.pos += 1;
-                    match escape {
-                        b'"' | b'\\' | b'/' => out.push(escape),
-                        b'b' => out.push(0x08),
-                        b'f' => out.push(0x0c),
-                        b'n' => out.push(b'\n'),
-                        b'r' => out.push(b'\r'),
-                        b't' => out.push(b'\t'),
-                        b'u' => {
-                            let unit = self.hex4()?;
-                            let c = match unit {
-                                0xD800..=0xDBFF => self.low_surrogate(unit),
-                                0xDC00..=0xDFFF => char::REPLACEMENT_CHARACTER,
-                                _ => char::from_u32(unit as u32)?,
-                            };
-                            let mut utf8 = [0; 4];
-                            out.extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
-                        }
-                        _ => return None,
-                    }
-                }
+            match *self.input.get(end)? {
+                b'"' => break,
+                b'\\' => end += escape_len(&self.input[end..])?,
                 byte if byte < 0x20 => return None,
-                byte => out.push(byte),
+                _ => end += 1,
             }
         }
-    }
-
-    /// The character of a high surrogate `high` and the `\uDC00`–`\uDFFF`
-    /// escape that follows it; U+FFFD (and nothing consumed) without one.
-    fn low_surrogate(&mut self, high: u16) -> char {
-        let rest = &self.input[self.pos..];
-        if rest.len() >= 6 && rest[0] == b'\\' && rest[1] == b'u' {
-            let saved = self.pos;
-            self.pos += 2;
-            if let Some(low @ 0xDC00..=0xDFFF) = self.hex4() {
-                let code = 0x10000 + ((u32::from(high) - 0xD800) << 10) + (u32::from(low) - 0xDC00);
-                return char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
-            }
-            self.pos = saved;
-        }
-        char::REPLACEMENT_CHARACTER
-    }
-
-    fn hex4(&mut self) -> Option<u16> {
-        let digits = self.input.get(self.pos..self.pos + 4)?;
-        let text = std::str::from_utf8(digits).ok()?;
-        let unit = u16::from_str_radix(text, 16).ok()?;
-        self.pos += 4;
-        Some(unit)
+        let mut out = Vec::with_capacity(end - start);
+        decode_key(&self.input[start..end], &mut out);
+        self.pos = end + 1;
+        Some(out)
     }
 }
 
