@@ -152,7 +152,10 @@ impl Reader<'_> {
         Some(key)
     }
 
-    /// A number, `true`, `false` or `null`, as written.
+    /// A number, `true`, `false` or `null`, as written; also `NaN` and
+    /// `Infinity` (`-Infinity` reads as a number), which Python's
+    /// `json.dumps` writes for such floats by default and `json.loads`
+    /// reads back.
     fn scalar(&mut self) -> Option<&[u8]> {
         let start = self.pos;
         while let Some(&byte) = self.input.get(self.pos) {
@@ -165,7 +168,8 @@ impl Reader<'_> {
         let number = token
             .first()
             .is_some_and(|b| b.is_ascii_digit() || *b == b'-');
-        (number || matches!(token, b"true" | b"false" | b"null")).then_some(token)
+        let word = matches!(token, b"true" | b"false" | b"null" | b"NaN" | b"Infinity");
+        (number || word).then_some(token)
     }
 
     /// A string at `"`, decoded as the fingerprint decodes keys (surrogate
@@ -216,6 +220,9 @@ mod tests {
         assert_eq!(at(r#"{"a":[{"k":"x"},{"k":"y"}]}"#, "/a/1/k"), key("y"));
         assert_eq!(at(r#"{"k":"\ud83c\udf89"}"#, "/k"), key("\u{1f389}"));
         assert_eq!(at(r#"{"k":"\udf89"}"#, "/k"), key("\u{fffd}"));
+        // Python's floats that are not numbers, as json.loads reads them.
+        assert_eq!(at(r#"{"k":"a","n":NaN}"#, "/k"), key("a"));
+        assert_eq!(at(r#"{"n":[Infinity,-Infinity],"k":"a"}"#, "/k"), key("a"));
     }
 
     #[test]

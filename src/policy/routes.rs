@@ -6,7 +6,8 @@ use std::sync::Arc;
 use http::Method;
 
 use super::paths::{
-    decode_slashes, has_encoded_dot, has_encoded_slash, normalize, strip_segment_parameters,
+    decode_slashes, has_encoded_dot, has_encoded_slash, normalize, strip_format_suffix,
+    strip_segment_parameters,
 };
 use super::{invalid, Policy, PolicyError, RoutePolicy};
 
@@ -265,7 +266,8 @@ impl Routes {
     /// and with case-insensitive routing (IIS, ASP.NET) a backslash is also
     /// read as `/`, and an encoded slash (`/api%2Fpay`, which WSGI and ASGI
     /// servers hand to Django decoded, and Laravel matches decoded) is also
-    /// read as `/`.
+    /// read as `/`. A last segment with a format suffix (`/contacts.json`,
+    /// which Rails routes as `/contacts`) is also read without it.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         let found = self.find_spelled(method, path);
         if found.is_some() {
@@ -286,13 +288,22 @@ impl Routes {
         None
     }
 
-    /// [`Routes::find`] for one spelling: dots decoded, else kept.
+    /// [`Routes::find`] for one spelling: dots decoded, else kept; each
+    /// also without a format suffix.
     fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        let decoded = self.decide(method, &normalize(path, self.case_insensitive, true));
+        let decoded = self.decide_formatted(method, &normalize(path, self.case_insensitive, true));
         if decoded.is_some() || !has_encoded_dot(path) {
             return decoded;
         }
-        self.decide(method, &normalize(path, self.case_insensitive, false))
+        self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
+    }
+
+    /// [`Routes::decide`] for normalised `path`, and when nothing covers
+    /// it, for `path` without its format suffix (`/contacts.html`, which
+    /// Rails routes as `/contacts`).
+    fn decide_formatted(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+        self.decide(method, path)
+            .or_else(|| self.decide(method, strip_format_suffix(path)?))
     }
 
     /// The first route matching normalised `path` and `method` decides.

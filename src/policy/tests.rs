@@ -177,6 +177,30 @@ fn encoded_dots_are_covered_either_way() {
     assert_eq!(normalize("/a/%2e%2e/b", false, false), "/a/%2E%2E/b");
 }
 
+/// Rails routes `/contacts.json` as `/contacts`: a path is also read
+/// without the format suffix of its last segment, once.
+#[test]
+fn a_format_suffix_is_read_both_ways() {
+    let routes = Routes::new().route("/contacts", Policy::default()).unwrap();
+    for covered in [
+        "/contacts.html",
+        "/contacts.json",
+        "/contacts.turbo_stream",
+        "/contacts%2Ejs",
+    ] {
+        assert!(routes.find(&Method::POST, covered).is_some(), "{covered}");
+    }
+    for not in [
+        "/contacts.",
+        "/contacts.tar.gz",
+        "/contactsjson",
+        "/other.json",
+        "/.contacts",
+    ] {
+        assert!(routes.find(&Method::POST, not).is_none(), "{not}");
+    }
+}
+
 #[test]
 fn silent_gaps_are_refused_at_start() {
     let empty = Policy {
