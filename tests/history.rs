@@ -15,6 +15,12 @@
 //!
 //! The invariants are in `history/check.rs`; RELIABILITY.md has the results.
 
+// Without a SQL store feature, the parts that drive one are unused.
+#![cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres")),
+    allow(dead_code, unused_imports)
+)]
+
 #[path = "history/check.rs"]
 mod check;
 #[path = "history/faulty.rs"]
