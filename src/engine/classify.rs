@@ -7,6 +7,7 @@ use std::sync::Arc;
 use http::{HeaderMap, Method, Uri};
 
 use super::Engine;
+use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
 use crate::policy::{KeySource, PathPattern, RoutePolicy, Routes};
@@ -123,10 +124,87 @@ impl Engine {
 impl Engine {
     /// The policy of the route that covers `head`'s method and path, if
     /// any: the one rule [`Engine::classify`] and the operator's lookups
-    /// ([`Engine::scope_of`]) share.
+    /// ([`Engine::scope_of`]) share. A `POST` that no route covers is
+    /// also read as each method it may stand for ([`override_guesses`]):
+    /// backends dispatch it as the method it names.
     pub(super) fn route_of(&self, head: &RequestHead<'_>) -> Option<&Arc<RoutePolicy>> {
-        self.inner.routes.find(head.method, head.uri.path())
+        let routes = &self.inner.routes;
+        let path = head.uri.path();
+        routes.find(head.method, path).or_else(|| {
+            override_guesses(head)
+                .iter()
+                .find_map(|method| routes.find(method, path))
+        })
     }
+
+    /// The method a covered request is dispatched as, and the route that
+    /// covers it, now that its body is read: its own method when `policy`
+    /// covers it (`None`); otherwise (a `POST` covered through
+    /// [`Engine::route_of`]'s guesses) the first method it names, in
+    /// [`overrides`]' order, that a route covers. `None` when none is:
+    /// the request is not covered after all.
+    pub(super) fn dispatched<'r>(
+        &'r self,
+        policy: &'r Arc<RoutePolicy>,
+        head: &RequestHead<'_>,
+        body: &View<'_>,
+    ) -> Option<(Option<Method>, &'r Arc<RoutePolicy>)> {
+        if policy.applies_to(head.method) {
+            return Some((None, policy));
+        }
+        let path = head.uri.path();
+        overrides(head, Some(body)).into_iter().find_map(|method| {
+            let route = self.inner.routes.find(&method, path)?;
+            Some((Some(method), route))
+        })
+    }
+}
+
+/// The `_method` field (form body or query) and the header by which a
+/// `POST` names the method backends dispatch it as: Laravel and Symfony
+/// read the header, then the form's field, then the query's; Rails
+/// (`Rack::MethodOverride`) the form's field, then the header; Express's
+/// `method-override` the header.
+const OVERRIDE_FIELD: &str = "_method";
+const OVERRIDE_HEADER: &str = "x-http-method-override";
+
+/// The methods a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
+/// each upper-cased, in the order: header, form field (when `body` is
+/// given), query. Nothing for any other method.
+fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
+    if !is_post(head.method) {
+        return Vec::new();
+    }
+    let header = head.headers.get(OVERRIDE_HEADER).map(|v| v.as_bytes());
+    let field = body.and_then(|body| body.field(OVERRIDE_FIELD));
+    let query = head
+        .uri
+        .query()
+        .and_then(|query| formats::form_value(query.as_bytes(), OVERRIDE_FIELD));
+    [header, field, query.as_deref()]
+        .into_iter()
+        .flatten()
+        .filter_map(|name| Method::from_bytes(&name.to_ascii_uppercase()).ok())
+        .collect()
+}
+
+/// Whether `method` is `POST`, in any case (see [`RoutePolicy::applies_to`]).
+fn is_post(method: &Method) -> bool {
+    method.as_str().eq_ignore_ascii_case("POST")
+}
+
+/// The methods a `POST` may stand for, read before its body:
+/// [`overrides`] without the form field, and, for a form body (whose
+/// `_method` is read with it), `PUT`, `PATCH` and `DELETE`.
+fn override_guesses(head: &RequestHead<'_>) -> Vec<Method> {
+    let mut guesses = overrides(head, None);
+    let content_type = formats::content_type(head.headers);
+    let form = formats::is_media_type(content_type, "application/x-www-form-urlencoded")
+        || formats::is_media_type(content_type, "multipart/form-data");
+    if form && is_post(head.method) {
+        guesses.extend([Method::PUT, Method::PATCH, Method::DELETE]);
+    }
+    guesses
 }
 
 /// Whether a covered request goes to the upstream untouched before its

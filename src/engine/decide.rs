@@ -101,9 +101,18 @@ impl Engine {
         scope: &mut Option<ScopeKey>,
     ) -> Decision {
         let started = Instant::now();
-        let policy = covered.policy();
         // Parsed once, read by the key and the fingerprint.
         let body = View::parse(formats::content_type(head.headers), body);
+        // A POST covered as the method it names is scoped and
+        // fingerprinted as that method.
+        let Some((method, policy)) = self.dispatched(covered.policy(), &head, &body) else {
+            self.inner.metrics.record(Event::Passthrough);
+            return Decision::Forward;
+        };
+        let head = RequestHead {
+            method: method.as_ref().unwrap_or(head.method),
+            ..head
+        };
         let raw_key = match self.read_key(policy, &head, &body) {
             KeyRead::Found(key) => key,
             KeyRead::Absent => {
