@@ -93,7 +93,11 @@ pub fn extract_from(
                 // What serde_json refuses but backends read (a BOM, a lone
                 // surrogate, deep nesting) must not hide the key.
                 return match json::value_at(body.bytes, &tokens) {
-                    json::Found::Absent => Ok(None),
+                    // The same data sent as a form: read where backends
+                    // read it (see `form_name`).
+                    json::Found::Absent => Ok(form_name(&tokens)
+                        .and_then(|name| body.field(&name))
+                        .map(<[u8]>::to_vec)),
                     json::Found::String(key) => Ok(Some(key)),
                     json::Found::Other => Err(KeyError::NotAString),
                 };
@@ -105,6 +109,18 @@ pub fn extract_from(
             }
         }
     }
+}
+
+/// The form field that holds a JSON pointer's value when the same data
+/// arrives as a form (urlencoded or multipart): Laravel's `input()`,
+/// Rails' `params` and Express's `req.body` read `/order/key` from the
+/// field `order[key]`. `None` for the empty pointer.
+fn form_name(tokens: &[String]) -> Option<String> {
+    let (first, rest) = tokens.split_first()?;
+    Some(
+        rest.iter()
+            .fold(first.clone(), |name, token| format!("{name}[{token}]")),
+    )
 }
 
 /// Checks a raw key: 1..=255 visible ASCII characters, and a hyphenated
@@ -178,6 +194,21 @@ mod tests {
             );
         }
         map
+    }
+
+    #[test]
+    fn a_json_pointer_reads_the_form_field_backends_read() {
+        let pointer = |p: &str| KeySource::JsonPointer(p.into());
+        let form = headers(&[("content-type", "application/x-www-form-urlencoded")]);
+        let body = b"order%5Bkey%5D=k-1&key=k-2";
+        let read = |source: &KeySource| {
+            let view = View::parse(formats::content_type(&form), body);
+            extract_from(source, &Uri::from_static("/"), &form, &view).unwrap()
+        };
+        assert_eq!(read(&pointer("/order/key")), Some(b"k-1".to_vec()));
+        assert_eq!(read(&pointer("/key")), Some(b"k-2".to_vec()));
+        assert_eq!(read(&pointer("/other")), None);
+        assert_eq!(form_name(&[]), None);
     }
 
     fn header_key(value: &str) -> Result<Option<Vec<u8>>, KeyError> {

@@ -400,6 +400,29 @@ fn json_post(body: Vec<u8>) -> Request<Full<Bytes>> {
         .unwrap()
 }
 
+/// Scenario: a route keyed on a JSON body field (`json_pointer =
+/// "/idempotency_key"`) in front of Laravel (`$request->input(…)`) or
+/// Express (`req.body`), and a client that sends the same data as a form
+/// (`idempotency_key=order-7&qty=1`, or `order[key]=…` for `/order/key`):
+/// the backend reads the key and acts, while the engine found none and,
+/// on an optional route, forwarded every retry unprotected. Impact ("at
+/// most one execution").
+#[tokio::test]
+async fn a_json_pointer_key_sent_as_a_form_is_found() {
+    let (_engine, app) = json_keyed(false);
+    let form = |body: &'static str| {
+        Request::post("/orders")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap()
+    };
+    let first = app.send(form("idempotency_key=order-7&qty=1")).await;
+    let retry = app.send(form("idempotency_key=order-7&qty=1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(retry.replayed(), "the retry ran again: {retry:?}");
+    assert_eq!(app.calls(), 1);
+}
+
 /// Scenario: a route keyed on a JSON body field (`json_pointer`), and
 /// bodies that Node's `JSON.parse` (Express's `body-parser`) and Python's
 /// `json.loads` (Django) read, with the key in them, but `serde_json`
