@@ -12,11 +12,16 @@
 //! `layer - baseline`; the summary printed at the end gives it and the
 //! ratio, from the mean of this run's samples, and splits the added time
 //! into the request fingerprint (measured alone in the same run: the part
-//! that grows with the body) and the rest of the engine.
+//! that grows with the body) and the rest of the engine. It ends with the
+//! target's ratios, the added time over the raw fingerprint of the same
+//! body (SHA-256 of it: the floor), and the heap allocations per request
+//! of each case, counted outside the timed runs.
 
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -29,6 +34,42 @@ use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::fingerprint::{fingerprint, Exclusions};
 use tower_idempotency::{Engine, IdempotencyLayer, MemoryStore, Policy, Routes};
+
+/// The system allocator, counting allocations (and reallocations) while
+/// [`COUNTING`] is set: off during the timed runs, where it costs one
+/// relaxed load per allocation.
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every call is forwarded to `System` unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.realloc(ptr, layout, new_size)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
 
 /// The application: reads the JSON body, answers 201 with a small JSON.
 async fn handler<B>(request: Request<B>) -> Result<Response<Full<Bytes>>, Infallible>
@@ -279,6 +320,99 @@ fn summary(sample_size: usize) {
             t.as_secs_f64() / baseline.as_secs_f64()
         );
     }
+    // The target: what the layer adds, over the raw fingerprint of the
+    // same body (SHA-256 of it, the floor), JSON replay and first execution.
+    if let Some(raw) = per_request(RAW.fingerprint, sample_size) {
+        let ratio = |name: &str| {
+            per_request(name, sample_size).map_or(String::from("-"), |t| {
+                format!("{:.2}", (us(t) - us(baseline)) / us(raw))
+            })
+        };
+        println!(
+            "\nadded ÷ raw fingerprint ({:.2} µs), target ≤ 3: replay {}, first execution {} (replay_raw {})",
+            us(raw),
+            ratio(JSON.replay),
+            ratio("first_execution"),
+            ratio(RAW.replay),
+        );
+    }
+}
+
+/// How many requests the allocation count runs per case.
+const COUNTED: u64 = 1_000;
+
+/// Counts the heap allocations `run` makes.
+async fn counting(run: impl std::future::Future<Output = ()>) -> u64 {
+    ALLOCATIONS.store(0, Ordering::Relaxed);
+    COUNTING.store(true, Ordering::Relaxed);
+    run.await;
+    COUNTING.store(false, Ordering::Relaxed);
+    ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+/// Prints the heap allocations (and reallocations) per request of each
+/// case, over [`COUNTED`] requests after a warm-up one, untimed.
+fn allocations(runtime: &tokio::runtime::Runtime, body: &Bytes) {
+    let layered = tower::service_fn(handler::<tower_idempotency::layer::RequestBody<Full<Bytes>>>);
+    let mut plain = tower::service_fn(handler::<Full<Bytes>>);
+    let per_request = |n: u64| n as f64 / COUNTED as f64;
+    let fingerprinted = [header::CONTENT_TYPE];
+    let mut rows = Vec::new();
+    runtime.block_on(async {
+        call(&mut plain, request(body, key(0))).await;
+        let n = counting(async {
+            for i in 1..=COUNTED {
+                call(&mut plain, request(body, key(i))).await;
+            }
+        })
+        .await;
+        rows.push(("baseline", per_request(n)));
+        let mut service = IdempotencyLayer::new(engine()).layer(layered);
+        call(&mut service, request(body, key(0))).await;
+        let n = counting(async {
+            for i in 1..=COUNTED {
+                call(&mut service, request(body, key(i))).await;
+            }
+        })
+        .await;
+        rows.push(("first_execution", per_request(n)));
+        for kind in [&JSON, &RAW] {
+            let mut service = IdempotencyLayer::new(engine()).layer(layered);
+            call(&mut service, request_as(kind, body, key(0))).await;
+            let n = counting(async {
+                for _ in 0..COUNTED {
+                    call(&mut service, request_as(kind, body, key(0))).await;
+                }
+            })
+            .await;
+            rows.push((kind.replay, per_request(n)));
+            let request = request_as(kind, body, key(0));
+            let n = counting(async {
+                for _ in 0..COUNTED {
+                    std::hint::black_box(fingerprint(
+                        request.method(),
+                        request.uri(),
+                        request.headers(),
+                        &fingerprinted,
+                        body,
+                        Exclusions::default(),
+                    ));
+                }
+            })
+            .await;
+            rows.push((kind.fingerprint, per_request(n)));
+        }
+    });
+    let baseline = rows[0].1;
+    println!("\n| heap allocations per request | count | added by the layer |");
+    println!("|---|---:|---:|");
+    for (name, n) in rows {
+        let added = match name {
+            "first_execution" | "replay" | "replay_raw" => format!("{:+.1}", n - baseline),
+            _ => String::new(),
+        };
+        println!("| {name} | {n:.1} | {added} |");
+    }
 }
 
 const SAMPLE_SIZE: usize = 100;
@@ -293,5 +427,10 @@ fn main() {
     // once, unoptimised, which makes no meaningful summary.
     if std::env::args().any(|arg| arg == "--bench") {
         summary(SAMPLE_SIZE);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        allocations(&runtime, &Bytes::from(common::json_body(1024, 7)));
     }
 }

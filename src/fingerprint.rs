@@ -45,7 +45,7 @@ pub(crate) mod json;
 mod reference;
 
 pub use json::canonical_json;
-use json::canonicalize;
+use json::{canonicalize, Buffers};
 
 /// JSON nested deeper than this is hashed as raw bytes.
 pub const MAX_JSON_DEPTH: usize = 128;
@@ -98,10 +98,11 @@ pub fn fingerprint_view(
         }
     }
     match &body.kind {
-        Kind::Json => match canonicalize(body.bytes, exclude.json, true) {
+        Kind::Json => match canonicalize(body.bytes, exclude.json, true, Buffers::take()) {
             Some(canonical) => {
                 hasher.update(b"J");
                 canonical.hash_into(&mut hasher);
+                canonical.into_buffers().keep();
             }
             None => raw(&mut hasher, body.bytes),
         },

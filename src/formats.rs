@@ -42,8 +42,12 @@ pub fn is_media_type(content_type: &str, expected: &str) -> bool {
 /// Whether `content_type` is JSON (`application/json` or any `+json`).
 pub fn is_json(content_type: &str) -> bool {
     let essence = content_type.split(';').next().unwrap_or("").trim();
+    let suffix = essence
+        .len()
+        .checked_sub(5)
+        .and_then(|at| essence.get(at..));
     essence.eq_ignore_ascii_case("application/json")
-        || essence.to_ascii_lowercase().ends_with("+json")
+        || suffix.is_some_and(|suffix| suffix.eq_ignore_ascii_case("+json"))
 }
 
 /// A request body as its content type says to read it, parsed once.
@@ -253,6 +257,29 @@ pub fn pointer_get<'v>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_media_types() {
+        for json in [
+            "application/json",
+            "Application/JSON; charset=utf-8",
+            "application/problem+json",
+            "application/vnd.api+JSON ; q=1",
+            "+json",
+        ] {
+            assert!(is_json(json), "{json}");
+        }
+        for other in [
+            "",
+            "json",
+            "text/plain",
+            "application/jsonx",
+            "é+jso",
+            "application/json-seq",
+        ] {
+            assert!(!is_json(other), "{other}");
+        }
+    }
 
     #[test]
     fn percent_decoding_edges() {

@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use super::principal::PrincipalRead;
 use super::responses::{log_decision, replay, Answered};
-use super::scope::{principal_hash, scope_key};
+use super::scope::{principal_hash, scope_key, Short};
 use super::{Covered, Engine, RequestHead, Reservation};
 use crate::fingerprint::{fingerprint_view, Exclusions};
 use crate::formats::{self, View};
@@ -144,7 +144,8 @@ impl Engine {
                 form: &policy.form_exclude,
             },
         );
-        let span = tracing::info_span!("idempotency", key = %key.short(), path = head.uri.path());
+        let span =
+            tracing::info_span!("idempotency", key = %Short::of(&key), path = head.uri.path());
         self.decide(policy, &head, key, fingerprint, started)
             .instrument(span)
             .await

@@ -7,6 +7,7 @@ use http::{HeaderMap, StatusCode};
 use tokio::time::Instant;
 
 use super::lease::Lease;
+use super::scope::Short;
 use super::{headers, Engine, Recorder};
 use crate::metrics::Event;
 use crate::policy::RoutePolicy;
@@ -179,14 +180,14 @@ impl Reservation {
         match result {
             Ok(true) => {
                 engine.inner.metrics.record(Event::Stored);
-                tracing::info!(outcome = "executed", status = status.as_u16(), duration_us, key = %self.key.short(), "idempotency");
+                tracing::info!(outcome = "executed", status = status.as_u16(), duration_us, key = %Short::of(&self.key), "idempotency");
             }
             Ok(false) => {
-                tracing::warn!(status = status.as_u16(), key = %self.key.short(), "idempotency lease was taken over before completion; response not stored");
+                tracing::warn!(status = status.as_u16(), key = %Short::of(&self.key), "idempotency lease was taken over before completion; response not stored");
             }
             Err(error) => {
                 engine.inner.metrics.record(Event::StoreError);
-                tracing::error!(%error, status = status.as_u16(), key = %self.key.short(), "idempotency response could not be stored; the key frees when its lease expires");
+                tracing::error!(%error, status = status.as_u16(), key = %Short::of(&self.key), "idempotency response could not be stored; the key frees when its lease expires");
             }
         }
     }
@@ -202,10 +203,10 @@ impl Reservation {
         engine.inner.metrics.record(Event::Released);
         match result {
             Ok(_) => {
-                tracing::info!(outcome = "released", status = status.as_u16(), duration_us = self.started.elapsed().as_micros() as u64, key = %self.key.short(), "idempotency")
+                tracing::info!(outcome = "released", status = status.as_u16(), duration_us = self.started.elapsed().as_micros() as u64, key = %Short::of(&self.key), "idempotency")
             }
             Err(error) => {
-                tracing::warn!(%error, key = %self.key.short(), "idempotency release failed; the key frees when its lease expires")
+                tracing::warn!(%error, key = %Short::of(&self.key), "idempotency release failed; the key frees when its lease expires")
             }
         }
     }
@@ -229,7 +230,7 @@ impl Drop for Reservation {
                 let _ = engine
                     .store_call(engine.inner.store.release(&key, &owner))
                     .await;
-                tracing::info!(outcome = "released", key = %key.short(), "idempotency reservation abandoned");
+                tracing::info!(outcome = "released", key = %Short::of(&key), "idempotency reservation abandoned");
             });
         }
         // Only now, the release already pending: `Engine::drain` never sees

@@ -34,7 +34,7 @@ pub(super) fn log_decision(
     let status = status.as_u16();
     match key {
         Some(key) => {
-            tracing::info!(outcome, status, duration_us, key = %key.short(), "idempotency")
+            tracing::info!(outcome, status, duration_us, key = %super::scope::Short::of(key), "idempotency")
         }
         None => tracing::info!(outcome, status, duration_us, "idempotency"),
     }

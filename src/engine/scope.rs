@@ -53,3 +53,37 @@ pub(super) fn principal_hash(hasher: &IdentityHasher, principal: &[u8]) -> Princ
     hasher.update(principal);
     PrincipalHash(hasher.finalize())
 }
+
+/// The first 8 hex digits of a scope hash for log lines and spans, written
+/// only when a subscriber formats it (the same text as
+/// [`ScopeKey::short`], without a `String` per request).
+#[derive(Clone, Copy)]
+pub(super) struct Short(pub(super) [u8; 4]);
+
+impl Short {
+    pub(super) fn of(key: &ScopeKey) -> Self {
+        let bytes = key.as_bytes();
+        Short([bytes[0], bytes[1], bytes[2], bytes[3]])
+    }
+}
+
+impl std::fmt::Display for Short {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for byte in self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_is_written_as_scope_key_short() {
+        let key = ScopeKey(std::array::from_fn(|i| (i * 37 + 5) as u8));
+        assert_eq!(Short::of(&key).to_string(), key.short());
+        assert_eq!(Short::of(&ScopeKey([0xab; 32])).to_string(), "abababab");
+    }
+}

@@ -14,7 +14,42 @@ use super::{put, MAX_JSON_DEPTH};
 /// removed. `None` when `input` is not JSON (which includes text that is
 /// not UTF-8, RFC 8259 section 8.1) or nests deeper than [`MAX_JSON_DEPTH`].
 pub fn canonical_json(input: &[u8], exclude: &[Vec<String>]) -> Option<Vec<u8>> {
-    canonicalize(input, exclude, false).map(|canonical| canonical.out)
+    canonicalize(input, exclude, false, Buffers::default()).map(|canonical| canonical.out)
+}
+
+/// The room a [`Canonicalizer`] writes into. The fingerprint keeps one set
+/// per thread between requests ([`Buffers::take`], [`Buffers::keep`]), so
+/// a request allocates none; what is kept is cleared before it is used
+/// again, so no byte of one request reaches another's output.
+#[derive(Default)]
+pub(super) struct Buffers {
+    out: Vec<u8>,
+    members: Vec<Member>,
+}
+
+thread_local! {
+    static SPARE: std::cell::Cell<Option<Buffers>> = const { std::cell::Cell::new(None) };
+}
+
+impl Buffers {
+    /// Buffers larger than this are not kept (a large body's room is
+    /// given back).
+    const MAX_KEPT: usize = 64 * 1024;
+
+    /// This thread's spare buffers, or new ones.
+    pub(super) fn take() -> Self {
+        SPARE.with(std::cell::Cell::take).unwrap_or_default()
+    }
+
+    /// Keeps these buffers for this thread's next fingerprint, unless they
+    /// grew large.
+    pub(super) fn keep(self) {
+        if self.out.capacity() <= Self::MAX_KEPT
+            && self.members.capacity() * std::mem::size_of::<Member>() <= Self::MAX_KEPT
+        {
+            SPARE.with(|spare| spare.set(Some(self)));
+        }
+    }
 }
 
 /// Reads `input` into its canonical form. With `defer_root`, an unsorted
@@ -25,16 +60,25 @@ pub(super) fn canonicalize<'a, 'x>(
     input: &'a [u8],
     exclude: &'x [Vec<String>],
     defer_root: bool,
+    buffers: Buffers,
 ) -> Option<Canonicalizer<'a, 'x>> {
+    let Buffers {
+        mut out,
+        mut members,
+    } = buffers;
+    out.clear();
+    members.clear();
+    // The canonical form is never longer than the input read so far (it
+    // only drops whitespace and excluded members), and an object being
+    // rearranged is written again after it: this is all the room the
+    // output needs, with `BLOCK` bytes for `append`.
+    out.reserve(2 * input.len() + BLOCK);
+    members.reserve(16);
     let mut canonical = Canonicalizer {
         input,
         pos: 0,
-        // The canonical form is never longer than the input read so far
-        // (it only drops whitespace and excluded members), and an object
-        // being rearranged is written again after it: one allocation is
-        // all the room the output needs, with `BLOCK` bytes for `append`.
-        out: Vec::with_capacity(2 * input.len() + BLOCK),
-        members: Vec::with_capacity(16),
+        out,
+        members,
         decoded: Vec::new(),
         exclude,
         path: Vec::new(),
@@ -266,6 +310,14 @@ impl<'a> Canonicalizer<'a, '_> {
         self.decoded.truncate(decoded_start);
         self.out.push(b'}');
         Some(())
+    }
+
+    /// Gives its buffers back (for [`Buffers::keep`]).
+    pub(super) fn into_buffers(self) -> Buffers {
+        Buffers {
+            out: self.out,
+            members: self.members,
+        }
     }
 
     /// The decoded key of `member`.

@@ -595,11 +595,19 @@ mod differential {
         // The fingerprint's hashing (an unsorted top-level object hashed
         // member by member) feeds the same bytes as hashing the reference.
         use sha2::{Digest, Sha256};
-        let hashed = super::super::canonicalize(input, exclude, true).map(|canonical| {
-            let mut hasher = Sha256::new();
-            canonical.hash_into(&mut hasher);
-            hasher.finalize()
-        });
+        // With this thread's kept buffers (holding an earlier input's
+        // bytes and members) and with fresh ones: the same hash.
+        let hash = |buffers| {
+            super::super::canonicalize(input, exclude, true, buffers).map(|canonical| {
+                let mut hasher = Sha256::new();
+                canonical.hash_into(&mut hasher);
+                let digest = hasher.finalize();
+                canonical.into_buffers().keep();
+                digest
+            })
+        };
+        let hashed = hash(super::super::Buffers::take());
+        assert_eq!(hashed, hash(super::super::Buffers::default()));
         let expected = reference.map(|reference| {
             let mut hasher = Sha256::new();
             super::super::put(&mut hasher, &reference);
