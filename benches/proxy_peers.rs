@@ -27,6 +27,7 @@
 //! `TARGETS` a comma-separated list of name fragments that selects the
 //! configurations measured (e.g. `TARGETS='passthrough,execution,replay'`;
 //! a fragment starting with `!` excludes, e.g. `!default`).
+//! `PROXY=path` measures that build of the proxy instead of building it;
 //! `BASELINE_PROXY=path` adds an earlier build of the proxy (quiet log
 //! level) as `baseline, …` configurations, for before/after comparisons
 //! within one run. Under `cargo test` it does nothing.
@@ -333,8 +334,12 @@ fn tool(var: &str, name: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
-/// Builds the proxy in release mode next to this bench and returns its path.
+/// Builds the proxy in release mode next to this bench and returns its
+/// path; `PROXY=path` names a binary built already instead.
 fn build_proxy() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("PROXY") {
+        return Ok(PathBuf::from(path));
+    }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("proxy_peers: building idempotency-proxy (release)…");
     let status = Command::new(cargo)

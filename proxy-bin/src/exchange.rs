@@ -16,9 +16,8 @@
 //! request) are read at the client's pace, [`ROOM`] chunks ahead.
 
 use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
-use std::task::Poll;
 
 use bytes::Bytes;
 use http::Response;
@@ -88,14 +87,11 @@ pub async fn run_and_relay(
     let mut relayed = pin!(relay(session, frames));
     poll_fn(|cx| {
         if let Some(running) = exchange.as_mut() {
-            if std::pin::Pin::new(running).poll(cx).is_ready() {
+            if Pin::new(running).poll(cx).is_ready() {
                 exchange = None;
             }
         }
-        match relayed.as_mut().poll(cx) {
-            Poll::Ready(outcome) => Poll::Ready(outcome),
-            Poll::Pending => Poll::Pending,
-        }
+        relayed.as_mut().poll(cx)
     })
     .await
     // `exchange`, if it has not ended, is detached as it is dropped here.
