@@ -23,8 +23,14 @@
 //! column is skipped; without the peer (`cargo install
 //! idempotent-proxy-server --root tools`; `tools/bin` is looked in too)
 //! its columns are skipped. Nothing is downloaded. `LOAD_SECONDS` sets
-//! the time per cell (default 4), `CONCURRENCY` the list (`1,8,64,256`).
-//! Under `cargo test` it does nothing.
+//! the time per cell (default 4), `CONCURRENCY` the list (`1,8,64,256`),
+//! `TARGETS` a comma-separated list of name fragments that selects the
+//! configurations measured (e.g. `TARGETS='passthrough,execution,replay'`;
+//! a fragment starting with `!` excludes, e.g. `!default`).
+//! `PROXY=path` measures that build of the proxy instead of building it;
+//! `BASELINE_PROXY=path` adds an earlier build of the proxy (quiet log
+//! level) as `baseline, …` configurations, for before/after comparisons
+//! within one run. Under `cargo test` it does nothing.
 
 mod common;
 
@@ -152,13 +158,30 @@ fn measure(
             keys: Keys::None,
         });
     }
-    for (quiet, suffix) in [(true, ""), (false, " (default log level)")] {
-        let (process, addr) = start_proxy(proxy_exe, dir, backend, quiet)?;
+    let baseline = std::env::var_os("BASELINE_PROXY").map(PathBuf::from);
+    let proxies = [
+        (proxy_exe, true, "idempotency-proxy, ", ""),
+        (
+            proxy_exe,
+            false,
+            "idempotency-proxy, ",
+            " (default log level)",
+        ),
+    ];
+    let baseline = baseline.as_deref().map(|exe| (exe, true, "baseline, ", ""));
+    for (exe, quiet, prefix, suffix) in proxies.into_iter().chain(baseline) {
+        let name = |what: &str| -> &'static str {
+            Box::leak(format!("{prefix}{what}{suffix}").into_boxed_str())
+        };
+        if !selected(name("passthrough"))
+            && !selected(name("first execution"))
+            && !selected(name("replay"))
+        {
+            continue;
+        }
+        let (process, addr) = start_proxy(exe, dir, backend, quiet)?;
         let pid = Some(process.0.id());
         processes.push(process);
-        let name = |what: &str| -> &'static str {
-            Box::leak(format!("idempotency-proxy, {what}{suffix}").into_boxed_str())
-        };
         targets.push(Target {
             name: name("passthrough"),
             addr,
@@ -212,6 +235,7 @@ fn measure(
         ),
     }
 
+    targets.retain(|target| selected(target.name));
     let body = common::json_body(1024, 7);
     let body = String::from_utf8(body).map_err(|e| e.to_string())?;
     // Every replay target's key is completed, and checked to replay,
@@ -268,6 +292,25 @@ fn measure(
     Ok(())
 }
 
+/// Whether `TARGETS` (name fragments; `!fragment` excludes) selects the
+/// configuration `name`; everything without it.
+fn selected(name: &str) -> bool {
+    let Ok(filter) = std::env::var("TARGETS") else {
+        return true;
+    };
+    let fragments: Vec<&str> = filter
+        .split(',')
+        .map(str::trim)
+        .filter(|f| !f.is_empty())
+        .collect();
+    let excluded = fragments
+        .iter()
+        .filter_map(|f| f.strip_prefix('!'))
+        .any(|f| name.contains(f));
+    let mut included = fragments.iter().filter(|f| !f.starts_with('!')).peekable();
+    !excluded && (included.peek().is_none() || included.any(|f| name.contains(f)))
+}
+
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -291,8 +334,12 @@ fn tool(var: &str, name: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
-/// Builds the proxy in release mode next to this bench and returns its path.
+/// Builds the proxy in release mode next to this bench and returns its
+/// path; `PROXY=path` names a binary built already instead.
 fn build_proxy() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("PROXY") {
+        return Ok(PathBuf::from(path));
+    }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("proxy_peers: building idempotency-proxy (release)…");
     let status = Command::new(cargo)
@@ -799,6 +846,18 @@ fn report(
         false,
         &|r| r > 1.0,
     );
+    for what in ["first execution", "replay", "passthrough"] {
+        let baseline = get(64, &format!("baseline, {what}"));
+        if baseline.is_some() {
+            line(
+                &format!("{what} requests/s at 64, this build ÷ the baseline build"),
+                ours(what),
+                baseline,
+                false,
+                &|r| r >= 1.0,
+            );
+        }
+    }
     line(
         "the decision log line: replay requests/s at 64, default ÷ quiet log level",
         ours("replay (default log level)"),

@@ -1,6 +1,11 @@
 //! The upstream exchange of a covered request: sent by the proxy itself,
-//! detached from the client, its answer relayed to the client and handed
-//! to the engine's [`Recorder`].
+//! its answer relayed to the client and handed to the engine's
+//! [`Recorder`].
+//!
+//! The exchange runs in the client's own task, next to the relay, as an
+//! [`Execution`]: if the client goes away (writing to it fails) before the
+//! exchange ends, the exchange is dropped there and so runs on in a task of
+//! its own; it is never cancelled, and its answer is still stored.
 //!
 //! Recording follows the upstream's pace, not the client's: while the
 //! answer is recorded, the exchange reads the upstream as fast as it sends
@@ -10,6 +15,8 @@
 //! not recorded (past the storage cap, a status not stored, an unprotected
 //! request) are read at the client's pace, [`ROOM`] chunks ahead.
 
+use std::future::{poll_fn, Future};
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -18,7 +25,7 @@ use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
-use tower_idempotency::engine::{headers, Flow, Recorder, Reservation};
+use tower_idempotency::engine::{headers, Execution, Flow, Recorder, Reservation};
 use tower_idempotency::Engine;
 
 use crate::proxy::write_response;
@@ -53,17 +60,41 @@ pub struct Relayed {
 /// [`relay`]'s end.
 pub fn channel() -> (ToClient, mpsc::UnboundedReceiver<Relayed>) {
     let (frames, receiver) = mpsc::unbounded_channel();
-    let to_client = ToClient {
-        frames,
-        room: Arc::new(Semaphore::new(ROOM)),
-    };
+    let to_client = ToClient { frames, room: None };
     (to_client, receiver)
 }
 
 /// The exchange's end of [`channel`].
 pub struct ToClient {
     frames: mpsc::UnboundedSender<Relayed>,
-    room: Arc<Semaphore>,
+    /// The [`ROOM`] places, made for the first chunk read at the client's
+    /// pace (most answers are recorded whole and never need them).
+    room: Option<Arc<Semaphore>>,
+}
+
+/// Runs `exchange` (an [`Exchange::run`]) in the client's task while
+/// [`relay`] writes its frames to the client; both make progress
+/// independently, so a client that does not read never holds up the
+/// upstream or the recording. Returns the relay's outcome. If the relay
+/// ends first (the client went away), the exchange is dropped here and,
+/// being an [`Execution`], runs on to its end in a task of its own.
+pub async fn run_and_relay(
+    session: &mut Session,
+    exchange: Execution<()>,
+    frames: &mut mpsc::UnboundedReceiver<Relayed>,
+) -> Result<bool> {
+    let mut exchange = Some(exchange);
+    let mut relayed = pin!(relay(session, frames));
+    poll_fn(|cx| {
+        if let Some(running) = exchange.as_mut() {
+            if Pin::new(running).poll(cx).is_ready() {
+                exchange = None;
+            }
+        }
+        relayed.as_mut().poll(cx)
+    })
+    .await
+    // `exchange`, if it has not ended, is detached as it is dropped here.
 }
 
 /// Writes the frames of one exchange to the client.
@@ -92,7 +123,8 @@ pub async fn relay(
         .map_err(|e| e.into_up())
 }
 
-/// One request sent upstream by the proxy itself, detached from the client.
+/// One request sent upstream by the proxy itself; its [`Exchange::run`]
+/// goes on when the client goes away.
 pub struct Exchange {
     pub engine: Engine,
     pub upstream: Arc<Upstream>,
@@ -105,12 +137,17 @@ impl Exchange {
     /// Hands `frame` to the client side at once; `paced`, only when the
     /// client has taken all but [`ROOM`] of the chunks before it.
     async fn send(&mut self, frame: Frame, paced: bool) {
-        let Some(to_client) = &self.frames else {
+        let Some(to_client) = &mut self.frames else {
             return;
         };
         // Never closed; a client gone drops its queue, giving places back.
         let room = match paced {
-            true => to_client.room.clone().acquire_owned().await.ok(),
+            true => {
+                let room = to_client
+                    .room
+                    .get_or_insert_with(|| Arc::new(Semaphore::new(ROOM)));
+                room.clone().acquire_owned().await.ok()
+            }
             false => None,
         };
         let relayed = Relayed { frame, _room: room };
@@ -205,8 +242,10 @@ impl Exchange {
         if let Some(recording) = recorder {
             recording.end().await;
         }
-        self.send(Frame::End, false).await;
+        // Back to the pool first: the client's end is the exchange's last
+        // act, so the relay rarely outlives it.
         self.upstream.release(session).await;
+        self.send(Frame::End, false).await;
     }
 }
 

@@ -13,8 +13,9 @@
 //!   (Pingora's retry buffer holds only 64 KiB, so its own path could not
 //!   resend a larger body) and streams the answer back while the engine
 //!   records it (`exchange.rs`).
-//! * The upstream exchange runs in a detached task: a client that goes away
-//!   does not stop it, and the response is still stored.
+//! * The upstream exchange runs in the client's own task, next to the relay
+//!   of its answer; a client that goes away does not stop it: it then runs
+//!   on in a task of its own, and the response is still stored.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,12 +29,12 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
-use tower_idempotency::engine::{headers, Coverage, Covered, Decision, RequestHead};
+use tower_idempotency::engine::{headers, Coverage, Covered, Decision, Execution, RequestHead};
 use tower_idempotency::Engine;
 use tracing::Instrument;
 
 use crate::body::{discard_body, expects_continue, read_body, BodyFailure};
-use crate::exchange::{self, relay, Exchange};
+use crate::exchange::{self, Exchange};
 use crate::passthrough;
 use crate::shutdown::{Active, Drain};
 use crate::upstream::Upstream;
@@ -114,12 +115,14 @@ impl IdempotencyProxy {
             frames: Some(frames),
             _active: self.drain.enter(),
         };
-        tokio::spawn(
-            exchange
-                .run(request, body, reservation)
-                .instrument(tracing::Span::current()),
-        );
-        relay(session, &mut receiver).await
+        let run = exchange.run(request, body, reservation);
+        let span = tracing::Span::current();
+        // Detached, it keeps the request's span (when there is one).
+        let execution = match span.is_disabled() {
+            true => Execution::new(run),
+            false => Execution::new(run.instrument(span)),
+        };
+        exchange::run_and_relay(session, execution, &mut receiver).await
     }
 
     /// Answers a body that was too large or could not be read (nothing was
@@ -216,7 +219,10 @@ impl ProxyHttp for IdempotencyProxy {
         let span =
             tracing::info_span!("request", method = %request.method, route = covered.label());
         let covered = ctx.covered.insert(covered);
-        self.covered(session, covered).instrument(span).await
+        match span.is_disabled() {
+            true => self.covered(session, covered).await,
+            false => self.covered(session, covered).instrument(span).await,
+        }
     }
 
     async fn upstream_peer(

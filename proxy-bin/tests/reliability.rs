@@ -115,6 +115,9 @@ fn spawn_request(
 ///   body ends where the connection closes), part of the body, then resets
 ///   the connection (a cut, unlike a clean close);
 /// * `/big`: 200 with a [`BIG`]-byte body, sent as fast as it is taken;
+/// * `/slow/…`: 201 `done <n>`, chunked, in three chunks 100 ms and then
+///   300 ms apart (relayed chunk by chunk, each flushed: writing to a
+///   client that left fails in between, while the exchange goes on);
 /// * anything else: 201 `done <n>`, keeping the connection alive.
 #[derive(Clone)]
 struct RawUpstream {
@@ -210,6 +213,21 @@ impl RawUpstream {
                     let _ = stream.write_all(head.as_bytes()).await;
                     let _ = stream.write_all(&vec![b'b'; BIG]).await;
                     let _ = stream.flush().await;
+                }
+                slow if slow.starts_with("/slow/") => {
+                    let last = format!(" {n}");
+                    let head = "HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n\
+                                2\r\ndo\r\n";
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.flush().await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let _ = stream.write_all(b"2\r\nne\r\n").await;
+                    let _ = stream.flush().await;
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    let end = format!("{:x}\r\n{last}\r\n0\r\n\r\n", last.len());
+                    if stream.write_all(end.as_bytes()).await.is_err() {
+                        return;
+                    }
                 }
                 _ => {
                     let body = format!("done {n}");
@@ -538,6 +556,77 @@ async fn a_client_that_stops_reading_does_not_hold_the_key() {
     assert_eq!(replay.body.len(), BIG);
     assert_eq!(upstream.hits("/big"), 1);
     drop(stalled);
+}
+
+/// Sends one covered `POST` on a connection of its own and closes it
+/// right after the request is written, reading nothing.
+async fn send_and_leave(addr: SocketAddr, path: &str, key: &str) {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    // The same Host as `post`'s requests: the host is part of the scope.
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\nidempotency-key: {key}\r\n\
+         content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    drop(stream);
+}
+
+/// 50 clients send the same new key at once and half of them go away right
+/// after sending, while the upstream is still working: whoever executed it
+/// (a client that left, or one that stayed), the upstream runs once, every
+/// client that stayed gets its answer, and every later retry replays it.
+/// The second key's executing client is one that leaves.
+#[tokio::test(flavor = "multi_thread")]
+async fn half_of_fifty_clients_leaving_mid_exchange_never_lose_or_repeat_it() {
+    let _heavy = HEAVY.lock().await;
+    let upstream = RawUpstream::start().await;
+    let proxy = start_proxy(upstream.url(), "memory", None, "30s").await;
+    let run = run_id();
+    for (round, leaver_first) in [(0, false), (1, true)] {
+        let path = format!("/slow/{run}-{round}");
+        let key = format!("leave-{run}-{round}");
+        if leaver_first {
+            send_and_leave(proxy.addr, &path, &key).await;
+            eventually("the upstream got the first request", || {
+                upstream.hits(&path) == 1
+            })
+            .await;
+        }
+        let mut stayed = Vec::new();
+        let mut left = Vec::new();
+        for i in 0..50 - usize::from(leaver_first) {
+            let (addr, path, key) = (proxy.addr, path.clone(), key.clone());
+            if i % 2 == 0 {
+                left.push(tokio::spawn(async move {
+                    send_and_leave(addr, &path, &key).await
+                }));
+            } else {
+                stayed.push(spawn_request(post(addr, &path, &key, "{}")));
+            }
+        }
+        for handle in left {
+            handle.await.unwrap();
+        }
+        for reply in futures_join(stayed.into_iter()).await {
+            let reply = reply.unwrap();
+            assert_eq!(
+                (reply.status, reply.text().as_str()),
+                (201, "done 1"),
+                "{path}"
+            );
+        }
+        for _ in 0..5 {
+            let retry = try_request(&client(), post(proxy.addr, &path, &key, "{}"))
+                .await
+                .unwrap();
+            assert_eq!(
+                (retry.status, retry.replayed(), retry.text().as_str()),
+                (201, true, "done 1"),
+                "{path}"
+            );
+        }
+        assert_eq!(upstream.hits(&path), 1, "{path}: executed once");
+    }
 }
 
 /// Sends `rounds` waves of requests over `keys` keys (each wave hits every

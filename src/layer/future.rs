@@ -7,6 +7,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 
 use super::ResponseBody;
+use crate::engine::detached::detach;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
@@ -77,15 +78,6 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
                 detach: detach::<Answer<B, E>>,
             },
         }
-    }
-}
-
-/// Runs `future` to the end on the current runtime, its output unused.
-/// Without a runtime (it is shutting down) the future is dropped, and a
-/// dropped reservation frees its key in the background or at lease expiry.
-fn detach<T: Send + 'static>(future: BoxFuture<T>) {
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(future);
     }
 }
 
