@@ -337,7 +337,14 @@ fn client_addr(session: &Session) -> Option<SocketAddr> {
 pub async fn write_response(session: &mut Session, response: Response<Bytes>) -> Result<()> {
     let (parts, body) = response.into_parts();
     let mut head: ResponseHeader = parts.into();
-    head.insert_header(header::CONTENT_LENGTH, body.len())?;
+    // RFC 9110, 8.6: never on a 1xx or 204; a 304's would describe the
+    // resource, not this empty body.
+    let bodiless = head.status.is_informational()
+        || head.status == http::StatusCode::NO_CONTENT
+        || head.status == http::StatusCode::NOT_MODIFIED;
+    if !bodiless {
+        head.insert_header(header::CONTENT_LENGTH, body.len())?;
+    }
     session
         .write_response_header(Box::new(head), body.is_empty())
         .await?;

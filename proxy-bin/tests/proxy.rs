@@ -241,6 +241,37 @@ async fn nextjs_idempotency_key_json_contract() {
     assert_eq!(backend.hits("/api/v2/orders"), 1);
 }
 
+/// A 204 has no body and, as RFC 9110 says, no `Content-Length`: neither
+/// the first answer nor its replay carries one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_204_has_no_content_length() {
+    let (backend, proxy) = start("no_content", FORMS).await;
+    let key = uuid();
+    let first = proxy
+        .send(
+            "POST",
+            "/echo?status=204",
+            &[("idempotency-key", &key)],
+            "x",
+        )
+        .await;
+    let replay = proxy
+        .send(
+            "POST",
+            "/echo?status=204",
+            &[("idempotency-key", &key)],
+            "x",
+        )
+        .await;
+    assert_eq!(backend.hits("/echo"), 1);
+    assert_eq!((first.status, replay.status), (204, 204));
+    assert!(replay.replayed());
+    for reply in [&first, &replay] {
+        assert_eq!(reply.header("content-length"), None, "{:?}", reply.headers);
+        assert!(reply.body.is_empty());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn fifty_concurrent_duplicates_run_once() {
     let (backend, proxy) = start("concurrent", FORMS).await;

@@ -180,6 +180,9 @@ async fn handle(State(state): State<Arc<BackendState>>, request: Request) -> Res
         let json = serde_json::json!({ "execution": n });
         return (StatusCode::CREATED, axum::Json(json)).into_response();
     }
+    if parts.uri.query() == Some("status=204") {
+        return StatusCode::NO_CONTENT.into_response();
+    }
     let headers: serde_json::Map<String, serde_json::Value> = parts
         .headers
         .iter()
