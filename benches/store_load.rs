@@ -277,6 +277,24 @@ async fn run() -> Result<(), String> {
             store.close().await;
         }
         floors.extend(postgres_floors(&db.url(), &dir)?);
+        // Where a replay's time goes on the client: the store's lookup run
+        // through sqlx directly, from a pool (which answers a returned
+        // connection with one more round trip, its test) and from a
+        // connection of each task's own.
+        for pooled in [true, false] {
+            let c = CONCURRENCY[CONCURRENCY.len() - 1];
+            let cell = postgres_sqlx_select(&db.url(), c, pooled).await?;
+            let how = if pooled {
+                "a sqlx pool of as many connections"
+            } else {
+                "one sqlx connection per task, no pool"
+            };
+            floors.push((
+                format!("PostgreSQL: the store's `SELECT` by key through {how}, {c} tasks"),
+                cell.rate(),
+                cell.p50,
+            ));
+        }
     }
     if wanted("redis") {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
@@ -378,6 +396,93 @@ async fn sqlite_select_floor(path: &std::path::Path, concurrency: usize) -> Resu
     })
     .await;
     Ok(cell)
+}
+
+/// The store's own lookup (as `src/store/postgres.rs` has it) through
+/// sqlx by `concurrency` tasks, over a pool of `concurrency` connections or
+/// with a connection of each task's own.
+async fn postgres_sqlx_select(url: &str, concurrency: usize, pooled: bool) -> Result<Cell, String> {
+    use sqlx::postgres::PgPoolOptions;
+    use sqlx::Connection;
+    const SELECT: &str = "
+SELECT fingerprint, state, status, headers, body,
+       (extract(epoch FROM greatest(lease_expires_at - now(), interval '0')) * 1000000)::bigint
+           AS lease_remaining_us
+FROM idempotency_records
+WHERE key = $1 AND expires_at > now()";
+    let pool = PgPoolOptions::new()
+        .max_connections(concurrency as u32)
+        .test_before_acquire(false)
+        .connect(url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let keys: Vec<Vec<u8>> = sqlx::query_scalar(
+        "SELECT key FROM idempotency_records WHERE state = 'completed' LIMIT 5000",
+    )
+    .fetch_all(&pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    let keys = Arc::new(keys);
+    if pooled {
+        return Ok(drive(concurrency, move |n| {
+            let (pool, keys) = (pool.clone(), keys.clone());
+            async move {
+                let row: Option<LiveRow> = sqlx::query_as(SELECT)
+                    .bind(keys[n as usize % keys.len()].as_slice())
+                    .fetch_optional(&pool)
+                    .await
+                    .expect("select");
+                assert!(row.is_some());
+            }
+        })
+        .await);
+    }
+    pool.close().await;
+    let mut connections = Vec::new();
+    for _ in 0..concurrency {
+        connections.push(
+            sqlx::PgConnection::connect(url)
+                .await
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let next = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let tasks: Vec<_> = connections
+        .into_iter()
+        .map(|mut connection| {
+            let (keys, next, stop) = (keys.clone(), next.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut samples = Vec::new();
+                while !stop.load(Relaxed) {
+                    let n = next.fetch_add(1, Relaxed);
+                    let t = Instant::now();
+                    let row: Option<LiveRow> = sqlx::query_as(SELECT)
+                        .bind(keys[n as usize % keys.len()].as_slice())
+                        .fetch_optional(&mut connection)
+                        .await
+                        .expect("select");
+                    assert!(row.is_some());
+                    samples.push(t.elapsed());
+                }
+                samples
+            })
+        })
+        .collect();
+    tokio::time::sleep(seconds()).await;
+    stop.store(true, Relaxed);
+    let mut samples = Vec::new();
+    for task in tasks {
+        samples.extend(task.await.map_err(|e| e.to_string())?);
+    }
+    let elapsed = started.elapsed();
+    samples.sort();
+    Ok(Cell {
+        ops: samples.len() as u64,
+        elapsed,
+        p50: samples[samples.len() / 2],
+    })
 }
 
 /// A private database with the store's schema, dropped at the end.

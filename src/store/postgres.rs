@@ -21,6 +21,41 @@ VALUES ($1, $2, $3, 'in_flight',
 ON CONFLICT (key) DO NOTHING
 RETURNING false AS takeover";
 
+/// A reservation's first (and usually only) statement: the key's row as
+/// the statement's snapshot holds it, or — only when that holds none — a
+/// new record (`ON CONFLICT DO NOTHING`, as [`INSERT`]), in one round trip
+/// and, for a row that stands, without writing anything. No row comes back
+/// when the insert meets a row committed after the snapshot was taken; the
+/// shared protocol then reads it (see `sql::reserve`). The `live` column
+/// tells a row within its retention from one past it (which only a
+/// takeover may replace).
+const INSERT_OR_READ: &str = "
+WITH found AS (
+    SELECT fingerprint, state, status, headers, body,
+           expires_at > now() AS live,
+           (extract(epoch FROM greatest(lease_expires_at - now(), interval '0')) * 1000000)::bigint
+               AS lease_remaining_us
+    FROM idempotency_records
+    WHERE key = $1
+), inserted AS (
+    INSERT INTO idempotency_records
+        (key, fingerprint, owner, state, lease_expires_at, expires_at, principal)
+    SELECT $1, $2, $3, 'in_flight',
+           now() + $4::bigint * interval '1 microsecond',
+           now() + $5::bigint * interval '1 microsecond',
+           $6
+    WHERE NOT EXISTS (SELECT FROM found)
+    ON CONFLICT (key) DO NOTHING
+    RETURNING fingerprint
+)
+SELECT true AS inserted, true AS live, fingerprint, 'in_flight'::text AS state,
+       NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body,
+       $4::bigint AS lease_remaining_us
+FROM inserted
+UNION ALL
+SELECT false, live, fingerprint, state, status, headers, body, lease_remaining_us
+FROM found";
+
 /// Overwrites a record whose retention ran out, or whose lease ran out (same
 /// fingerprint only). Concurrent callers queue on the row lock and check the
 /// condition again on the row the winner wrote, so exactly one succeeds. A
@@ -296,6 +331,20 @@ impl PostgresStore {
     ) -> Result<u64, sqlx::Error> {
         Ok(statement.execute(&self.pool).await?.rows_affected())
     }
+
+    /// A reservation's first statement (`INSERT_OR_READ`): its own
+    /// transaction on a pooled connection.
+    async fn write_row(
+        &self,
+        query: sqlx::query::QueryAs<
+            '_,
+            sqlx::Postgres,
+            sql::InsertOrReadRow,
+            sqlx::postgres::PgArguments,
+        >,
+    ) -> Result<Option<sql::InsertOrReadRow>, sqlx::Error> {
+        query.fetch_optional(&self.pool).await
+    }
 }
 
 super::sql::sql_store!(
@@ -310,7 +359,8 @@ super::sql::sql_store!(
         sweep: SWEEP,
         identity: IDENTITY,
     },
-    retry = retry
+    retry = retry,
+    insert_or_read = INSERT_OR_READ
 );
 
 super::sql::sql_admin!(

@@ -143,11 +143,60 @@ pub(super) fn micros(duration: Duration) -> i64 {
     i64::try_from(duration.as_micros()).unwrap_or(i64::MAX)
 }
 
+/// What a store's single-statement first attempt at a reservation
+/// answered (see [`Statements`] and `sql_store!`'s `insert_or_read`): the
+/// record the statement's snapshot holds for the key, or the new record it
+/// wrote when its snapshot held none.
+pub(super) enum FirstAttempt {
+    /// No such statement (the store reads first), or the statement could
+    /// not decide: its snapshot held no row, yet its insert met one (another
+    /// caller's, committed after the snapshot was taken). The protocol runs
+    /// from the start.
+    Undecided,
+    /// It wrote a new record for the caller's owner token.
+    Acquired,
+    /// The live record of the key, as the statement's snapshot held it.
+    Live(RecordRow),
+    /// A row past its retention stands (not live, never answered): only a
+    /// takeover may replace it.
+    Expired,
+}
+
+/// The row of a single-statement first attempt: `inserted` when it wrote
+/// the caller's record, else the standing row with `live` telling whether
+/// it is within its retention.
+#[derive(sqlx::FromRow)]
+pub(super) struct InsertOrReadRow {
+    inserted: bool,
+    live: bool,
+    #[sqlx(flatten)]
+    record: RecordRow,
+}
+
+impl FirstAttempt {
+    /// The attempt a single-statement first attempt's row (if any) stands for.
+    pub(super) fn from_row(row: Option<InsertOrReadRow>) -> Self {
+        match row {
+            None => FirstAttempt::Undecided,
+            Some(row) if row.inserted => FirstAttempt::Acquired,
+            Some(row) if row.live => FirstAttempt::Live(row.record),
+            Some(_) => FirstAttempt::Expired,
+        }
+    }
+}
+
 /// The reserve protocol shared by the SQL stores.
 ///
-/// `existing()` first reads the live record of the key, if any: that is
-/// the answer (a replay or a wait costs one read, and no write) — unless it
-/// is an in-flight record of the same fingerprint whose lease ran out.
+/// `first` is what a store's single-statement first attempt answered (a
+/// store without one passes [`FirstAttempt::Undecided`]): a record it wrote
+/// is the answer, and a row it read stands for the protocol's first read —
+/// the statement only inserts when its own snapshot holds no row for the
+/// key, so whatever it read is a committed record the protocol's read could
+/// have returned at that moment.
+///
+/// `existing()` reads the live record of the key, if any: that is the
+/// answer (a replay or a wait costs one read, and no write) — unless it is
+/// an in-flight record of the same fingerprint whose lease ran out.
 /// With no live record, `insert()` writes a new one (for the caller's owner
 /// token) unless a row stands (`Some` when it wrote); if one does (another
 /// caller inserted it meanwhile, or it is past its retention), `existing()`
@@ -160,10 +209,13 @@ pub(super) fn micros(duration: Duration) -> i64 {
 /// answers with a committed record, which is what the write's conflict
 /// would have led to as well.
 ///
-/// A replay costs one statement (a read), a first execution two (a read,
-/// then the insert), a takeover two or three.
+/// With a single-statement first attempt, a replay and a first execution
+/// each cost that one statement, a takeover two; without, a replay costs
+/// one statement (a read), a first execution two (a read, then the
+/// insert), a takeover two or three.
 pub(super) async fn reserve<I, T, E>(
     fingerprint: &Fingerprint,
+    first: FirstAttempt,
     mut insert: impl FnMut() -> I,
     mut take_over: impl FnMut() -> T,
     mut existing: impl FnMut() -> E,
@@ -174,22 +226,36 @@ where
     E: Future<Output = Result<Option<RecordRow>, sqlx::Error>>,
 {
     const ROUNDS: usize = 8;
+    // `Some(record)`: the first round's read is already done.
+    let mut read = match first {
+        FirstAttempt::Undecided => None,
+        FirstAttempt::Acquired => return Ok(Claim::Acquired { takeover: false }),
+        FirstAttempt::Live(row) => Some(Some(row.into_record()?)),
+        FirstAttempt::Expired => Some(None),
+    };
     for _ in 0..ROUNDS {
-        let mut record = existing()
-            .await
-            .map_err(store_error)?
-            .map(RecordRow::into_record)
-            .transpose()?;
-        if record.is_none() {
-            if let Some(takeover) = insert().await.map_err(store_error)? {
-                return Ok(Claim::Acquired { takeover });
+        let record = match read.take() {
+            Some(record) => record,
+            None => {
+                let record = existing()
+                    .await
+                    .map_err(store_error)?
+                    .map(RecordRow::into_record)
+                    .transpose()?;
+                if record.is_none() {
+                    if let Some(takeover) = insert().await.map_err(store_error)? {
+                        return Ok(Claim::Acquired { takeover });
+                    }
+                    existing()
+                        .await
+                        .map_err(store_error)?
+                        .map(RecordRow::into_record)
+                        .transpose()?
+                } else {
+                    record
+                }
             }
-            record = existing()
-                .await
-                .map_err(store_error)?
-                .map(RecordRow::into_record)
-                .transpose()?;
-        }
+        };
         let candidate = match record {
             Some(record) if !(record.lease_expired() && record.fingerprint == *fingerprint) => {
                 return Ok(Claim::Existing(record));
@@ -357,19 +423,79 @@ pub(super) struct Statements {
 ///
 /// A reservation is a `SELECT` of the live record, then (with none)
 /// `INSERT … ON CONFLICT DO NOTHING`, then (only when a record may be
-/// taken over) `UPDATE … WHERE <expired>`. Each write is atomic on its own, and a duplicate of a
-/// live record writes nothing: replays and polling waiters take no row lock
-/// and cost no commit flush.
+/// taken over) `UPDATE … WHERE <expired>`. Each write is atomic on its
+/// own, and a duplicate of a live record writes nothing: replays and
+/// polling waiters take no row lock and cost no commit flush.
+///
+/// With `insert_or_read = STATEMENT` (after `retry`), a reservation starts
+/// with that one statement instead, through the type's own `write_row` (a
+/// statement returning at most one [`InsertOrReadRow`]): it reads the key's
+/// row and, only when its snapshot holds none, inserts the caller's record
+/// (`ON CONFLICT DO NOTHING`), returning the record it wrote or the row it
+/// read — or no row when its insert met a row its snapshot could not see.
+/// Its answer enters [`reserve`] as the [`FirstAttempt`]; the protocol
+/// above runs only when it cannot decide (no row, or a record to take
+/// over). Parameters as for `insert`. Like every statement it is one
+/// autocommit statement, so a conflict undid all of it and it is retried
+/// like `insert`.
 ///
 /// With `retry = field`, statements the database rolls back for a conflict
 /// are run again for as long as `self.field` (a [`Duration`]) allows (see
 /// [`retrying`]); without it they are not retried.
 macro_rules! sql_store {
+    ($store:ty, $statements:expr, retry = $retry:ident, insert_or_read = $first:expr) => {
+        impl $store {
+            /// How long a conflicting statement is retried.
+            fn statement_retry_budget(&self) -> std::time::Duration {
+                self.$retry
+            }
+
+            /// The single-statement first attempt at a reservation, through
+            /// the store's `write_row`.
+            async fn first_attempt(
+                &self,
+                key: &$crate::store::ScopeKey,
+                fingerprint: &$crate::store::Fingerprint,
+                owner: &$crate::store::OwnerToken,
+                lease: std::time::Duration,
+                ttl: std::time::Duration,
+                principal: Option<&[u8]>,
+            ) -> Result<$crate::store::sql::FirstAttempt, $crate::store::StoreError> {
+                let row = $crate::store::sql::retrying(self.statement_retry_budget(), || {
+                    self.write_row(
+                        sqlx::query_as($first)
+                            .bind(key.as_bytes().as_slice())
+                            .bind(fingerprint.as_bytes().as_slice())
+                            .bind(owner.as_bytes().as_slice())
+                            .bind($crate::store::sql::micros(lease))
+                            .bind($crate::store::sql::micros(ttl))
+                            .bind(principal),
+                    )
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
+                Ok($crate::store::sql::FirstAttempt::from_row(row))
+            }
+        }
+        $crate::store::sql::sql_store!(@impl $store, $statements);
+    };
     ($store:ty, $statements:expr, retry = $retry:ident) => {
         impl $store {
             /// How long a conflicting statement is retried.
             fn statement_retry_budget(&self) -> std::time::Duration {
                 self.$retry
+            }
+            /// No single-statement first attempt: the protocol reads first.
+            async fn first_attempt(
+                &self,
+                _: &$crate::store::ScopeKey,
+                _: &$crate::store::Fingerprint,
+                _: &$crate::store::OwnerToken,
+                _: std::time::Duration,
+                _: std::time::Duration,
+                _: Option<&[u8]>,
+            ) -> Result<$crate::store::sql::FirstAttempt, $crate::store::StoreError> {
+                Ok($crate::store::sql::FirstAttempt::Undecided)
             }
         }
         $crate::store::sql::sql_store!(@impl $store, $statements);
@@ -379,6 +505,18 @@ macro_rules! sql_store {
             /// Conflicting statements are not retried.
             fn statement_retry_budget(&self) -> std::time::Duration {
                 std::time::Duration::ZERO
+            }
+            /// No single-statement first attempt: the protocol reads first.
+            async fn first_attempt(
+                &self,
+                _: &$crate::store::ScopeKey,
+                _: &$crate::store::Fingerprint,
+                _: &$crate::store::OwnerToken,
+                _: std::time::Duration,
+                _: std::time::Duration,
+                _: Option<&[u8]>,
+            ) -> Result<$crate::store::sql::FirstAttempt, $crate::store::StoreError> {
+                Ok($crate::store::sql::FirstAttempt::Undecided)
             }
         }
         $crate::store::sql::sql_store!(@impl $store, $statements);
@@ -411,6 +549,9 @@ macro_rules! sql_store {
                 principal: Option<&$crate::store::PrincipalHash>,
             ) -> Result<$crate::store::Claim, $crate::store::StoreError> {
                 let principal = principal.map(|p| p.as_bytes().to_vec());
+                let first = self
+                    .first_attempt(key, fingerprint, owner, lease, ttl, principal.as_deref())
+                    .await?;
                 let write = |statement: &'static str| {
                     let principal = principal.clone();
                     $crate::store::sql::retrying(self.statement_retry_budget(), move || {
@@ -428,6 +569,7 @@ macro_rules! sql_store {
                 };
                 $crate::store::sql::reserve(
                     fingerprint,
+                    first,
                     || write(Self::STATEMENTS.insert),
                     || write(Self::STATEMENTS.take_over),
                     || self.select_live(key),
