@@ -23,7 +23,8 @@
 //! column is skipped; without the peer (`cargo install
 //! idempotent-proxy-server --root tools`; `tools/bin` is looked in too)
 //! its columns are skipped. Nothing is downloaded. `LOAD_SECONDS` sets
-//! the time per cell (default 4), `CONCURRENCY` the list (`1,8,64,256`).
+//! the time per cell (default 4), `CONCURRENCY` the list (`1,8,64,256`),
+//! `TARGETS` a filter (`nginx,passthrough`: names containing either).
 //! Under `cargo test` it does nothing.
 
 mod common;
@@ -212,6 +213,11 @@ fn measure(
         ),
     }
 
+    // `TARGETS=nginx,passthrough`: only the configurations whose name
+    // contains one of these words.
+    if let Ok(only) = std::env::var("TARGETS") {
+        targets.retain(|t| only.split(',').any(|w| t.name.contains(w.trim())));
+    }
     let body = common::json_body(1024, 7);
     let body = String::from_utf8(body).map_err(|e| e.to_string())?;
     // Every replay target's key is completed, and checked to replay,
