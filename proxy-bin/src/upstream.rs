@@ -2,13 +2,15 @@
 //! exchange the proxy makes itself for covered requests.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderName};
-use http::{HeaderValue, Uri};
-use pingora_core::connectors::http::v1::Connector;
-use pingora_core::protocols::http::v1::client::HttpSession;
+use http::{HeaderValue, Method, Uri};
+use pingora_core::connectors::TransportConnector;
+use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession};
+use pingora_core::protocols::Stream;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType, RetryType};
 use pingora_http::RequestHeader;
@@ -31,7 +33,8 @@ pub struct Timeouts {
 pub struct Upstream {
     peer: HttpPeer,
     authority: HeaderValue,
-    connector: Connector,
+    connector: TransportConnector,
+    idle: Arc<Pool>,
     timeouts: Timeouts,
 }
 
@@ -86,11 +89,14 @@ impl Upstream {
         peer.options.read_timeout = Some(timeouts.read);
         peer.options.write_timeout = Some(timeouts.write);
         peer.options.idle_timeout = Some(timeouts.idle);
+        let idle = Arc::new(Pool::default());
+        Pool::sweep_every(Arc::downgrade(&idle), timeouts.idle);
         Ok(Upstream {
             peer,
             authority: HeaderValue::from_str(authority.as_str())
                 .map_err(|_| format!("bad upstream authority in `{url}`"))?,
-            connector: Connector::new(None),
+            connector: TransportConnector::new(None),
+            idle,
             timeouts,
         })
     }
@@ -115,20 +121,26 @@ impl Upstream {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (mut session, reused) =
-                self.connector
-                    .get_http_session(&self.peer)
-                    .await
-                    .map_err(|error| ExchangeError {
-                        // A connect timeout is an unreachable upstream: 502.
-                        timed_out: false,
-                        sent: false,
-                        error,
-                    })?;
-            session.read_timeout = Some(self.timeouts.read);
-            session.write_timeout = Some(self.timeouts.write);
-            match exchange_head(&mut session, request, body).await {
-                Ok(()) => return Ok(session),
+            let (stream, reused) = match self.idle.take(self.timeouts.idle) {
+                Some(stream) => (stream, true),
+                None => {
+                    let stream = self
+                        .connector
+                        .new_stream(&self.peer)
+                        .await
+                        .map_err(|error| {
+                            ExchangeError {
+                                // A connect timeout is an unreachable upstream: 502.
+                                timed_out: false,
+                                sent: false,
+                                error,
+                            }
+                        })?;
+                    (stream, false)
+                }
+            };
+            match self.exchange_head(stream, request, body).await {
+                Ok(session) => return Ok(session),
                 Err((sent, error)) => {
                     // Once the request head is written, the upstream may
                     // have acted on it: never send it a second time.
@@ -152,10 +164,11 @@ impl Upstream {
     }
 
     /// Returns a connection whose response was read to the end to the pool.
-    pub async fn release(&self, session: HttpSession) {
-        self.connector
-            .release_http_session(session, &self.peer, Some(self.timeouts.idle))
-            .await;
+    pub async fn release(&self, mut session: HttpSession) {
+        session.respect_keepalive();
+        if let Some(stream) = session.reuse().await {
+            self.idle.put(stream);
+        }
     }
 
     /// Adds the forwarding headers every request to the upstream carries:
@@ -184,39 +197,208 @@ impl Upstream {
     }
 }
 
+/// The most idle connections kept (Pingora's own pool keeps 128).
+const POOL_SIZE: usize = 128;
+
+/// Idle upstream connections, the most recently used first out.
+///
+/// Pingora's pool watches each idle connection with a task of its own and
+/// hands it over through that task (a spawn, a channel, a lock and two task
+/// wake-ups per request); this one is a list under a lock held for a push
+/// or a pop. An idle connection is checked when it is taken instead: one
+/// older than the idle timeout is closed, and one the upstream closed (or
+/// that has unexpected bytes waiting) is dropped and the next one tried.
+#[derive(Default)]
+struct Pool {
+    idle: Mutex<Vec<(Stream, Instant)>>,
+}
+
+impl Pool {
+    /// An idle connection still open and within `max_idle`, if there is one.
+    fn take(&self, max_idle: Duration) -> Option<Stream> {
+        loop {
+            let (mut stream, since) = self.lock().pop()?;
+            if since.elapsed() <= max_idle && still_open(&mut stream) {
+                return Some(stream);
+            }
+        }
+    }
+
+    /// Keeps a connection whose exchange ended cleanly; past
+    /// [`POOL_SIZE`], the oldest is closed.
+    fn put(&self, stream: Stream) {
+        let oldest = {
+            let mut idle = self.lock();
+            idle.push((stream, Instant::now()));
+            (idle.len() > POOL_SIZE).then(|| idle.remove(0))
+        };
+        drop(oldest);
+    }
+
+    /// Closes, from a thread of its own, the idle connections past
+    /// `max_idle` or closed by the upstream, so that a quiet proxy holds
+    /// none for long; the thread ends with the pool.
+    fn sweep_every(pool: std::sync::Weak<Pool>, max_idle: Duration) {
+        let interval = (max_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
+        let sweeper = std::thread::Builder::new()
+            .name("upstream-idle".into())
+            .spawn(move || loop {
+                std::thread::sleep(interval);
+                let Some(pool) = pool.upgrade() else { return };
+                let mut closed = Vec::new();
+                {
+                    let mut idle = pool.lock();
+                    let mut index = 0;
+                    while index < idle.len() {
+                        let (stream, since) = &mut idle[index];
+                        if since.elapsed() > max_idle || !still_open(stream) {
+                            closed.push(idle.remove(index));
+                        } else {
+                            index += 1;
+                        }
+                    }
+                }
+                drop(closed);
+            });
+        if let Err(error) = sweeper {
+            tracing::warn!(%error, "no idle upstream connection sweeper");
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(Stream, Instant)>> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Whether an idle connection can carry a request: nothing to read yet
+/// (a read would block). End of stream means the upstream closed it; bytes
+/// waiting on an idle connection are not an answer to anything.
+fn still_open(stream: &mut Stream) -> bool {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+    use tokio::io::AsyncReadExt;
+    let mut byte = [0u8; 1];
+    // Outside tokio's cooperative budget: a ready read must never look
+    // pending because the task used up its budget.
+    let mut read = std::pin::pin!(tokio::task::unconstrained(stream.read(&mut byte)));
+    read.as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+        .is_pending()
+}
+
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-/// Sends the request and reads the response head. An error says whether
-/// the request had been written whole (`true`) when it happened.
-async fn exchange_head(
-    session: &mut HttpSession,
-    request: &RequestHeader,
-    body: &Bytes,
-) -> Result<(), (bool, Box<Error>)> {
-    session
-        .write_request_header(Box::new(request.clone()))
-        .await
-        .map_err(|error| (false, error))?;
-    // The head is on the wire: the upstream may act on it alone (a handler
-    // that ignores the body answers and closes the connection, unread body
-    // and all), so from here on the request counts as sent.
-    let written = async {
-        if !body.is_empty() {
-            session.write_body(body).await?;
-        }
-        session.finish_body().await
-    }
-    .await;
-    if let Err(error) = written {
-        // An upstream that answered before reading the body: its answer,
-        // if it reached us, is the response.
-        return match read_head(session).await {
-            Ok(()) => Ok(()),
-            Err(_) => Err((true, error)),
+impl Upstream {
+    /// Sends the request on `stream` and reads the response head. An error
+    /// says whether the request head had been written whole (`true`) when
+    /// it happened.
+    ///
+    /// Head and body go out in one write (two system calls and two
+    /// wake-ups of the upstream became one); a HEAD request is written by
+    /// Pingora's session, which must know the method to read an answer
+    /// without a body.
+    async fn exchange_head(
+        &self,
+        mut stream: Stream,
+        request: &RequestHeader,
+        body: &Bytes,
+    ) -> Result<HttpSession, (bool, Box<Error>)> {
+        let session = |stream| {
+            let mut session = HttpSession::new_with_options(stream, &self.peer);
+            session.read_timeout = Some(self.timeouts.read);
+            session.write_timeout = Some(self.timeouts.write);
+            session
         };
+        if request.method == Method::HEAD {
+            let mut session = session(stream);
+            session
+                .write_request_header(Box::new(request.clone()))
+                .await
+                .map_err(|error| (false, error))?;
+            let finished = session.finish_body().await;
+            return match read_head(&mut session).await {
+                Ok(()) => Ok(session),
+                Err(error) => Err((true, finished.err().unwrap_or(error))),
+            };
+        }
+        let mut wire = http_req_header_to_wire(request).ok_or_else(|| {
+            (
+                false,
+                Error::explain(
+                    ErrorType::InvalidHTTPHeader,
+                    "the request line has a forbidden byte",
+                ),
+            )
+        })?;
+        let head_length = wire.len();
+        // A large body is written after the head rather than copied.
+        let rest: &[u8] = if body.len() <= COPIED_BODY_BYTES {
+            wire.extend_from_slice(body);
+            &[]
+        } else {
+            body
+        };
+        let mut written = 0;
+        let write = write_request(&mut stream, &wire, rest, &mut written);
+        let result = match tokio::time::timeout(self.timeouts.write, write).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::explain(
+                ErrorType::WriteTimedout,
+                "while writing the request (timeout)",
+            )),
+        };
+        // The head is on the wire: the upstream may act on it alone (a
+        // handler that ignores the body answers and closes the connection,
+        // unread body and all), so from here on the request counts as sent.
+        let sent = written >= head_length;
+        let mut session = session(stream);
+        match result {
+            Ok(()) => read_head(&mut session)
+                .await
+                .map(|()| session)
+                .map_err(|error| (true, error)),
+            Err(error) if !sent => Err((false, error)),
+            // An upstream that answered before reading the body: its
+            // answer, if it reached us, is the response.
+            Err(error) => match read_head(&mut session).await {
+                Ok(()) => Ok(session),
+                Err(_) => Err((true, error)),
+            },
+        }
     }
-    read_head(session).await.map_err(|error| (true, error))
+}
+
+/// Bodies up to this size are copied behind the request head and written
+/// with it.
+const COPIED_BODY_BYTES: usize = 64 * 1024;
+
+/// Writes `wire` then `rest`, counting in `written` the bytes of `wire`
+/// that went out.
+async fn write_request(
+    stream: &mut Stream,
+    wire: &[u8],
+    rest: &[u8],
+    written: &mut usize,
+) -> Result<(), Box<Error>> {
+    use tokio::io::AsyncWriteExt;
+    let failed = |e| Error::because(ErrorType::WriteError, "while writing the request", e);
+    while *written < wire.len() {
+        match stream.write(&wire[*written..]).await {
+            Ok(0) => {
+                return Err(Error::explain(
+                    ErrorType::WriteError,
+                    "the upstream connection closed while writing the request",
+                ))
+            }
+            Ok(n) => *written += n,
+            Err(e) => return Err(failed(e)),
+        }
+    }
+    if !rest.is_empty() {
+        stream.write_all(rest).await.map_err(failed)?;
+    }
+    stream.flush().await.map_err(failed)
 }
 
 /// Reads the response head, skipping interim responses (100 Continue, 103
