@@ -304,3 +304,186 @@ async fn express_runs_a_submission_once_in_any_case() {
         "one key, two submissions; answers: {answers:?}"
     );
 }
+
+/// The state a [`draining_backend`] shares with its test.
+struct Draining {
+    url: String,
+    /// Lets the upload connection read (drain) the upload's body.
+    resume: Arc<tokio::sync::Notify>,
+    /// Every byte the backend read as the body of `POST /uploads`.
+    upload_body: Arc<std::sync::Mutex<Vec<u8>>>,
+    /// Executions of `POST /orders`.
+    orders: Arc<AtomicUsize>,
+}
+
+/// A raw HTTP/1.1 backend that keeps connections alive and frames requests
+/// by `Content-Length`, as RFC 9112 says. `POST /uploads` is answered as
+/// soon as its head is read (201, before the body: a server may), and its
+/// body is read (drained, and kept) only once the test says `resume` —
+/// a busy server. `POST /orders` reads its body, counts, and answers
+/// `201 order-done`. The listening socket has a small receive buffer, so
+/// an unread upload fills it quickly.
+async fn draining_backend() -> Draining {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(64).unwrap();
+    let state = Draining {
+        url: format!("http://{}", listener.local_addr().unwrap()),
+        resume: Arc::new(tokio::sync::Notify::new()),
+        upload_body: Arc::default(),
+        orders: Arc::default(),
+    };
+    let (resume, upload_body, orders) = (
+        state.resume.clone(),
+        state.upload_body.clone(),
+        state.orders.clone(),
+    );
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let (resume, upload_body, orders) =
+                (resume.clone(), upload_body.clone(), orders.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = vec![0u8; 64 * 1024];
+                loop {
+                    let end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    buf.drain(..end);
+                    let length: usize = head
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    let upload = head.contains(" /uploads ");
+                    if upload {
+                        let answer = b"HTTP/1.1 201 Created\r\nContent-Length: 8\r\n\r\nuploaded";
+                        if conn.write_all(answer).await.is_err() {
+                            return;
+                        }
+                        resume.notified().await;
+                    }
+                    let mut body = Vec::new();
+                    while body.len() + buf.len() < length {
+                        body.append(&mut buf);
+                        if upload {
+                            upload_body.lock().unwrap().clone_from(&body);
+                        }
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let rest = length - body.len();
+                    body.extend(buf.drain(..rest));
+                    if upload {
+                        upload_body.lock().unwrap().clone_from(&body);
+                        continue;
+                    }
+                    orders.fetch_add(1, Ordering::SeqCst);
+                    let answer = b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done";
+                    if conn.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    state
+}
+
+/// Scenario: the proxy's own upstream pool takes back a connection whose
+/// request was never written whole. Client A uploads 12 MiB to a covered
+/// route; the backend answers 201 from the head (as RFC 9112 allows) but
+/// is busy and reads nothing for a while, so the proxy's write of the body
+/// stalls past `write_timeout`. `Upstream::exchange_head` then reads the
+/// answer ("the upstream answered before reading the body"), relays the
+/// 201 — and `Upstream::release` pools the connection: Pingora's session
+/// never saw the request, so nothing marks it unfinished. The next covered
+/// request, client B's `POST /orders` carrying its credentials, is written
+/// on that connection, where the backend (framing by `Content-Length`, as
+/// it must) reads it as the rest of A's upload body. Impact ("never leaks
+/// one"; "at most one execution", "loses nothing"): B's whole request,
+/// headers and body, is delivered to A's endpoint as A's data (classic
+/// request smuggling: A's upload stores B's `Authorization`), B's order is
+/// never executed, and B gets a 504 after `read_timeout` with its key kept
+/// as "outcome unknown". Minimal reproduction: this test (small backend
+/// receive buffer, `write_timeout = "300ms"`, one large upload, then one
+/// small POST). Fix: never pool a connection whose request body was not
+/// written whole (close it when `exchange_head`'s write failed or timed
+/// out).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "BREAK: a connection whose request body write timed out is pooled; the next client's request is smuggled into the previous upload"]
+async fn a_request_body_cut_by_write_timeout_never_carries_the_next_request() {
+    let backend = draining_backend().await;
+    let dir = temp_dir("breaks-write-timeout-pool");
+    let config = r#"
+[proxy]
+write_timeout = "300ms"
+read_timeout = "3s"
+
+[[route]]
+path = "/uploads"
+required = true
+max_body_bytes = 16777216
+
+[[route]]
+path = "/orders"
+required = true
+"#;
+    let proxy = Proxy::start(ProxyArgs::new(backend.url.clone(), config, &dir))
+        .await
+        .owning(dir);
+    let upload = proxy
+        .send(
+            "POST",
+            "/uploads",
+            &[
+                ("idempotency-key", "upload-a"),
+                ("content-type", "application/octet-stream"),
+            ],
+            vec![b'a'; 12 << 20],
+        )
+        .await;
+    assert_eq!(upload.status, 201, "{}", upload.text());
+    // The backend gets to the upload's body now; B comes after.
+    backend.resume.notify_one();
+    let order = proxy
+        .send(
+            "POST",
+            "/orders",
+            &[
+                ("idempotency-key", "order-b"),
+                ("authorization", "Bearer secret-of-client-b"),
+                ("content-type", "application/json"),
+            ],
+            r#"{"item":"b"}"#,
+        )
+        .await;
+    let smuggled = backend
+        .upload_body
+        .lock()
+        .unwrap()
+        .windows(b"secret-of-client-b".len())
+        .any(|w| w == b"secret-of-client-b");
+    assert!(
+        !smuggled,
+        "client B's request (with its credentials) was read as client A's upload body; B got {} {}",
+        order.status,
+        order.text()
+    );
+    assert_eq!(order.status, 201, "{}", order.text());
+    assert_eq!(order.text(), "order-done");
+    assert_eq!(backend.orders.load(Ordering::SeqCst), 1);
+}
