@@ -1293,3 +1293,73 @@ async fn a_php_reading_of_method_override_does_not_skip_a_required_route() {
         "keyless updates the backend runs as PUT reached it: {skipped:?}"
     );
 }
+
+/// Whether Rails routes `path` to `/contacts(.:format)`: its format
+/// segment is `[^/.?]+` (Journey's default requirement), and the router
+/// drops one trailing slash first.
+fn rails_routes_to_contacts(path: &str) -> bool {
+    let path = path.strip_suffix('/').unwrap_or(path);
+    match path.strip_prefix("/contacts") {
+        Some("") => true,
+        Some(rest) => rest
+            .strip_prefix('.')
+            .is_some_and(|format| !format.is_empty() && !format.contains(['/', '.', '?'])),
+        None => false,
+    }
+}
+
+/// Scenario: the Rails recipe (`path = "/contacts"`, `required`) in front
+/// of Rails, whose resource route is `/contacts(.:format)` with any format
+/// matching `[^/.?]+`. `strip_format_suffix` only strips suffixes of
+/// letters, digits and `_`, so `POST /contacts.x-y` (or `.json~`, `.a+b`,
+/// `.j$on`) is not covered, while Rails runs `ContactsController#create`
+/// for it (the scaffold's `@contact.save` runs inside `respond_to` before
+/// an unknown format is refused with 406; an API controller's `render
+/// json:` ignores the format). Impact ("at most one execution"; a
+/// `required` route skipped): a form without a token reaches the backend,
+/// and each retry with one token creates again. Minimal reproduction:
+/// `POST /contacts.x-y` with `name=Ada` → forwarded. Fix: strip any
+/// `[^/.?]+` suffix (Rails' reading), or cover a path when any suffix
+/// stripped reading is covered.
+#[tokio::test]
+#[ignore = "BREAK: a format suffix with `-`, `~`, `+` or `$` (Rails routes it) skips the required /contacts route"]
+async fn any_rails_format_suffix_does_not_skip_a_required_route() {
+    let policy = Policy {
+        key: KeySource::FormField("submission_token".into()),
+        required: true,
+        ..Policy::default()
+    };
+    let routes = Routes::new().route("/contacts", policy).unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let status = if rails_routes_to_contacts(request.uri().path()) {
+            StatusCode::SEE_OTHER
+        } else {
+            StatusCode::NOT_FOUND
+        };
+        Response::builder()
+            .status(status)
+            .header(header::LOCATION, format!("/contacts/{n}"))
+            .body(Body::empty())
+            .unwrap()
+    });
+    let mut skipped = Vec::new();
+    for path in [
+        "/contacts.json/",
+        "/contacts.x-y",
+        "/contacts.json~",
+        "/contacts.a+b",
+        "/contacts.j$on",
+    ] {
+        assert!(rails_routes_to_contacts(path), "{path}");
+        let before = app.calls();
+        let keyless = app.send(form_post(path, "name=Ada")).await;
+        if keyless.status != StatusCode::BAD_REQUEST || app.calls() != before {
+            skipped.push(format!("{path} -> {}", keyless.status));
+        }
+    }
+    assert!(
+        skipped.is_empty(),
+        "forms without a token reached Rails' create: {skipped:?}"
+    );
+}
