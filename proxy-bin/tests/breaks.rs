@@ -456,8 +456,8 @@ required = true
             vec![b'a'; 12 << 20],
         )
         .await;
-    assert_eq!(upload.status, 201, "{}", upload.text());
-    // The backend gets to the upload's body now; B comes after.
+    // Whatever A is answered (the backend's 201 today), the backend gets
+    // to the upload's body now; B comes after.
     backend.resume.notify_one();
     let order = proxy
         .send(
@@ -479,7 +479,8 @@ required = true
         .any(|w| w == b"secret-of-client-b");
     assert!(
         !smuggled,
-        "client B's request (with its credentials) was read as client A's upload body; B got {} {}",
+        "client B's request (with its credentials) was read as client A's upload body; A got {}, B got {} {}",
+        upload.status,
         order.status,
         order.text()
     );
@@ -616,11 +617,9 @@ required = true
         assert!(n > 0, "the proxy closed A's connection: {answer:?}");
         answer.extend_from_slice(&chunk[..n]);
     }
-    assert!(
-        answer.starts_with(b"HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&answer)
-    );
+    // Any answer will do (200 from the backend today; a refusal would be
+    // a fix): what matters is the next client's request.
+    assert!(answer.starts_with(b"HTTP/1.1 "));
     // Client B: an ordinary covered order.
     let order = proxy
         .send(
