@@ -113,11 +113,7 @@ impl Upstream {
     /// Pingora classifies the failure `ReusedOnly`). Once the request was
     /// written whole, the upstream may have acted on it: it is never sent
     /// twice, the caller answers 502 and releases the key.
-    pub async fn send(
-        &self,
-        request: &RequestHeader,
-        body: &Bytes,
-    ) -> Result<HttpSession, ExchangeError> {
+    pub async fn send(&self, request: &RequestHeader, body: &Bytes) -> Result<Sent, ExchangeError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -163,8 +159,19 @@ impl Upstream {
         }
     }
 
-    /// Returns a connection whose response was read to the end to the pool.
-    pub async fn release(&self, mut session: HttpSession) {
+    /// Returns a connection whose response was read to the end to the
+    /// pool, unless its request was not written whole (see [`Sent`]).
+    pub async fn release(&self, sent: Sent) {
+        let Sent {
+            mut session,
+            reusable,
+        } = sent;
+        if !reusable {
+            // Closed: the upstream may still read the rest of the old
+            // request from it, or the next request as the old one's body.
+            session.shutdown().await;
+            return;
+        }
         session.respect_keepalive();
         if let Some(stream) = session.reuse().await {
             self.idle.put(stream);
@@ -303,7 +310,7 @@ impl Upstream {
         mut stream: Stream,
         request: &RequestHeader,
         body: &Bytes,
-    ) -> Result<HttpSession, (bool, Box<Error>)> {
+    ) -> Result<Sent, (bool, Box<Error>)> {
         let session = |stream| {
             let mut session = HttpSession::new_with_options(stream, &self.peer);
             session.read_timeout = Some(self.timeouts.read);
@@ -316,9 +323,19 @@ impl Upstream {
                 .write_request_header(Box::new(request.clone()))
                 .await
                 .map_err(|error| (false, error))?;
-            let finished = session.finish_body().await;
+            // A HEAD may carry a body (its head says how long): it is
+            // written too, or the upstream would read the next request as
+            // its rest; and the connection is not reused after it.
+            let written = match body.is_empty() {
+                true => Ok(None),
+                false => session.write_body(body).await,
+            };
+            let finished = written.and(session.finish_body().await);
             return match read_head(&mut session).await {
-                Ok(()) => Ok(session),
+                Ok(()) => Ok(Sent {
+                    session,
+                    reusable: finished.is_ok() && body.is_empty(),
+                }),
                 Err(error) => Err((true, finished.err().unwrap_or(error))),
             };
         }
@@ -356,16 +373,47 @@ impl Upstream {
         match result {
             Ok(()) => read_head(&mut session)
                 .await
-                .map(|()| session)
+                .map(|()| Sent {
+                    session,
+                    reusable: true,
+                })
                 .map_err(|error| (true, error)),
             Err(error) if !sent => Err((false, error)),
             // An upstream that answered before reading the body: its
-            // answer, if it reached us, is the response.
+            // answer, if it reached us, is the response; the connection,
+            // with part of the body unwritten, is never reused.
             Err(error) => match read_head(&mut session).await {
-                Ok(()) => Ok(session),
+                Ok(()) => Ok(Sent {
+                    session,
+                    reusable: false,
+                }),
                 Err(_) => Err((true, error)),
             },
         }
+    }
+}
+
+/// A request on its way: the upstream session with the response head read,
+/// and whether the connection may carry another request once the response
+/// is read to the end. It may not when the request was not written whole
+/// (the upstream answered first): the upstream could read the next request
+/// as the rest of this one's body.
+pub struct Sent {
+    session: HttpSession,
+    reusable: bool,
+}
+
+impl std::ops::Deref for Sent {
+    type Target = HttpSession;
+
+    fn deref(&self) -> &HttpSession {
+        &self.session
+    }
+}
+
+impl std::ops::DerefMut for Sent {
+    fn deref_mut(&mut self) -> &mut HttpSession {
+        &mut self.session
     }
 }
 

@@ -424,7 +424,6 @@ async fn draining_backend() -> Draining {
 /// written whole (close it when `exchange_head`'s write failed or timed
 /// out).
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "BREAK: a connection whose request body write timed out is pooled; the next client's request is smuggled into the previous upload"]
 async fn a_request_body_cut_by_write_timeout_never_carries_the_next_request() {
     let backend = draining_backend().await;
     let dir = temp_dir("breaks-write-timeout-pool");
@@ -589,7 +588,6 @@ async fn framing_backend() -> (String, Arc<AtomicUsize>) {
 /// (or refuse/strip a `HEAD` body and send `Content-Length: 0`), and never
 /// pool a connection whose request body was not written whole.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "BREAK: a HEAD with a body is forwarded with its Content-Length but without its body; the pooled connection eats the next client's request"]
 async fn a_head_with_a_body_never_desynchronises_the_pool() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (upstream, orders) = framing_backend().await;
