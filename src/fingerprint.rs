@@ -147,26 +147,8 @@ fn sort_as_php_reads<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
         .any(|field| name(field).iter().any(|b| matches!(b, b' ' | b'.' | b'[')));
     match mangled {
         false => fields.sort_by(|a, b| name(a).cmp(name(b))),
-        true => fields.sort_by_cached_key(|field| php_name(name(field))),
+        true => fields.sort_by_cached_key(|field| crate::formats::php_name(name(field))),
     }
-}
-
-/// The name PHP registers a form field under: leading spaces dropped, and
-/// before the first `[`, spaces and dots read as `_`; a `[` without a
-/// closing `]` reads as `_` too.
-fn php_name(raw: &[u8]) -> Vec<u8> {
-    let raw = &raw[raw.iter().take_while(|&&b| b == b' ').count()..];
-    let mut name = raw.to_vec();
-    let base = raw.iter().position(|&b| b == b'[').unwrap_or(raw.len());
-    for byte in &mut name[..base] {
-        if matches!(*byte, b' ' | b'.') {
-            *byte = b'_';
-        }
-    }
-    if base < raw.len() && !raw[base..].contains(&b']') {
-        name[base] = b'_';
-    }
-    name
 }
 
 fn excluded(names: &[String], name: &[u8]) -> bool {

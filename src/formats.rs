@@ -91,6 +91,31 @@ impl<'a> View<'a> {
         View { bytes: body, kind }
     }
 
+    /// The values of every form field (urlencoded or multipart) whose name
+    /// PHP reads as `name` ([`php_name`]: ` _method` and `.method` are
+    /// `_method`), in order; none for other bodies.
+    pub fn fields_read_as(&self, name: &str) -> Vec<&[u8]> {
+        let named = |raw: &[u8]| raw == name.as_bytes() || php_name(raw) == name.as_bytes();
+        match &self.kind {
+            Kind::Form(pairs) => pairs
+                .iter()
+                .filter(|(n, _)| named(n))
+                .map(|(_, v)| &v[..])
+                .collect(),
+            Kind::Multipart(parts) => parts
+                .iter()
+                .filter(|part| named(part.name))
+                .map(|part| part.data)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether the body is JSON by its content type.
+    pub fn is_json(&self) -> bool {
+        matches!(self.kind, Kind::Json)
+    }
+
     /// The value of the first form field (urlencoded or multipart) named
     /// `name`; `None` for other bodies.
     pub fn field(&self, name: &str) -> Option<&[u8]> {
@@ -106,6 +131,24 @@ impl<'a> View<'a> {
             _ => None,
         }
     }
+}
+
+/// The name PHP registers a form field under: leading spaces dropped, and
+/// before the first `[`, spaces and dots read as `_`; a `[` without a
+/// closing `]` reads as `_` too.
+pub(crate) fn php_name(raw: &[u8]) -> Vec<u8> {
+    let raw = &raw[raw.iter().take_while(|&&b| b == b' ').count()..];
+    let mut name = raw.to_vec();
+    let base = raw.iter().position(|&b| b == b'[').unwrap_or(raw.len());
+    for byte in &mut name[..base] {
+        if matches!(*byte, b' ' | b'.') {
+            *byte = b'_';
+        }
+    }
+    if base < raw.len() && !raw[base..].contains(&b']') {
+        name[base] = b'_';
+    }
+    name
 }
 
 /// Decodes `application/x-www-form-urlencoded` into (name, value) pairs,

@@ -7,7 +7,7 @@
 //! [`KeyError::Ambiguous`]). Anything else is a [`KeyError`], which the
 //! engine answers with 400 before anything is reserved.
 
-mod json;
+pub(crate) mod json;
 
 use http::{HeaderMap, Uri};
 

@@ -160,30 +160,51 @@ impl Engine {
     }
 }
 
-/// The `_method` field (form body or query) and the header by which a
-/// `POST` names the method backends dispatch it as: Laravel and Symfony
-/// read the header, then the form's field, then the query's; Rails
-/// (`Rack::MethodOverride`) the form's field, then the header; Express's
-/// `method-override` the header.
+/// The `_method` field (form or JSON body, or query) and the header by
+/// which a `POST` names the method backends dispatch it as: Laravel and
+/// Symfony read the header, then the body's field (a JSON body's too, in
+/// Laravel), then the query's; Rails (`Rack::MethodOverride`) the form's
+/// field, then the header; Express's `method-override` the header's first
+/// listed value.
 const OVERRIDE_FIELD: &str = "_method";
 const OVERRIDE_HEADER: &str = "x-http-method-override";
 
-/// The methods a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
-/// each upper-cased, in the order: header, form field (when `body` is
-/// given), query. Nothing for any other method.
+/// Every method a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
+/// each upper-cased, in the order: the header's listed values, the body's
+/// fields (when `body` is given), the query's. Every reading counts: each
+/// value of a repeated field (PHP and Rack read the last, others the
+/// first), fields PHP reads as `_method` (`.method`, ` _method`), a JSON
+/// body's top-level member. Nothing for any other method.
 fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     if !is_post(head.method) {
         return Vec::new();
     }
-    let header = head.headers.get(OVERRIDE_HEADER).map(|v| v.as_bytes());
-    let field = body.and_then(|body| body.field(OVERRIDE_FIELD));
-    let query = head
-        .uri
-        .query()
-        .and_then(|query| formats::form_value(query.as_bytes(), OVERRIDE_FIELD));
-    [header, field, query.as_deref()]
+    let mut named: Vec<Vec<u8>> = Vec::new();
+    for value in head.headers.get_all(OVERRIDE_HEADER) {
+        let listed = value.as_bytes().split(|&b| b == b',');
+        named.extend(listed.map(|name| name.trim_ascii().to_vec()));
+    }
+    if let Some(body) = body {
+        named.extend(
+            body.fields_read_as(OVERRIDE_FIELD)
+                .into_iter()
+                .map(<[u8]>::to_vec),
+        );
+        if body.is_json() {
+            let member = [OVERRIDE_FIELD.to_owned()];
+            if let key::json::Found::String(name) = key::json::value_at(body.bytes, &member) {
+                named.push(name);
+            }
+        }
+    }
+    if let Some(query) = head.uri.query() {
+        let fields = formats::form_pairs(query.as_bytes());
+        named.extend(fields.filter_map(|(name, value)| {
+            (formats::php_name(&name) == OVERRIDE_FIELD.as_bytes()).then_some(value)
+        }));
+    }
+    named
         .into_iter()
-        .flatten()
         .filter_map(|name| Method::from_bytes(&name.to_ascii_uppercase()).ok())
         .collect()
 }
@@ -194,13 +215,14 @@ fn is_post(method: &Method) -> bool {
 }
 
 /// The methods a `POST` may stand for, read before its body:
-/// [`overrides`] without the form field, and, for a form body (whose
+/// [`overrides`] without the body's, and, for a form or JSON body (whose
 /// `_method` is read with it), `PUT`, `PATCH` and `DELETE`.
 fn override_guesses(head: &RequestHead<'_>) -> Vec<Method> {
     let mut guesses = overrides(head, None);
     let content_type = formats::content_type(head.headers);
     let form = formats::is_media_type(content_type, "application/x-www-form-urlencoded")
-        || formats::is_media_type(content_type, "multipart/form-data");
+        || formats::is_media_type(content_type, "multipart/form-data")
+        || formats::is_json(content_type);
     if form && is_post(head.method) {
         guesses.extend([Method::PUT, Method::PATCH, Method::DELETE]);
     }

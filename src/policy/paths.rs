@@ -51,18 +51,13 @@ pub(super) fn strip_segment_parameters(path: &str) -> std::borrow::Cow<'_, str> 
 /// `path` without the format suffix of its last segment (`/contacts.json`
 /// is `/contacts`), which Rails routes as the same action
 /// (`/contacts(.:format)`); `None` when the last segment has none. A
-/// suffix is a `.` after at least one character, followed by letters,
-/// digits or `_`.
+/// suffix is a `.` after at least one character, followed by anything
+/// but `/` and `.` (Rails' `[^/.?]+`).
 pub(super) fn strip_format_suffix(path: &str) -> Option<&str> {
     let segment = path.rfind('/').map_or(0, |i| i + 1);
     let dot = segment + path[segment..].rfind('.')?;
     let suffix = &path[dot + 1..];
-    let is_format = dot > segment
-        && !suffix.is_empty()
-        && suffix
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_');
-    is_format.then(|| &path[..dot])
+    (dot > segment && !suffix.is_empty()).then(|| &path[..dot])
 }
 
 /// The host a request's key is scoped by: the URI's authority, else the
