@@ -298,31 +298,55 @@ impl Routes {
         self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
     }
 
-    /// [`Routes::decide`] for normalised `path`, and when nothing covers
+    /// [`Routes::decide`] for normalised `path`, and when no route matches
     /// it, for `path` without its format suffix (`/contacts.html`, which
-    /// Rails routes as `/contacts`).
+    /// Rails routes as `/contacts`). A route that leaves the full path
+    /// alone (`exclude`, `enabled = false`) decides for it: that is how a
+    /// path such as `/upload.php` beside a covered `/upload` is left alone.
     fn decide_formatted(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        self.decide(method, path)
-            .or_else(|| self.decide(method, strip_format_suffix(path)?))
+        match self.decide(method, path) {
+            Decision::Covered(policy) => Some(policy),
+            Decision::LeftAlone => None,
+            Decision::Unmatched => self.decide(method, strip_format_suffix(path)?).covered(),
+        }
     }
 
     /// The first route matching normalised `path` and `method` decides.
-    fn decide(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+    fn decide(&self, method: &Method, path: &str) -> Decision<'_> {
         for route in &self.routes {
             if !route.path.matches(path) {
                 continue;
             }
             match &route.policy {
-                None => return None,
-                Some(policy) if policy.applies_to(method) => return Some(policy),
+                None => return Decision::LeftAlone,
+                Some(policy) if policy.applies_to(method) => return Decision::Covered(policy),
                 Some(_) => {}
             }
         }
-        None
+        Decision::Unmatched
     }
 
     /// The routes, in order.
     pub fn iter(&self) -> impl Iterator<Item = &Route> {
         self.routes.iter()
+    }
+}
+
+/// What the route table says about one normalised path and method.
+enum Decision<'a> {
+    /// The first matching route covers the method.
+    Covered(&'a Arc<RoutePolicy>),
+    /// The first matching route leaves the path alone.
+    LeftAlone,
+    /// No route matches (or none covers the method).
+    Unmatched,
+}
+
+impl<'a> Decision<'a> {
+    fn covered(self) -> Option<&'a Arc<RoutePolicy>> {
+        match self {
+            Decision::Covered(policy) => Some(policy),
+            _ => None,
+        }
     }
 }

@@ -201,6 +201,20 @@ fn a_format_suffix_is_read_both_ways() {
     }
 }
 
+/// A route for the full path decides before the reading without a format
+/// suffix: an exclusion leaves `/upload.php` alone beside `/upload`.
+#[test]
+fn an_exclusion_of_the_full_path_wins_over_its_format_suffix() {
+    let routes = Routes::new()
+        .exclude("/upload.php")
+        .unwrap()
+        .route("/upload", Policy::default())
+        .unwrap();
+    assert!(routes.find(&Method::POST, "/upload.php").is_none());
+    assert!(routes.find(&Method::POST, "/upload.json").is_some());
+    assert!(routes.find(&Method::POST, "/upload").is_some());
+}
+
 #[test]
 fn silent_gaps_are_refused_at_start() {
     let empty = Policy {
