@@ -1424,3 +1424,85 @@ async fn a_listed_method_override_header_does_not_skip_a_required_route() {
         "keyless updates Express runs as PUT reached it: {skipped:?}"
     );
 }
+
+/// Scenarios from a review of the method-override readings: a `POST`
+/// route of its own (a catch-all with an optional header key) must not
+/// hide the required `PUT` route the form names; of two routes for the
+/// path, the one for the method named in the body decides, whatever the
+/// order of the guesses; a body without a content type names a method to
+/// Rack; a repeated field names its last value to PHP, however long the
+/// list. Each keyless update must get 400 and never reach the backend.
+#[tokio::test]
+async fn a_named_method_decides_over_the_posts_own_route_and_every_guess() {
+    let required = |methods: &[&str]| Policy {
+        methods: methods.iter().map(|m| m.to_string()).collect(),
+        required: true,
+        ..Policy::default()
+    };
+    let optional = |methods: &[&str]| Policy {
+        methods: methods.iter().map(|m| m.to_string()).collect(),
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/x", optional(&["PUT"]))
+        .unwrap()
+        .route("/x", required(&["PATCH"]))
+        .unwrap()
+        .route("/orders/*", required(&["PUT"]))
+        .unwrap()
+        .route("/", optional(&["POST"]))
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("x-update", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let long = format!("{}_method=PUT", "_method=A&".repeat(20_000));
+    let cases: Vec<(&str, Option<&str>, String)> = vec![
+        (
+            "/orders/1",
+            Some("application/x-www-form-urlencoded"),
+            "_method=PUT".into(),
+        ),
+        (
+            "/x",
+            Some("application/x-www-form-urlencoded"),
+            "_method=PATCH".into(),
+        ),
+        ("/orders/1", None, "_method=PUT&qty=1".into()),
+        ("/orders/1", Some("application/x-www-form-urlencoded"), long),
+    ];
+    for (path, content_type, body) in cases {
+        let mut request = Request::post(path);
+        if let Some(content_type) = content_type {
+            request = request.header(header::CONTENT_TYPE, content_type);
+        }
+        let reply = app
+            .send(request.body(Full::new(Bytes::from(body.clone()))).unwrap())
+            .await;
+        let shown = &body[body.len().saturating_sub(40)..];
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{path} {content_type:?} …{shown}"
+        );
+    }
+    assert_eq!(app.calls(), 0);
+    // A plain POST under the catch-all still passes, key or not.
+    let plain = Request::post("/orders/1")
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .body(Full::new(Bytes::from_static(b"qty=1")))
+        .unwrap();
+    assert_eq!(app.send(plain).await.status, StatusCode::OK);
+    // A header listing thousands of values is read for its first.
+    let listed = format!("PATCH{}", ",A".repeat(50_000));
+    let request = Request::post("/x")
+        .header("x-http-method-override", listed)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    assert_eq!(app.send(request).await.status, StatusCode::BAD_REQUEST);
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use http::{HeaderMap, Method, Uri};
 
 use super::Engine;
-use crate::formats::{self, View};
+use crate::formats::{self, Kind, View};
 use crate::key;
 use crate::metrics::Event;
 use crate::policy::{KeySource, PathPattern, RoutePolicy, Routes};
@@ -105,14 +105,16 @@ impl Engine {
     /// Whether the engine decides about this request. A pass-through is
     /// counted ([`Event::Passthrough`]); nothing else is recorded.
     pub fn classify(&self, head: &RequestHead<'_>) -> Coverage {
-        let Some(policy) = self.route_of(head) else {
-            self.inner.metrics.record(Event::Passthrough);
-            return Coverage::PassThrough;
+        let candidates = self.routes_of(head);
+        // Every route the request may be dispatched under must let it pass
+        // before its body is read.
+        let policy = match candidates.first() {
+            Some(&policy) if !candidates.iter().all(|p| passes_without_key(p, head)) => policy,
+            _ => {
+                self.inner.metrics.record(Event::Passthrough);
+                return Coverage::PassThrough;
+            }
         };
-        if passes_without_key(policy, head) {
-            self.inner.metrics.record(Event::Passthrough);
-            return Coverage::PassThrough;
-        }
         Coverage::Covered(Covered {
             label: self.inner.labels.get(policy),
             policy: policy.clone(),
@@ -122,41 +124,61 @@ impl Engine {
 }
 
 impl Engine {
-    /// The policy of the route that covers `head`'s method and path, if
-    /// any: the one rule [`Engine::classify`] and the operator's lookups
-    /// ([`Engine::scope_of`]) share. A `POST` that no route covers is
-    /// also read as each method it may stand for ([`override_guesses`]):
-    /// backends dispatch it as the method it names.
+    /// The policy of the route that covers `head`'s own method and path,
+    /// if any: the rule the operator's lookups ([`Engine::scope_of`])
+    /// use, which name the method the backend dispatched.
     pub(super) fn route_of(&self, head: &RequestHead<'_>) -> Option<&Arc<RoutePolicy>> {
+        self.inner.routes.find(head.method, head.uri.path())
+    }
+
+    /// Every route a request may be dispatched under, read before its
+    /// body, in the order [`Engine::dispatched`] prefers them: for a
+    /// `POST`, the routes of the methods its header or query names, its
+    /// own, then (a form or JSON body may name one) those of `PUT`,
+    /// `PATCH` and `DELETE`; for any other method, its own.
+    fn routes_of(&self, head: &RequestHead<'_>) -> Vec<&Arc<RoutePolicy>> {
         let routes = &self.inner.routes;
         let path = head.uri.path();
-        routes.find(head.method, path).or_else(|| {
-            override_guesses(head)
-                .iter()
-                .find_map(|method| routes.find(method, path))
-        })
+        let mut methods = overrides(head, None);
+        methods.push(head.method.clone());
+        if may_name_in_body(head) {
+            methods.extend([Method::PUT, Method::PATCH, Method::DELETE]);
+        }
+        let mut found: Vec<&Arc<RoutePolicy>> = Vec::new();
+        for method in &methods {
+            if let Some(route) = routes.find(method, path) {
+                if !found.iter().any(|known| Arc::ptr_eq(known, route)) {
+                    found.push(route);
+                }
+            }
+        }
+        found
     }
 
     /// The method a covered request is dispatched as, and the route that
-    /// covers it, now that its body is read: its own method when `policy`
-    /// covers it (`None`); otherwise (a `POST` covered through
-    /// [`Engine::route_of`]'s guesses) the first method it names, in
-    /// [`overrides`]' order, that a route covers. `None` when none is:
-    /// the request is not covered after all.
+    /// covers it, now that its body is read: for a `POST`, the first
+    /// method it names ([`overrides`]) that a route covers; else its own
+    /// method (`None`) under `covered` (the route it was classified under)
+    /// when that covers it, or its own method's route. `None` when no
+    /// route covers either: the request is not covered after all.
     pub(super) fn dispatched<'r>(
         &'r self,
-        policy: &'r Arc<RoutePolicy>,
+        covered: &'r Arc<RoutePolicy>,
         head: &RequestHead<'_>,
         body: &View<'_>,
     ) -> Option<(Option<Method>, &'r Arc<RoutePolicy>)> {
-        if policy.applies_to(head.method) {
-            return Some((None, policy));
-        }
         let path = head.uri.path();
-        overrides(head, Some(body)).into_iter().find_map(|method| {
+        let named = overrides(head, Some(body)).into_iter().find_map(|method| {
             let route = self.inner.routes.find(&method, path)?;
             Some((Some(method), route))
-        })
+        });
+        if named.is_some() {
+            return named;
+        }
+        match covered.applies_to(head.method) {
+            true => Some((None, covered)),
+            false => Some((None, self.route_of(head)?)),
+        }
     }
 }
 
@@ -170,43 +192,86 @@ const OVERRIDE_FIELD: &str = "_method";
 const OVERRIDE_HEADER: &str = "x-http-method-override";
 
 /// Every method a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
-/// each upper-cased, in the order: the header's listed values, the body's
-/// fields (when `body` is given), the query's. Every reading counts: each
-/// value of a repeated field (PHP and Rack read the last, others the
-/// first), fields PHP reads as `_method` (`.method`, ` _method`), a JSON
-/// body's top-level member. Nothing for any other method.
+/// upper-cased and distinct, in the order: the header's first listed
+/// value, the body's field (when `body` is given), the query's. Each
+/// backend's reading counts: the first and the last of a repeated field
+/// (PHP and Rack read the last, others the first), fields PHP reads as
+/// `_method` (`.method`, ` _method`), a JSON body's top-level member, a
+/// body without a content type read as a form (Rack). Nothing for any
+/// other method.
 fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
+    let mut named = Named(Vec::new());
     if !is_post(head.method) {
-        return Vec::new();
+        return named.0;
     }
-    let mut named: Vec<Vec<u8>> = Vec::new();
-    for value in head.headers.get_all(OVERRIDE_HEADER) {
-        let listed = value.as_bytes().split(|&b| b == b',');
-        named.extend(listed.map(|name| name.trim_ascii().to_vec()));
+    // Express reads the first listed value (of the header's lines, joined
+    // as Node joins them); Symfony and Rack the whole value, which names a
+    // method only when it lists one.
+    if let Some(value) = head.headers.get(OVERRIDE_HEADER) {
+        named.add(
+            value
+                .as_bytes()
+                .split(|&b| b == b',')
+                .next()
+                .unwrap_or_default()
+                .trim_ascii(),
+        );
     }
     if let Some(body) = body {
-        named.extend(
-            body.fields_read_as(OVERRIDE_FIELD)
-                .into_iter()
-                .map(<[u8]>::to_vec),
-        );
-        if body.is_json() {
-            let member = [OVERRIDE_FIELD.to_owned()];
-            if let key::json::Found::String(name) = key::json::value_at(body.bytes, &member) {
-                named.push(name);
+        match body.kind {
+            // A body without a content type is a form to Rack.
+            Kind::Opaque if formats::content_type(head.headers).is_empty() => {
+                named.first_and_last(fields_named(body.bytes));
+            }
+            Kind::Json => {
+                let member = [OVERRIDE_FIELD.to_owned()];
+                if let key::json::Found::String(name) = key::json::value_at(body.bytes, &member) {
+                    named.add(&name);
+                }
+            }
+            _ => {
+                let fields = body.fields_read_as(OVERRIDE_FIELD).into_iter();
+                named.first_and_last(fields.map(<[u8]>::to_vec));
             }
         }
     }
     if let Some(query) = head.uri.query() {
-        let fields = formats::form_pairs(query.as_bytes());
-        named.extend(fields.filter_map(|(name, value)| {
-            (formats::php_name(&name) == OVERRIDE_FIELD.as_bytes()).then_some(value)
-        }));
+        named.first_and_last(fields_named(query.as_bytes()));
     }
-    named
-        .into_iter()
-        .filter_map(|name| Method::from_bytes(&name.to_ascii_uppercase()).ok())
-        .collect()
+    named.0
+}
+
+/// The values of the urlencoded `input`'s fields PHP reads as
+/// [`OVERRIDE_FIELD`].
+fn fields_named(input: &[u8]) -> impl Iterator<Item = Vec<u8>> + '_ {
+    formats::form_pairs(input).filter_map(|(name, value)| {
+        (formats::php_name(&name) == OVERRIDE_FIELD.as_bytes()).then_some(value)
+    })
+}
+
+/// The distinct methods a request names, in order.
+struct Named(Vec<Method>);
+
+impl Named {
+    fn add(&mut self, name: &[u8]) {
+        let Ok(method) = Method::from_bytes(&name.to_ascii_uppercase()) else {
+            return;
+        };
+        if !self.0.contains(&method) {
+            self.0.push(method);
+        }
+    }
+
+    /// Of a repeated field, the first value (what most readers take) and
+    /// the last (PHP and Rack): a list of thousands costs two lookups.
+    fn first_and_last(&mut self, values: impl Iterator<Item = Vec<u8>>) {
+        let mut values = values;
+        let Some(first) = values.next() else { return };
+        self.add(&first);
+        if let Some(last) = values.last() {
+            self.add(&last);
+        }
+    }
 }
 
 /// Whether `method` is `POST`, in any case (see [`RoutePolicy::applies_to`]).
@@ -214,19 +279,15 @@ fn is_post(method: &Method) -> bool {
     method.as_str().eq_ignore_ascii_case("POST")
 }
 
-/// The methods a `POST` may stand for, read before its body:
-/// [`overrides`] without the body's, and, for a form or JSON body (whose
-/// `_method` is read with it), `PUT`, `PATCH` and `DELETE`.
-fn override_guesses(head: &RequestHead<'_>) -> Vec<Method> {
-    let mut guesses = overrides(head, None);
+/// Whether a `POST`'s body may name its method: a form (a body without
+/// a content type is one to Rack) or JSON (Laravel).
+fn may_name_in_body(head: &RequestHead<'_>) -> bool {
     let content_type = formats::content_type(head.headers);
-    let form = formats::is_media_type(content_type, "application/x-www-form-urlencoded")
-        || formats::is_media_type(content_type, "multipart/form-data")
-        || formats::is_json(content_type);
-    if form && is_post(head.method) {
-        guesses.extend([Method::PUT, Method::PATCH, Method::DELETE]);
-    }
-    guesses
+    is_post(head.method)
+        && (content_type.is_empty()
+            || formats::is_media_type(content_type, "application/x-www-form-urlencoded")
+            || formats::is_media_type(content_type, "multipart/form-data")
+            || formats::is_json(content_type))
 }
 
 /// Whether a covered request goes to the upstream untouched before its
