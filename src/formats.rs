@@ -92,10 +92,10 @@ impl<'a> View<'a> {
     }
 
     /// The values of every form field (urlencoded or multipart) whose name
-    /// PHP reads as `name` ([`php_name`]: ` _method` and `.method` are
-    /// `_method`), in order; none for other bodies.
+    /// PHP or Rack reads as `name` ([`read_as`]), in order; none for other
+    /// bodies.
     pub fn fields_read_as(&self, name: &str) -> Vec<&[u8]> {
-        let named = |raw: &[u8]| raw == name.as_bytes() || php_name(raw) == name.as_bytes();
+        let named = |raw: &[u8]| read_as(raw, name);
         match &self.kind {
             Kind::Form(pairs) => pairs
                 .iter()
@@ -149,6 +149,24 @@ pub(crate) fn php_name(raw: &[u8]) -> Vec<u8> {
         name[base] = b'_';
     }
     name
+}
+
+/// Whether PHP or Rack reads a form field named `raw` as `name`: PHP
+/// through [`php_name`] (` _method` and `.method` are `_method`), Rack 2
+/// by its parameter pattern `\A[\[\]]*([^\[\]]+)\]*` (`[_method]`,
+/// `_method]`).
+pub(crate) fn read_as(raw: &[u8], name: &str) -> bool {
+    if raw == name.as_bytes() || php_name(raw) == name.as_bytes() {
+        return true;
+    }
+    let start = raw.iter().position(|b| !matches!(b, b'[' | b']'));
+    let Some(start) = start else { return false };
+    let rest = &raw[start..];
+    let end = rest
+        .iter()
+        .position(|b| matches!(b, b'[' | b']'))
+        .unwrap_or(rest.len());
+    rest[..end] == *name.as_bytes() && rest[end..].iter().all(|&b| b == b']')
 }
 
 /// Decodes `application/x-www-form-urlencoded` into (name, value) pairs,

@@ -1506,3 +1506,76 @@ async fn a_named_method_decides_over_the_posts_own_route_and_every_guess() {
         .unwrap();
     assert_eq!(app.send(request).await.status, StatusCode::BAD_REQUEST);
 }
+
+/// A second review's spellings: a required `POST` route is not given up
+/// for the optional route a query's `_method` names (Rails and Symfony run
+/// it as a `POST`); Laravel's JSON is any `/json` or `+json` type; Rack
+/// drops a form body's trailing NUL and reads `[_method]`; a body may name
+/// any method a route lists (`LINK`); Express trims NBSP from the header.
+/// Each keyless request must get 400 and never reach the backend.
+#[tokio::test]
+async fn a_required_route_wins_over_every_reading_that_disagrees() {
+    let policy = |methods: &[&str], required: bool| Policy {
+        methods: methods.iter().map(|m| m.to_string()).collect(),
+        required,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/api/payments", policy(&["POST"], true))
+        .unwrap()
+        .route("/api", policy(&["POST", "PATCH"], false))
+        .unwrap()
+        .route("/orders", policy(&["DELETE", "LINK"], true))
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("x-update", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let form = Some("application/x-www-form-urlencoded");
+    // (path, content type, body, override header)
+    type Case = (
+        &'static str,
+        Option<&'static str>,
+        &'static [u8],
+        Option<&'static [u8]>,
+    );
+    let cases: Vec<Case> = vec![
+        ("/api/payments?_method=PATCH", None, b"", None),
+        (
+            "/orders/1",
+            Some("text/json"),
+            br#"{"_method":"DELETE"}"#,
+            None,
+        ),
+        ("/orders/1", form, b"_method=DELETE\0", None),
+        ("/orders/1", form, b"%5B_method%5D=DELETE", None),
+        ("/orders/1", form, b"_method=LINK", None),
+        ("/orders/1", None, b"", Some(b"DELETE\xa0")),
+    ];
+    for (path, content_type, body, header) in cases {
+        let mut request = Request::post(path);
+        if let Some(content_type) = content_type {
+            request = request.header(header::CONTENT_TYPE, content_type);
+        }
+        if let Some(value) = header {
+            let value = http::HeaderValue::from_bytes(value).unwrap();
+            request = request.header("x-http-method-override", value);
+        }
+        let request = request
+            .body(Full::new(Bytes::copy_from_slice(body)))
+            .unwrap();
+        let reply = app.send(request).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{path} {content_type:?} {:?}",
+            String::from_utf8_lossy(body)
+        );
+    }
+    assert_eq!(app.calls(), 0);
+}

@@ -134,15 +134,16 @@ impl Engine {
     /// Every route a request may be dispatched under, read before its
     /// body, in the order [`Engine::dispatched`] prefers them: for a
     /// `POST`, the routes of the methods its header or query names, its
-    /// own, then (a form or JSON body may name one) those of `PUT`,
-    /// `PATCH` and `DELETE`; for any other method, its own.
+    /// own, then (a form or JSON body may name one) those of every method
+    /// a route lists; for any other method, its own.
     fn routes_of(&self, head: &RequestHead<'_>) -> Vec<&Arc<RoutePolicy>> {
         let routes = &self.inner.routes;
         let path = head.uri.path();
         let mut methods = overrides(head, None);
         methods.push(head.method.clone());
         if may_name_in_body(head) {
-            methods.extend([Method::PUT, Method::PATCH, Method::DELETE]);
+            let listed = routes.iter().filter_map(|route| route.policy.as_ref());
+            methods.extend(listed.flat_map(|policy| policy.methods.iter().cloned()));
         }
         let mut found: Vec<&Arc<RoutePolicy>> = Vec::new();
         for method in &methods {
@@ -156,11 +157,13 @@ impl Engine {
     }
 
     /// The method a covered request is dispatched as, and the route that
-    /// covers it, now that its body is read: for a `POST`, the first
-    /// method it names ([`overrides`]) that a route covers; else its own
-    /// method (`None`) under `covered` (the route it was classified under)
-    /// when that covers it, or its own method's route. `None` when no
-    /// route covers either: the request is not covered after all.
+    /// covers it, now that its body is read. The candidates: for a `POST`,
+    /// each method it names ([`overrides`]) that a route covers, in order;
+    /// then its own method (`None`) under its own method's route, else
+    /// under `covered` (the route it was classified under) when that
+    /// covers it. Backends disagree on which spelling wins, so the first
+    /// candidate whose route is `required` decides, else the first. `None`
+    /// when there is none: the request is not covered after all.
     pub(super) fn dispatched<'r>(
         &'r self,
         covered: &'r Arc<RoutePolicy>,
@@ -168,17 +171,25 @@ impl Engine {
         body: &View<'_>,
     ) -> Option<(Option<Method>, &'r Arc<RoutePolicy>)> {
         let path = head.uri.path();
-        let named = overrides(head, Some(body)).into_iter().find_map(|method| {
-            let route = self.inner.routes.find(&method, path)?;
-            Some((Some(method), route))
-        });
-        if named.is_some() {
-            return named;
+        let named = overrides(head, Some(body))
+            .into_iter()
+            .filter_map(|method| {
+                let route = self.inner.routes.find(&method, path)?;
+                Some((Some(method), route))
+            });
+        let own = self
+            .route_of(head)
+            .or_else(|| covered.applies_to(head.method).then_some(covered));
+        let mut candidates = named.chain(own.map(|route| (None, route)));
+        let first = candidates.next()?;
+        if first.1.policy().required {
+            return Some(first);
         }
-        match covered.applies_to(head.method) {
-            true => Some((None, covered)),
-            false => Some((None, self.route_of(head)?)),
-        }
+        Some(
+            candidates
+                .find(|(_, route)| route.policy().required)
+                .unwrap_or(first),
+        )
     }
 }
 
@@ -208,14 +219,20 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     // as Node joins them); Symfony and Rack the whole value, which names a
     // method only when it lists one.
     if let Some(value) = head.headers.get(OVERRIDE_HEADER) {
-        named.add(
-            value
-                .as_bytes()
-                .split(|&b| b == b',')
-                .next()
-                .unwrap_or_default()
-                .trim_ascii(),
-        );
+        let first = value
+            .as_bytes()
+            .split(|&b| b == b',')
+            .next()
+            .unwrap_or_default();
+        // JavaScript's `trim` also drops NBSP, VT and FF (Node reads
+        // header bytes as Latin-1).
+        let blank = |b: &u8| b.is_ascii_whitespace() || matches!(b, 0x0b | 0x0c | 0xa0);
+        let start = first.iter().position(|b| !blank(b)).unwrap_or(first.len());
+        let end = first
+            .iter()
+            .rposition(|b| !blank(b))
+            .map_or(start, |i| i + 1);
+        named.add(&first[start..end]);
     }
     if let Some(body) = body {
         match body.kind {
@@ -223,7 +240,7 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
             Kind::Opaque if formats::content_type(head.headers).is_empty() => {
                 named.first_and_last(fields_named(body.bytes));
             }
-            Kind::Json => {
+            _ if laravel_json(head.headers) => {
                 let member = [OVERRIDE_FIELD.to_owned()];
                 if let key::json::Found::String(name) = key::json::value_at(body.bytes, &member) {
                     named.add(&name);
@@ -241,12 +258,11 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     named.0
 }
 
-/// The values of the urlencoded `input`'s fields PHP reads as
+/// The values of the urlencoded `input`'s fields PHP or Rack reads as
 /// [`OVERRIDE_FIELD`].
 fn fields_named(input: &[u8]) -> impl Iterator<Item = Vec<u8>> + '_ {
-    formats::form_pairs(input).filter_map(|(name, value)| {
-        (formats::php_name(&name) == OVERRIDE_FIELD.as_bytes()).then_some(value)
-    })
+    formats::form_pairs(input)
+        .filter_map(|(name, value)| formats::read_as(&name, OVERRIDE_FIELD).then_some(value))
 }
 
 /// The distinct methods a request names, in order.
@@ -254,6 +270,8 @@ struct Named(Vec<Method>);
 
 impl Named {
     fn add(&mut self, name: &[u8]) {
+        // Rack drops one trailing NUL from a form body (Safari's).
+        let name = name.strip_suffix(b"\0").unwrap_or(name);
         let Ok(method) = Method::from_bytes(&name.to_ascii_uppercase()) else {
             return;
         };
@@ -280,14 +298,21 @@ fn is_post(method: &Method) -> bool {
 }
 
 /// Whether a `POST`'s body may name its method: a form (a body without
-/// a content type is one to Rack) or JSON (Laravel).
+/// a content type is one to Rack) or JSON as Laravel reads it.
 fn may_name_in_body(head: &RequestHead<'_>) -> bool {
     let content_type = formats::content_type(head.headers);
     is_post(head.method)
         && (content_type.is_empty()
             || formats::is_media_type(content_type, "application/x-www-form-urlencoded")
             || formats::is_media_type(content_type, "multipart/form-data")
-            || formats::is_json(content_type))
+            || laravel_json(head.headers))
+}
+
+/// Whether Laravel reads the body as JSON: its content type contains
+/// `/json` or `+json` (`text/json`, `application/merge-patch+json`).
+fn laravel_json(headers: &http::HeaderMap) -> bool {
+    let content_type = formats::content_type(headers).to_ascii_lowercase();
+    content_type.contains("/json") || content_type.contains("+json")
 }
 
 /// Whether a covered request goes to the upstream untouched before its

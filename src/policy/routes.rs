@@ -304,10 +304,17 @@ impl Routes {
     /// alone (`exclude`, `enabled = false`) decides for it: that is how a
     /// path such as `/upload.php` beside a covered `/upload` is left alone.
     fn decide_formatted(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+        let stripped = || self.decide(method, strip_format_suffix(path)?).covered();
         match self.decide(method, path) {
             Decision::Covered(policy) => Some(policy),
-            Decision::LeftAlone => None,
-            Decision::Unmatched => self.decide(method, strip_format_suffix(path)?).covered(),
+            // A route leaving the suffixed path alone but also matching it
+            // without the suffix (`/v1` beside `/v1/charges`) is broader
+            // than the route that matches first without it.
+            Decision::LeftAlone(route) => match route.path.matches(strip_format_suffix(path)?) {
+                true => stripped(),
+                false => None,
+            },
+            Decision::Unmatched => stripped(),
         }
     }
 
@@ -318,7 +325,7 @@ impl Routes {
                 continue;
             }
             match &route.policy {
-                None => return Decision::LeftAlone,
+                None => return Decision::LeftAlone(route),
                 Some(policy) if policy.applies_to(method) => return Decision::Covered(policy),
                 Some(_) => {}
             }
@@ -337,7 +344,7 @@ enum Decision<'a> {
     /// The first matching route covers the method.
     Covered(&'a Arc<RoutePolicy>),
     /// The first matching route leaves the path alone.
-    LeftAlone,
+    LeftAlone(&'a Route),
     /// No route matches (or none covers the method).
     Unmatched,
 }

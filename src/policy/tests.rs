@@ -213,6 +213,15 @@ fn an_exclusion_of_the_full_path_wins_over_its_format_suffix() {
     assert!(routes.find(&Method::POST, "/upload.php").is_none());
     assert!(routes.find(&Method::POST, "/upload.json").is_some());
     assert!(routes.find(&Method::POST, "/upload").is_some());
+    // A broader exclusion that also matches the path without its suffix
+    // does not hide the route that matches that path first.
+    let routes = Routes::new()
+        .route("/v1/charges", Policy::default())
+        .unwrap()
+        .exclude("/v1")
+        .unwrap();
+    assert!(routes.find(&Method::POST, "/v1/charges.json").is_some());
+    assert!(routes.find(&Method::POST, "/v1/other.json").is_none());
 }
 
 #[test]
