@@ -463,7 +463,14 @@ async fn proxy_runs_the_destinations_of_its_configuration(db: Db, dir: TempDir) 
         "every signature verified"
     );
 
-    // Metrics of this process's workers.
+    // Metrics of this process's workers (counted just after the row's
+    // state is committed, so read once they have caught up).
+    let counted = format!("outbox_delivered_total {}\n", 2 * n);
+    eventually("the outbox counters", || async {
+        let metrics = proxy.admin("/metrics").await.text();
+        metrics.contains(&counted) && metrics.contains("outbox_dead_total 3\n")
+    })
+    .await;
     let metrics = proxy.admin("/metrics").await.text();
     assert!(
         metrics.contains(&format!("outbox_delivered_total {}\n", 2 * n)),
