@@ -1303,11 +1303,11 @@ async fn workers_recover_from_a_database_outage_with_nothing_lost_or_doubled() {
         receiver.effects.load(SeqCst) >= n / 4
     })
     .await;
-    switch.set(false);
+    switch.set(false).await;
     let at_cut = db.outbox.counts().await.unwrap().completed;
     assert!(at_cut < n as u64, "the outage came after the run");
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    switch.set(true);
+    switch.set(true).await;
     eventually("every message delivered after the outage", || async {
         db.outbox.counts().await.unwrap().completed == n as u64
     })

@@ -160,7 +160,7 @@ async fn an_unreachable_database_fails_closed_and_recovers_without_restart() {
     assert_eq!(first.status, http::StatusCode::CREATED);
     assert_eq!(harness.calls(), 1);
 
-    switch.set(false);
+    switch.set(false).await;
     for key in [&b"before"[..], b"during"] {
         let reply = harness.send(post_json(key, "{}")).await;
         assert_eq!(reply.status, http::StatusCode::SERVICE_UNAVAILABLE);
@@ -177,7 +177,7 @@ async fn an_unreachable_database_fails_closed_and_recovers_without_restart() {
         "the inner service ran during the outage"
     );
 
-    switch.set(true);
+    switch.set(true).await;
     let during = harness.send(post_json(b"during", "{}")).await;
     assert_eq!(during.status, http::StatusCode::CREATED);
     assert_eq!(during.text(), "order 2");

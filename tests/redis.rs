@@ -808,7 +808,7 @@ async fn replays_need_no_postgres_but_reservations_do() {
     assert_eq!(first, (StatusCode::CREATED, "u/paid|42 EUR|1".to_owned()));
     cache.settled().await;
 
-    switch.set(false);
+    switch.set(false).await;
     // PostgreSQL is unreachable: replays and mismatches still come from
     // Redis ...
     for _ in 0..5 {
