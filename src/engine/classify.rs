@@ -142,8 +142,7 @@ impl Engine {
         let mut methods = overrides(head, None);
         methods.push(head.method.clone());
         if may_name_in_body(head) {
-            let listed = routes.iter().filter_map(|route| route.policy.as_ref());
-            methods.extend(listed.flat_map(|policy| policy.methods.iter().cloned()));
+            methods.extend_from_slice(routes.methods());
         }
         let mut found: Vec<&Arc<RoutePolicy>> = Vec::new();
         for method in &methods {
@@ -241,8 +240,7 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
                 named.first_and_last(fields_named(body.bytes));
             }
             _ if laravel_json(head.headers) => {
-                let member = [OVERRIDE_FIELD.to_owned()];
-                if let key::json::Found::String(name) = key::json::value_at(body.bytes, &member) {
+                if let Some(name) = json_override(body.bytes) {
                     named.add(&name);
                 }
             }
@@ -256,6 +254,21 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         named.first_and_last(fields_named(query.as_bytes()));
     }
     named.0
+}
+
+/// The top-level `_method` member of a JSON body, as Laravel reads it.
+/// A body holding neither `_method` nor a `\u` escape is not walked: the
+/// other escapes (`\"`, `\n`, …) stand for no letter and no `_`, so
+/// without `\u` the member's name can only be spelled as is.
+fn json_override(body: &[u8]) -> Option<Vec<u8>> {
+    let spelled = memchr::memmem::find(body, OVERRIDE_FIELD.as_bytes()).is_some();
+    if !spelled && memchr::memmem::find(body, br"\u").is_none() {
+        return None;
+    }
+    match key::json::value_at(body, &[OVERRIDE_FIELD]) {
+        key::json::Found::String(name) => Some(name),
+        _ => None,
+    }
 }
 
 /// The values of the urlencoded `input`'s fields PHP or Rack reads as
@@ -311,8 +324,10 @@ fn may_name_in_body(head: &RequestHead<'_>) -> bool {
 /// Whether Laravel reads the body as JSON: its content type contains
 /// `/json` or `+json` (`text/json`, `application/merge-patch+json`).
 fn laravel_json(headers: &http::HeaderMap) -> bool {
-    let content_type = formats::content_type(headers).to_ascii_lowercase();
-    content_type.contains("/json") || content_type.contains("+json")
+    let content_type = formats::content_type(headers).as_bytes();
+    content_type
+        .windows(5)
+        .any(|window| matches!(window[0], b'/' | b'+') && window[1..].eq_ignore_ascii_case(b"json"))
 }
 
 /// Whether a covered request goes to the upstream untouched before its

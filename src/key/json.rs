@@ -11,6 +11,8 @@
 //! recursion (any depth, bounded memory), lone surrogates as U+FFFD, and,
 //! as those parsers do, the last of duplicate members.
 
+use std::borrow::Cow;
+
 use crate::fingerprint::json::{decode_key, escape_len};
 use crate::formats::array_index;
 
@@ -27,22 +29,24 @@ pub(crate) enum Found {
 }
 
 /// One open container on the way down.
-enum Frame {
-    /// An object and the decoded key of the member being read.
-    Object(Vec<u8>),
+enum Frame<'a> {
+    /// An object and the decoded key of the member being read (borrowed
+    /// from the input unless it holds an escape).
+    Object(Cow<'a, [u8]>),
     /// An array and the index of the element being read.
     Array(usize),
 }
 
 /// The value at `tokens` (a parsed JSON pointer) in `input`, read leniently
-/// (see the module documentation).
-pub(crate) fn value_at(input: &[u8], tokens: &[String]) -> Found {
+/// (see the module documentation). Allocates only for the open containers,
+/// keys holding escapes, and the string found.
+pub(crate) fn value_at<T: AsRef<str>>(input: &[u8], tokens: &[T]) -> Found {
     let input = input.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(input);
     let mut reader = Reader { input, pos: 0 };
     walk(&mut reader, tokens).unwrap_or(Found::Absent)
 }
 
-fn walk(reader: &mut Reader<'_>, tokens: &[String]) -> Option<Found> {
+fn walk<T: AsRef<str>>(reader: &mut Reader<'_>, tokens: &[T]) -> Option<Found> {
     let mut stack: Vec<Frame> = Vec::new();
     let mut found = Found::Absent;
     loop {
@@ -77,7 +81,7 @@ fn walk(reader: &mut Reader<'_>, tokens: &[String]) -> Option<Found> {
             b'"' => {
                 let text = reader.string()?;
                 if here {
-                    found = Found::String(text);
+                    found = Found::String(text.into_owned());
                 }
             }
             _ => {
@@ -119,10 +123,10 @@ fn walk(reader: &mut Reader<'_>, tokens: &[String]) -> Option<Found> {
 }
 
 /// Whether the open containers are exactly the pointer's path.
-fn on_path(stack: &[Frame], tokens: &[String]) -> bool {
+fn on_path<T: AsRef<str>>(stack: &[Frame<'_>], tokens: &[T]) -> bool {
     stack.iter().zip(tokens).all(|(frame, token)| match frame {
-        Frame::Object(key) => key == token.as_bytes(),
-        Frame::Array(index) => array_index(token) == Some(*index),
+        Frame::Object(key) => **key == *token.as_ref().as_bytes(),
+        Frame::Array(index) => array_index(token.as_ref()) == Some(*index),
     })
 }
 
@@ -131,7 +135,7 @@ struct Reader<'a> {
     pos: usize,
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
     /// The next byte after whitespace, not consumed.
     fn peek(&mut self) -> Option<u8> {
         loop {
@@ -143,7 +147,7 @@ impl Reader<'_> {
     }
 
     /// `"key" :`, decoded.
-    fn member_key(&mut self) -> Option<Vec<u8>> {
+    fn member_key(&mut self) -> Option<Cow<'a, [u8]>> {
         if self.peek()? != b'"' {
             return None;
         }
@@ -173,23 +177,42 @@ impl Reader<'_> {
     }
 
     /// A string at `"`, decoded as the fingerprint decodes keys (surrogate
-    /// pairs joined, a lone surrogate as U+FFFD); `None` for a bad escape,
-    /// a control character or no closing quote.
-    fn string(&mut self) -> Option<Vec<u8>> {
+    /// pairs joined, a lone surrogate as U+FFFD), borrowed when it holds no
+    /// escape; `None` for a bad escape, a control character or no closing
+    /// quote.
+    fn string(&mut self) -> Option<Cow<'a, [u8]>> {
+        let input: &'a [u8] = self.input;
         let start = self.pos + 1;
+        // Most strings hold neither escapes nor control characters: found
+        // whole by the closing quote, checked in one pass.
+        if let Some(len) = memchr::memchr(b'"', input.get(start..)?) {
+            let raw = &input[start..start + len];
+            if !raw.iter().any(|&b| b < 0x20 || b == b'\\') {
+                self.pos = start + len + 1;
+                return Some(Cow::Borrowed(raw));
+            }
+        }
         let mut end = start;
+        let mut escaped = false;
         loop {
-            match *self.input.get(end)? {
+            match *input.get(end)? {
                 b'"' => break,
-                b'\\' => end += escape_len(&self.input[end..])?,
+                b'\\' => {
+                    escaped = true;
+                    end += escape_len(&input[end..])?;
+                }
                 byte if byte < 0x20 => return None,
                 _ => end += 1,
             }
         }
-        let mut out = Vec::with_capacity(end - start);
-        decode_key(&self.input[start..end], &mut out);
         self.pos = end + 1;
-        Some(out)
+        let raw = &input[start..end];
+        if !escaped {
+            return Some(Cow::Borrowed(raw));
+        }
+        let mut out = Vec::with_capacity(raw.len());
+        decode_key(raw, &mut out);
+        Some(Cow::Owned(out))
     }
 }
 
@@ -235,5 +258,21 @@ mod tests {
         assert_eq!(at(r#"{"k":"a"} x"#, "/k"), Found::Absent);
         assert_eq!(at(r#"{"k" "a"}"#, "/k"), Found::Absent);
         assert_eq!(at("[", "/0"), Found::Absent);
+    }
+
+    /// Strings without escapes are read in place, others decoded: both
+    /// readings agree, and a control character or a bad escape breaks the
+    /// document either way.
+    #[test]
+    fn strings_read_in_place_or_decoded_alike() {
+        let key = |s: &str| Found::String(s.as_bytes().to_vec());
+        assert_eq!(at(r#"{"k":"plain"}"#, "/k"), key("plain"));
+        assert_eq!(at(r#"{"k":"say \"hi\""}"#, "/k"), key("say \"hi\""));
+        assert_eq!(at(r#"{"k\u0031":"a","k1":"b"}"#, "/k1"), key("b"));
+        assert_eq!(at(r#"{"k1":"a","k\u0031":"b"}"#, "/k1"), key("b"));
+        assert_eq!(at(r#"{"x":"a\"b","k":"c\/d"}"#, "/k"), key("c/d"));
+        assert_eq!(at("{\"x\":\"a\nb\",\"k\":\"c\"}", "/k"), Found::Absent);
+        assert_eq!(at("{\"k\":\"a\tb\"}", "/k"), Found::Absent);
+        assert_eq!(at(r#"{"x":"\q","k":"c"}"#, "/k"), Found::Absent);
     }
 }

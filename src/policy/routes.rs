@@ -192,6 +192,9 @@ pub struct Route {
 pub struct Routes {
     routes: Vec<Route>,
     case_insensitive: bool,
+    /// Every method some route covers, once each (ASCII case ignored), in
+    /// the order the routes list them.
+    methods: Vec<Method>,
 }
 
 impl Routes {
@@ -229,6 +232,15 @@ impl Routes {
         let mut policy = policy.validate()?;
         Arc::make_mut(&mut policy).case_insensitive_paths = self.case_insensitive;
         let path = self.pattern(pattern)?;
+        for method in &policy.methods {
+            if !self
+                .methods
+                .iter()
+                .any(|known| known.as_str().eq_ignore_ascii_case(method.as_str()))
+            {
+                self.methods.push(method.clone());
+            }
+        }
         self.routes.push(Route {
             path,
             policy: Some(policy),
@@ -336,6 +348,13 @@ impl Routes {
     /// The routes, in order.
     pub fn iter(&self) -> impl Iterator<Item = &Route> {
         self.routes.iter()
+    }
+
+    /// Every method some route covers, once each, in the order the routes
+    /// list them: the methods a request may name for itself (a `POST`'s
+    /// `_method`) and be covered as.
+    pub fn methods(&self) -> &[Method] {
+        &self.methods
     }
 }
 

@@ -427,7 +427,7 @@ pub(super) struct Statements {
 /// own, and a duplicate of a live record writes nothing: replays and
 /// polling waiters take no row lock and cost no commit flush.
 ///
-/// With `insert_or_read = STATEMENT` (after `retry`), a reservation starts
+/// With `retry = field, insert_or_read = STATEMENT`, a reservation starts
 /// with that one statement instead, through the type's own `write_row` (a
 /// statement returning at most one [`InsertOrReadRow`]): it reads the key's
 /// row and, only when its snapshot holds none, inserts the caller's record
@@ -441,15 +441,11 @@ pub(super) struct Statements {
 ///
 /// With `retry = field`, statements the database rolls back for a conflict
 /// are run again for as long as `self.field` (a [`Duration`]) allows (see
-/// [`retrying`]); without it they are not retried.
+/// [`retrying`]); without it (SQLite, whose single writer never conflicts)
+/// they are not retried and the protocol reads first.
 macro_rules! sql_store {
     ($store:ty, $statements:expr, retry = $retry:ident, insert_or_read = $first:expr) => {
         impl $store {
-            /// How long a conflicting statement is retried.
-            fn statement_retry_budget(&self) -> std::time::Duration {
-                self.$retry
-            }
-
             /// The single-statement first attempt at a reservation, through
             /// the store's `write_row`.
             async fn first_attempt(
@@ -477,35 +473,10 @@ macro_rules! sql_store {
                 Ok($crate::store::sql::FirstAttempt::from_row(row))
             }
         }
-        $crate::store::sql::sql_store!(@impl $store, $statements);
-    };
-    ($store:ty, $statements:expr, retry = $retry:ident) => {
-        impl $store {
-            /// How long a conflicting statement is retried.
-            fn statement_retry_budget(&self) -> std::time::Duration {
-                self.$retry
-            }
-            /// No single-statement first attempt: the protocol reads first.
-            async fn first_attempt(
-                &self,
-                _: &$crate::store::ScopeKey,
-                _: &$crate::store::Fingerprint,
-                _: &$crate::store::OwnerToken,
-                _: std::time::Duration,
-                _: std::time::Duration,
-                _: Option<&[u8]>,
-            ) -> Result<$crate::store::sql::FirstAttempt, $crate::store::StoreError> {
-                Ok($crate::store::sql::FirstAttempt::Undecided)
-            }
-        }
-        $crate::store::sql::sql_store!(@impl $store, $statements);
+        $crate::store::sql::sql_store!(@impl $store, $statements, |store| store.$retry);
     };
     ($store:ty, $statements:expr) => {
         impl $store {
-            /// Conflicting statements are not retried.
-            fn statement_retry_budget(&self) -> std::time::Duration {
-                std::time::Duration::ZERO
-            }
             /// No single-statement first attempt: the protocol reads first.
             async fn first_attempt(
                 &self,
@@ -519,9 +490,17 @@ macro_rules! sql_store {
                 Ok($crate::store::sql::FirstAttempt::Undecided)
             }
         }
-        $crate::store::sql::sql_store!(@impl $store, $statements);
+        // Conflicting statements are not retried.
+        $crate::store::sql::sql_store!(@impl $store, $statements, |_store| std::time::Duration::ZERO);
     };
-    (@impl $store:ty, $statements:expr) => {
+    (@impl $store:ty, $statements:expr, |$this:ident| $budget:expr) => {
+        impl $store {
+            /// How long a conflicting statement is retried.
+            fn statement_retry_budget(&self) -> std::time::Duration {
+                let $this = self;
+                $budget
+            }
+        }
         impl $store {
             const STATEMENTS: $crate::store::sql::Statements = $statements;
 

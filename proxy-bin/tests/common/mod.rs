@@ -207,6 +207,39 @@ pub fn free_port() -> SocketAddr {
     listener.local_addr().unwrap()
 }
 
+/// Whether process `pid` holds a socket listening on `addr`'s port (read
+/// from `/proc`: the process's socket inodes against the listening TCP
+/// sockets of its network namespace).
+pub fn listens(pid: u32, addr: SocketAddr) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    let inodes: std::collections::HashSet<String> = fds
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_str()?;
+            Some(
+                target
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_owned(),
+            )
+        })
+        .collect();
+    let port = format!("{:04X}", addr.port());
+    ["tcp", "tcp6"].iter().any(|table| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        text.lines().skip(1).any(|line| {
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.len() > 9
+                && fields[3] == "0A"
+                && fields[1].rsplit(':').next() == Some(port.as_str())
+                && inodes.contains(fields[9])
+        })
+    })
+}
+
 /// A fresh directory for one test's files, removed when dropped (declare
 /// it before the processes that use it, so they stop first).
 pub fn temp_dir(name: &str) -> TempDir {
@@ -356,15 +389,17 @@ impl Proxy {
         panic!("idempotency-proxy exited at start five times");
     }
 
-    /// Whether the proxy came up (false: it exited at start).
+    /// Whether the proxy came up (false: it exited at start). Up means
+    /// this process listens on both ports: a port picked free may have been
+    /// taken by another test's listener, which would answer a connect just
+    /// as well.
     async fn wait_ready(&mut self) -> bool {
         for _ in 0..500 {
             if self.child.try_wait().unwrap().is_some() {
                 return false;
             }
-            let proxy_up = tokio::net::TcpStream::connect(self.addr).await.is_ok();
-            let admin_up = tokio::net::TcpStream::connect(self.admin).await.is_ok();
-            if proxy_up && admin_up {
+            let pid = self.child.id();
+            if listens(pid, self.addr) && listens(pid, self.admin) {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
