@@ -23,12 +23,19 @@
 use http::HeaderMap;
 use memchr::memmem;
 
-/// The request's `Content-Type` as text ("" when absent or not text).
+/// The request's (first) `Content-Type` as text: "" when absent, and up to
+/// its first byte that is not UTF-8 when it holds one. Backends read the
+/// media type and its parameters from the raw bytes, so a byte such as
+/// Latin-1 `é` in a later parameter does not stop a form from being one.
 pub fn content_type(headers: &HeaderMap) -> &str {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
+    let Some(value) = headers.get(http::header::CONTENT_TYPE) else {
+        return "";
+    };
+    let bytes = value.as_bytes();
+    match std::str::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(error) => std::str::from_utf8(&bytes[..error.valid_up_to()]).unwrap_or_default(),
+    }
 }
 
 /// Whether `content_type` is `expected`, ignoring parameters and case.

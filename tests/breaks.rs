@@ -1304,6 +1304,104 @@ async fn a_php_reading_of_method_override_does_not_skip_a_required_route() {
     );
 }
 
+/// Scenario: a required route covering `PUT` only; a `POST` names `PUT`
+/// in its body, and its content type is one the engine read one way and
+/// the backend another:
+///
+/// * a form whose parameters spell `/json` or `+json`: Rack (Rails) and
+///   Symfony read the media type before `;` and parse the form, so
+///   `_method=PUT` is `PUT` to them — the engine took it for Laravel's JSON
+///   and read only a JSON member;
+/// * a content type holding a byte that is not visible ASCII (UTF-8 `é`,
+///   Latin-1 `é`) in a later parameter: PHP and Rack read the raw bytes, so
+///   the JSON or multipart body names `PUT` — the engine saw no content
+///   type at all;
+/// * two `Content-Type` lines, `text/plain` then `application/json`:
+///   Apache joins them (`text/plain, application/json`), which Laravel's
+///   `isJson` (`/json` anywhere) takes for JSON — the engine read the
+///   first only.
+///
+/// Impact ("at most one execution"; a `required` route skipped): a keyless
+/// update reaches the backend, and each retry with one key runs again.
+/// Fix: read a form's fields whatever else the type says, read Laravel's
+/// JSON member whenever any `Content-Type` line spells JSON, and read the
+/// content type from its raw bytes.
+#[tokio::test]
+async fn a_content_type_read_two_ways_does_not_skip_a_required_route() {
+    let policy = Policy {
+        methods: vec!["PUT".into()],
+        required: true,
+        ..Policy::default()
+    };
+    let routes = Routes::new().route("/orders", policy).unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    // Every case below is one the backend named runs as `PUT`.
+    let app = layered(&engine, |n, _request| async move {
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("x-update", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let multipart = |boundary: &str| {
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nPUT\r\n--{boundary}--\r\n"
+        )
+    };
+    let cases: Vec<(&str, Vec<&[u8]>, String)> = vec![
+        // Rack: a multipart form (its boundary may hold `+`).
+        (
+            "rack, boundary +JSON",
+            vec![b"multipart/form-data; boundary=+JSON"],
+            multipart("+JSON"),
+        ),
+        (
+            "rack, a parameter spelling /json",
+            vec![b"application/x-www-form-urlencoded; x=/json"],
+            "_method=PUT&qty=2".into(),
+        ),
+        // Laravel: `/json` in the raw header.
+        (
+            "laravel, UTF-8 in a parameter",
+            vec!["application/json; charset=utf-8; x=\u{e9}".as_bytes()],
+            r#"{"_method":"PUT"}"#.into(),
+        ),
+        // Rack: the media type and boundary come before the Latin-1 byte.
+        (
+            "rack, Latin-1 in a parameter",
+            vec![b"multipart/form-data; boundary=XyZ; n=\xe9"],
+            multipart("XyZ"),
+        ),
+        // Laravel behind Apache: the lines joined.
+        (
+            "laravel behind apache, two lines",
+            vec![b"text/plain", b"application/json"],
+            r#"{"_method":"PUT"}"#.into(),
+        ),
+    ];
+    let mut skipped = Vec::new();
+    for (case, content_types, body) in cases {
+        let mut request = Request::post("/orders/7")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        for value in content_types {
+            request.headers_mut().append(
+                header::CONTENT_TYPE,
+                http::HeaderValue::from_bytes(value).unwrap(),
+            );
+        }
+        let before = app.calls();
+        let keyless = app.send(request).await;
+        if keyless.status != StatusCode::BAD_REQUEST || app.calls() != before {
+            skipped.push(format!("{case} -> {}", keyless.status));
+        }
+    }
+    assert!(
+        skipped.is_empty(),
+        "keyless updates the backend runs as PUT reached it: {skipped:?}"
+    );
+}
+
 /// Whether Rails routes `path` to `/contacts(.:format)`: its format
 /// segment is `[^/.?]+` (Journey's default requirement), and the router
 /// drops one trailing slash first.

@@ -234,19 +234,21 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         named.add(&first[start..end]);
     }
     if let Some(body) = body {
+        // A form's field (a body without a content type is a form to
+        // Rack), and, whatever else reads the body as a form, the member
+        // Laravel reads when it takes the body for JSON.
         match body.kind {
-            // A body without a content type is a form to Rack.
             Kind::Opaque if formats::content_type(head.headers).is_empty() => {
                 named.first_and_last(fields_named(body.bytes));
-            }
-            _ if laravel_json(head.headers) => {
-                if let Some(name) = json_override(body.bytes) {
-                    named.add(&name);
-                }
             }
             _ => {
                 let fields = body.fields_read_as(OVERRIDE_FIELD).into_iter();
                 named.first_and_last(fields.map(<[u8]>::to_vec));
+            }
+        }
+        if laravel_json(head.headers) {
+            if let Some(name) = json_override(body.bytes) {
+                named.add(&name);
             }
         }
     }
@@ -321,13 +323,20 @@ fn may_name_in_body(head: &RequestHead<'_>) -> bool {
             || laravel_json(head.headers))
 }
 
-/// Whether Laravel reads the body as JSON: its content type contains
-/// `/json` or `+json` (`text/json`, `application/merge-patch+json`).
+/// Whether Laravel may read the body as JSON: its content type contains
+/// `/json` or `+json` (`text/json`, `application/merge-patch+json`), read
+/// from the raw bytes of every `Content-Type` line (a server in front,
+/// Apache for one, joins repeated lines into one value), in any case (a
+/// superset of Laravel's reading: more readings only add candidates).
 fn laravel_json(headers: &http::HeaderMap) -> bool {
-    let content_type = formats::content_type(headers).as_bytes();
-    content_type
-        .windows(5)
-        .any(|window| matches!(window[0], b'/' | b'+') && window[1..].eq_ignore_ascii_case(b"json"))
+    headers
+        .get_all(http::header::CONTENT_TYPE)
+        .iter()
+        .any(|value| {
+            value.as_bytes().windows(5).any(|window| {
+                matches!(window[0], b'/' | b'+') && window[1..].eq_ignore_ascii_case(b"json")
+            })
+        })
 }
 
 /// Whether a covered request goes to the upstream untouched before its
