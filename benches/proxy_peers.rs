@@ -27,6 +27,9 @@
 //! `TARGETS` a comma-separated list of name fragments that selects the
 //! configurations measured (e.g. `TARGETS='passthrough,execution,replay'`;
 //! a fragment starting with `!` excludes, e.g. `!default`).
+//! `ROUNDS=n` measures every cell `n` times (whole passes, interleaved)
+//! and reports each cell's median run by requests/s: on two shared cores
+//! one pass moves by ±20%.
 //! `PROXY=path` measures that build of the proxy instead of building it;
 //! `BASELINE_PROXY=path` adds an earlier build of the proxy (quiet log
 //! level) as `baseline, …` configurations, for before/after comparisons
@@ -269,15 +272,24 @@ fn measure(
         let _ = wrk_cell(wrk, &scripts, target, 16, 1, "warmup");
     }
     let load = uptime();
-    let mut cells: Vec<(usize, &'static str, Result<Stats, String>)> = Vec::new();
-    for (round, &concurrency) in concurrencies.iter().enumerate() {
-        for (index, target) in targets.iter().enumerate() {
-            let tag = format!("r{round}t{index}");
-            let stats = wrk_cell(wrk, &scripts, target, concurrency, seconds, &tag);
-            cells.push((concurrency, target.name, stats));
+    let rounds: usize = env_or("ROUNDS", 1).max(1);
+    let mut runs: Vec<(usize, &'static str, Result<Stats, String>)> = Vec::new();
+    for pass in 0..rounds {
+        for (round, &concurrency) in concurrencies.iter().enumerate() {
+            for (index, target) in targets.iter().enumerate() {
+                let tag = format!("p{pass}r{round}t{index}");
+                let stats = wrk_cell(wrk, &scripts, target, concurrency, seconds, &tag);
+                runs.push((concurrency, target.name, stats));
+            }
         }
     }
     drop(processes);
+    let cells = medians(runs, rounds);
+    if rounds > 1 {
+        notes.push(format!(
+            "Each cell is the median of {rounds} passes by requests/s (the passes interleaved)."
+        ));
+    }
     report(&cells, concurrencies, seconds, &load, &uptime(), &notes);
     let plot_path = std::env::var("PLOT")
         .map(PathBuf::from)
@@ -290,6 +302,30 @@ fn measure(
         Err(error) => println!("\nPlot not written: {error}"),
     }
     Ok(())
+}
+
+/// Of each cell measured `rounds` times (every pass over all cells in
+/// the same order), the measurement with the median requests/s, whole (its
+/// latencies and CPU time with it); an error only when every pass failed.
+fn medians(
+    runs: Vec<(usize, &'static str, Result<Stats, String>)>,
+    rounds: usize,
+) -> Vec<(usize, &'static str, Result<Stats, String>)> {
+    let cells = runs.len() / rounds;
+    (0..cells)
+        .map(|cell| {
+            let (concurrency, name, _) = &runs[cell];
+            let mut measured: Vec<Stats> = (0..rounds)
+                .filter_map(|pass| runs[pass * cells + cell].2.as_ref().ok().copied())
+                .collect();
+            measured.sort_by(|a, b| a.rps.total_cmp(&b.rps));
+            let median = match measured.get(measured.len() / 2) {
+                Some(stats) => Ok(*stats),
+                None => runs[cell].2.clone(),
+            };
+            (*concurrency, *name, median)
+        })
+        .collect()
 }
 
 /// Whether `TARGETS` (name fragments; `!fragment` excludes) selects the

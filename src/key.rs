@@ -84,7 +84,16 @@ pub fn extract_from(
         KeySource::Query(name) => Ok(uri
             .query()
             .and_then(|query| formats::form_value(query.as_bytes(), name))),
-        KeySource::FormField(name) => Ok(body.field(name).map(<[u8]>::to_vec)),
+        KeySource::FormField(name) => match body.field(name) {
+            Some(key) => Ok(Some(key.to_vec())),
+            // The same data sent as JSON: Laravel's `input()`, Rails'
+            // `params` and Express's `req.body` read the field from the
+            // document's top-level member (whatever the content type).
+            None => match json::value_at(body.bytes, &[name]) {
+                json::Found::String(key) => Ok(Some(key)),
+                _ => Ok(None),
+            },
+        },
         KeySource::JsonPointer(pointer) => {
             // Read whatever the content type says, as a client may not
             // label its JSON.

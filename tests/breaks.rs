@@ -963,13 +963,7 @@ mod operator {
 /// `_method=PUT&qty=2`, without and then twice with one key.
 #[tokio::test]
 async fn a_method_override_does_not_skip_a_required_route() {
-    let policy = Policy {
-        methods: vec!["PUT".into()],
-        required: true,
-        ..Policy::default()
-    };
-    let routes = Routes::new().route("/orders", policy).unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
+    let engine = required_put_engine();
     // The backend dispatches as Laravel does: a POST form's `_method`
     // field is the method.
     let app = layered(&engine, |n, request| async move {
@@ -1025,13 +1019,7 @@ async fn a_method_override_does_not_skip_a_required_route() {
 /// cover, is not covered (forwarded as it is, even without a key).
 #[tokio::test]
 async fn every_method_override_spelling_is_covered_and_only_those() {
-    let policy = Policy {
-        methods: vec!["PUT".into()],
-        required: true,
-        ..Policy::default()
-    };
-    let routes = Routes::new().route("/orders", policy).unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
+    let engine = required_put_engine();
     let app = layered(&engine, |n, request| async move {
         let _ = request.into_body().collect().await.unwrap();
         Response::builder()
@@ -1185,6 +1173,44 @@ async fn a_rails_format_suffix_does_not_skip_a_required_route() {
     );
 }
 
+/// An engine over one required route, `/orders`, covering `PUT` only.
+fn required_put_engine() -> Engine {
+    let policy = Policy {
+        methods: vec!["PUT".into()],
+        required: true,
+        ..Policy::default()
+    };
+    let routes = Routes::new().route("/orders", policy).unwrap();
+    Engine::new(MemoryStore::new(), routes)
+}
+
+/// Sends each case (a label, its `Content-Type` lines, its body) as a
+/// keyless `POST /orders/7` to `app`, and returns the labels of those not
+/// refused with 400 before the backend.
+async fn keyless_posts_not_refused(
+    app: &support::Upstream,
+    cases: impl IntoIterator<Item = (impl std::fmt::Display, Vec<&[u8]>, impl Into<Bytes>)>,
+) -> Vec<String> {
+    let mut skipped = Vec::new();
+    for (case, content_types, body) in cases {
+        let mut request = Request::post("/orders/7")
+            .body(Full::new(body.into()))
+            .unwrap();
+        for value in content_types {
+            request.headers_mut().append(
+                header::CONTENT_TYPE,
+                http::HeaderValue::from_bytes(value).unwrap(),
+            );
+        }
+        let before = app.calls();
+        let keyless = app.send(request).await;
+        if keyless.status != StatusCode::BAD_REQUEST || app.calls() != before {
+            skipped.push(format!("{case} -> {}", keyless.status));
+        }
+    }
+    skipped
+}
+
 /// The method a PHP backend (Laravel, Symfony with
 /// `enableHttpMethodParameterOverride`) dispatches a `POST` as, read the
 /// way PHP reads it: the header, then `$_POST['_method']` (Laravel: the
@@ -1240,13 +1266,7 @@ fn php_dispatched(headers: &http::HeaderMap, body: &[u8]) -> http::Method {
 /// POST if any of them names a covered method.
 #[tokio::test]
 async fn a_php_reading_of_method_override_does_not_skip_a_required_route() {
-    let policy = Policy {
-        methods: vec!["PUT".into()],
-        required: true,
-        ..Policy::default()
-    };
-    let routes = Routes::new().route("/orders", policy).unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
+    let engine = required_put_engine();
     let app = layered(&engine, |n, request| async move {
         let (parts, body) = request.into_parts();
         let body = body.collect().await.unwrap().to_bytes();
@@ -1286,18 +1306,8 @@ async fn a_php_reading_of_method_override_does_not_skip_a_required_route() {
             r#"{"\u005F\u006D\u0065\u0074\u0068\u006F\u0064":"PUT"}"#,
         ),
     ];
-    let mut skipped = Vec::new();
-    for (content_type, body) in cases {
-        let request = Request::post("/orders/7")
-            .header(header::CONTENT_TYPE, content_type)
-            .body(Full::new(Bytes::from(body)))
-            .unwrap();
-        let before = app.calls();
-        let keyless = app.send(request).await;
-        if keyless.status != StatusCode::BAD_REQUEST || app.calls() != before {
-            skipped.push(format!("{body} -> {}", keyless.status));
-        }
-    }
+    let cases = cases.map(|(content_type, body)| (body, vec![content_type.as_bytes()], body));
+    let skipped = keyless_posts_not_refused(&app, cases).await;
     assert!(
         skipped.is_empty(),
         "keyless updates the backend runs as PUT reached it: {skipped:?}"
@@ -1328,13 +1338,7 @@ async fn a_php_reading_of_method_override_does_not_skip_a_required_route() {
 /// content type from its raw bytes.
 #[tokio::test]
 async fn a_content_type_read_two_ways_does_not_skip_a_required_route() {
-    let policy = Policy {
-        methods: vec!["PUT".into()],
-        required: true,
-        ..Policy::default()
-    };
-    let routes = Routes::new().route("/orders", policy).unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
+    let engine = required_put_engine();
     // Every case below is one the backend named runs as `PUT`.
     let app = layered(&engine, |n, _request| async move {
         Response::builder()
@@ -1378,28 +1382,65 @@ async fn a_content_type_read_two_ways_does_not_skip_a_required_route() {
             vec![b"text/plain", b"application/json"],
             r#"{"_method":"PUT"}"#.into(),
         ),
+        // Rack and PHP cut the media type at `,`.
+        (
+            "rack, a form type cut at a comma",
+            vec![b"application/x-www-form-urlencoded, text/plain"],
+            "_method=PUT&qty=2".into(),
+        ),
+        // Rack reads multipart without a boundary as urlencoded.
+        (
+            "rack, multipart without a boundary",
+            vec![b"multipart/form-data"],
+            "_method=PUT&qty=2".into(),
+        ),
     ];
-    let mut skipped = Vec::new();
-    for (case, content_types, body) in cases {
-        let mut request = Request::post("/orders/7")
-            .body(Full::new(Bytes::from(body)))
-            .unwrap();
-        for value in content_types {
-            request.headers_mut().append(
-                header::CONTENT_TYPE,
-                http::HeaderValue::from_bytes(value).unwrap(),
-            );
-        }
-        let before = app.calls();
-        let keyless = app.send(request).await;
-        if keyless.status != StatusCode::BAD_REQUEST || app.calls() != before {
-            skipped.push(format!("{case} -> {}", keyless.status));
-        }
-    }
+    let skipped = keyless_posts_not_refused(&app, cases).await;
     assert!(
         skipped.is_empty(),
         "keyless updates the backend runs as PUT reached it: {skipped:?}"
     );
+}
+
+/// Scenario: a route taking an optional key from the form field
+/// `submission_token` (the seed's form recipe, `required = false` for API
+/// clients that may send none), and a client that posts the same data as
+/// JSON, `{"submission_token":"t1","amount":10}`, twice. Laravel's
+/// `input()`, Rails' `params` and Express's `req.body` read the field from
+/// the JSON document's member; the engine looked for it in a form only,
+/// found no key and forwarded each retry. Impact ("at most one
+/// execution"): the second request executes again. Fix: a form-field key
+/// is also read from a JSON body's top-level member, as a JSON pointer key
+/// is read from its form field.
+#[tokio::test]
+async fn a_form_field_key_sent_as_json_runs_once() {
+    let policy = Policy {
+        key: KeySource::FormField("submission_token".into()),
+        required: false,
+        ..Policy::default()
+    };
+    let routes = Routes::new().route("/orders", policy).unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, _request| async move {
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("x-order", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    for content_type in ["application/json", "text/plain"] {
+        let before = app.calls();
+        let body = format!(r#"{{"submission_token":"t-{content_type}","amount":10}}"#);
+        for _ in 0..2 {
+            let request = Request::post("/orders")
+                .header(header::CONTENT_TYPE, content_type)
+                .body(Full::new(Bytes::from(body.clone())))
+                .unwrap();
+            let reply = app.send(request).await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{content_type}");
+        }
+        assert_eq!(app.calls() - before, 1, "{content_type}: executed twice");
+    }
 }
 
 /// Whether Rails routes `path` to `/contacts(.:format)`: its format
@@ -1487,13 +1528,7 @@ async fn any_rails_format_suffix_does_not_skip_a_required_route() {
 /// that read the last), as the method it names.
 #[tokio::test]
 async fn a_listed_method_override_header_does_not_skip_a_required_route() {
-    let policy = Policy {
-        methods: vec!["PUT".into()],
-        required: true,
-        ..Policy::default()
-    };
-    let routes = Routes::new().route("/orders", policy).unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
+    let engine = required_put_engine();
     // Express with `method-override('X-HTTP-Method-Override')`.
     let app = layered(&engine, |n, request| async move {
         let method = match request.headers().get("x-http-method-override") {

@@ -637,3 +637,50 @@ required = true
     );
     assert_eq!(orders.load(Ordering::SeqCst), 1);
 }
+
+/// Scenario: a covered form `POST` whose client lists
+/// `Connection: content-type` (or `content-encoding`). The engine reads the
+/// key, the method a `POST` names and the fingerprint by the content type;
+/// the proxy then removed every header `Connection` lists, so the upstream
+/// got the body without its type — which Rack reads as a form and others as
+/// opaque bytes, and the engine read as the type said. Impact ("at most one
+/// execution"; "same key, different request is refused"): the engine and
+/// the backend read one body two ways (a form key the engine did not see
+/// forwards each retry on an optional route; two JSON bodies alike to the
+/// engine are two forms to Rails). Fix: the headers the body is read by
+/// are forwarded whatever `Connection` lists, as nginx forwards them.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_lists() {
+    let backend = common::Backend::start().await;
+    let dir = temp_dir("breaks-connection-listed");
+    let proxy = Proxy::start(ProxyArgs::new(
+        backend.url(),
+        "[[route]]\npath = \"/echo\"\n",
+        &dir,
+    ))
+    .await
+    .owning(dir);
+    let reply = proxy
+        .send(
+            "POST",
+            "/echo",
+            &[
+                ("idempotency-key", "connection-listed-1"),
+                ("content-type", "application/x-www-form-urlencoded"),
+                ("content-encoding", "identity"),
+                ("x-dropped", "yes"),
+                ("connection", "content-type, content-encoding, x-dropped"),
+            ],
+            "amount=10",
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen = reply.json();
+    assert_eq!(
+        seen["headers"]["content-type"], "application/x-www-form-urlencoded",
+        "{seen}"
+    );
+    assert_eq!(seen["headers"]["content-encoding"], "identity", "{seen}");
+    // Other listed headers are still the client's connection's own.
+    assert!(seen["headers"].get("x-dropped").is_none(), "{seen}");
+}

@@ -54,15 +54,26 @@ pub fn lists_coding_other_than(headers: &HeaderMap, name: &HeaderName, allowed: 
 
 /// The request headers not forwarded with a buffered body: the connection
 /// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
-/// `Upgrade`, `Expect`), and every header `Connection` lists. The caller
-/// removes them (and sets `Content-Length` for the body it sends).
+/// `Upgrade`, `Expect`), and every header `Connection` lists except
+/// `Content-Type` and `Content-Encoding`. The caller removes them (and sets
+/// `Content-Length` for the body it sends).
+///
+/// Those two say how to read the body: the engine read the key, the
+/// method a `POST` names and the fingerprint by them, so the upstream must
+/// get them too (a client listing `Connection: content-type` would
+/// otherwise have a form read as JSON here and as a form there, as Rack
+/// reads a body without a type). nginx forwards them likewise.
 pub fn not_forwarded(request: &HeaderMap) -> Vec<HeaderName> {
     let mut names: Vec<HeaderName> = CONNECTION_SCOPED
         .iter()
         .chain(&HOP_FRAMING)
         .cloned()
         .collect();
-    names.extend(connection_listed(request));
+    names.extend(
+        connection_listed(request)
+            .into_iter()
+            .filter(|name| *name != header::CONTENT_TYPE && *name != header::CONTENT_ENCODING),
+    );
     names
 }
 
