@@ -38,6 +38,21 @@ pub fn content_type(headers: &HeaderMap) -> &str {
     }
 }
 
+/// Whether Rack or PHP read a body of `content_type` as a form: they cut
+/// the media type at `;`, `,` or a space (PHP) and take an absent or empty
+/// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`
+/// is a form to them.
+pub(crate) fn rack_form(content_type: &str) -> bool {
+    let media_type = content_type
+        .trim_start()
+        .split([';', ',', ' ', '\t'])
+        .next()
+        .unwrap_or_default();
+    media_type.is_empty()
+        || media_type.eq_ignore_ascii_case("application/x-www-form-urlencoded")
+        || media_type.eq_ignore_ascii_case("multipart/form-data")
+}
+
 /// Whether `content_type` is `expected`, ignoring parameters and case.
 pub fn is_media_type(content_type: &str, expected: &str) -> bool {
     content_type

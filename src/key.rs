@@ -84,16 +84,7 @@ pub fn extract_from(
         KeySource::Query(name) => Ok(uri
             .query()
             .and_then(|query| formats::form_value(query.as_bytes(), name))),
-        KeySource::FormField(name) => match body.field(name) {
-            Some(key) => Ok(Some(key.to_vec())),
-            // The same data sent as JSON: Laravel's `input()`, Rails'
-            // `params` and Express's `req.body` read the field from the
-            // document's top-level member (whatever the content type).
-            None => match json::value_at(body.bytes, &[name]) {
-                json::Found::String(key) => Ok(Some(key)),
-                _ => Ok(None),
-            },
-        },
+        KeySource::FormField(name) => Ok(form_field_key(name, headers, body)),
         KeySource::JsonPointer(pointer) => {
             // Read whatever the content type says, as a client may not
             // label its JSON.
@@ -117,6 +108,36 @@ pub fn extract_from(
                 Some(_) => Err(KeyError::NotAString),
             }
         }
+    }
+}
+
+/// A form-field key wherever the backends' frameworks read the field: the
+/// field itself; a field PHP or Rack reads under that name
+/// (`submission.token`, `[submission_token]`, see [`formats::read_as`]); a
+/// body Rack reads as a form although its type says otherwise (none, a
+/// form type cut at a comma, multipart without a boundary); the same data
+/// sent as JSON, whose top-level member Laravel's `input()`, Rails'
+/// `params` and Express's `req.body` read (whatever the content type).
+fn form_field_key(name: &str, headers: &HeaderMap, body: &View<'_>) -> Option<Vec<u8>> {
+    if let Some(key) = body.field(name) {
+        return Some(key.to_vec());
+    }
+    if let Some(key) = body.fields_read_as(name).first() {
+        return Some(key.to_vec());
+    }
+    let untyped = matches!(
+        body.kind,
+        formats::Kind::Opaque | formats::Kind::BadMultipart
+    );
+    if untyped && formats::rack_form(formats::content_type(headers)) {
+        let mut pairs = formats::form_pairs(body.bytes);
+        if let Some((_, key)) = pairs.find(|(raw, _)| formats::read_as(raw, name)) {
+            return Some(key);
+        }
+    }
+    match json::value_at(body.bytes, &[name]) {
+        json::Found::String(key) => Some(key),
+        _ => None,
     }
 }
 

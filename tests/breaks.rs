@@ -1404,16 +1404,25 @@ async fn a_content_type_read_two_ways_does_not_skip_a_required_route() {
 
 /// Scenario: a route taking an optional key from the form field
 /// `submission_token` (the seed's form recipe, `required = false` for API
-/// clients that may send none), and a client that posts the same data as
-/// JSON, `{"submission_token":"t1","amount":10}`, twice. Laravel's
-/// `input()`, Rails' `params` and Express's `req.body` read the field from
-/// the JSON document's member; the engine looked for it in a form only,
-/// found no key and forwarded each retry. Impact ("at most one
-/// execution"): the second request executes again. Fix: a form-field key
-/// is also read from a JSON body's top-level member, as a JSON pointer key
-/// is read from its form field.
+/// clients that may send none), and a client that sends the same request
+/// twice with the token where the backend's framework reads the field but
+/// the engine did not look:
+///
+/// * as JSON, `{"submission_token":"t1","amount":10}` (labelled JSON or
+///   not): Laravel's `input()`, Rails' `params` and Express's `req.body`
+///   read the document's member;
+/// * under a name PHP or Rack reads as the field: `submission.token`
+///   (PHP), `[submission_token]` (Rack 2);
+/// * in a body Rack reads as a form although its type says otherwise: no
+///   content type, `application/x-www-form-urlencoded, text/plain` (Rack
+///   and PHP cut the media type at `,`), multipart without a boundary
+///   (Rack falls back to urlencoded).
+///
+/// Impact ("at most one execution"): the engine found no key and forwarded
+/// each retry, so the second request executed again. Fix: a form-field key
+/// is read wherever those frameworks read the field.
 #[tokio::test]
-async fn a_form_field_key_sent_as_json_runs_once() {
+async fn a_form_field_key_where_frameworks_read_it_runs_once() {
     let policy = Policy {
         key: KeySource::FormField("submission_token".into()),
         required: false,
@@ -1428,19 +1437,42 @@ async fn a_form_field_key_sent_as_json_runs_once() {
             .body(Body::empty())
             .unwrap()
     });
-    for content_type in ["application/json", "text/plain"] {
+    let form = "application/x-www-form-urlencoded";
+    let cases: [(Option<&str>, &str); 7] = [
+        (
+            Some("application/json"),
+            r#"{"submission_token":"t1","amount":10}"#,
+        ),
+        (
+            Some("text/plain"),
+            r#"{"submission_token":"t2","amount":10}"#,
+        ),
+        (Some(form), "submission.token=t3&amount=10"),
+        (Some(form), "[submission_token]=t4&amount=10"),
+        (None, "submission_token=t5&amount=10"),
+        (
+            Some("application/x-www-form-urlencoded, text/plain"),
+            "submission_token=t6&amount=10",
+        ),
+        (Some("multipart/form-data"), "submission_token=t7&amount=10"),
+    ];
+    let mut twice = Vec::new();
+    for (content_type, body) in cases {
         let before = app.calls();
-        let body = format!(r#"{{"submission_token":"t-{content_type}","amount":10}}"#);
         for _ in 0..2 {
-            let request = Request::post("/orders")
-                .header(header::CONTENT_TYPE, content_type)
-                .body(Full::new(Bytes::from(body.clone())))
-                .unwrap();
+            let mut request = Request::post("/orders");
+            if let Some(content_type) = content_type {
+                request = request.header(header::CONTENT_TYPE, content_type);
+            }
+            let request = request.body(Full::new(Bytes::from(body))).unwrap();
             let reply = app.send(request).await;
-            assert_eq!(reply.status, StatusCode::CREATED, "{content_type}");
+            assert_eq!(reply.status, StatusCode::CREATED, "{content_type:?} {body}");
         }
-        assert_eq!(app.calls() - before, 1, "{content_type}: executed twice");
+        if app.calls() - before != 1 {
+            twice.push(format!("{content_type:?} {body}"));
+        }
     }
+    assert!(twice.is_empty(), "executed twice: {twice:?}");
 }
 
 /// Whether Rails routes `path` to `/contacts(.:format)`: its format

@@ -245,7 +245,7 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
             // Rack reads these as urlencoded: no content type, a form type
             // cut at `,` (`application/x-www-form-urlencoded, text/plain`),
             // or multipart without a boundary it can find.
-            _ if rack_form(formats::content_type(head.headers)) => {
+            _ if formats::rack_form(formats::content_type(head.headers)) => {
                 named.first_and_last(fields_named(body.bytes));
             }
             _ => {}
@@ -317,30 +317,15 @@ fn is_post(method: &Method) -> bool {
 }
 
 /// Whether a `POST`'s body may name its method: a form (as the content
-/// type reads to us, or to Rack and PHP: see [`rack_form`]) or JSON as
+/// type reads to us, or to Rack and PHP: see [`formats::rack_form`]) or JSON as
 /// Laravel reads it.
 fn may_name_in_body(head: &RequestHead<'_>) -> bool {
     let content_type = formats::content_type(head.headers);
     is_post(head.method)
-        && (rack_form(content_type)
+        && (formats::rack_form(content_type)
             || formats::is_media_type(content_type, "application/x-www-form-urlencoded")
             || formats::is_media_type(content_type, "multipart/form-data")
             || laravel_json(head.headers))
-}
-
-/// Whether Rack or PHP read a body of `content_type` as a form: they cut
-/// the media type at `;`, `,` or a space (PHP) and take an absent or empty
-/// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`
-/// is a form to them.
-fn rack_form(content_type: &str) -> bool {
-    let media_type = content_type
-        .trim_start()
-        .split([';', ',', ' ', '\t'])
-        .next()
-        .unwrap_or_default();
-    media_type.is_empty()
-        || media_type.eq_ignore_ascii_case("application/x-www-form-urlencoded")
-        || media_type.eq_ignore_ascii_case("multipart/form-data")
 }
 
 /// Whether Laravel may read the body as JSON: its content type contains
