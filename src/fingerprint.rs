@@ -35,7 +35,7 @@
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::formats::{self, Kind, View};
+use crate::formats::{Kind, View};
 use crate::store::Fingerprint;
 
 pub use crate::formats::parse_pointer;
@@ -68,7 +68,7 @@ pub fn fingerprint(
     body: &[u8],
     exclude: Exclusions<'_>,
 ) -> Fingerprint {
-    let view = View::parse(formats::content_type(headers), body);
+    let view = View::of_request(headers, body);
     fingerprint_view(method, uri, headers, fingerprint_headers, &view, exclude)
 }
 

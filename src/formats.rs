@@ -97,6 +97,31 @@ pub enum Kind<'a> {
 }
 
 impl<'a> View<'a> {
+    /// Reads a request's `body` as its `Content-Type` says ([`View::parse`]),
+    /// or as opaque bytes when backends read that type more than one way:
+    /// repeated `Content-Type` lines (a server in front may join them,
+    /// Apache does, and Laravel then reads JSON where the first line says
+    /// a form), or a media type holding a `,` (PHP and Rack cut it there;
+    /// `application/x-www-form-urlencoded, application/vnd.api+json` is a
+    /// form to them and JSON by its ending). Opaque bytes are fingerprinted
+    /// raw, which no reading of the body can make collide.
+    pub fn of_request(headers: &HeaderMap, body: &'a [u8]) -> Self {
+        let content_type = content_type(headers);
+        let repeated = headers
+            .get_all(http::header::CONTENT_TYPE)
+            .iter()
+            .nth(1)
+            .is_some();
+        let media_type = content_type.split(';').next().unwrap_or_default();
+        if repeated || media_type.contains(',') {
+            return View {
+                bytes: body,
+                kind: Kind::Opaque,
+            };
+        }
+        View::parse(content_type, body)
+    }
+
     /// Reads `body` as `content_type` says.
     pub fn parse(content_type: &str, body: &'a [u8]) -> Self {
         let kind = if is_json(content_type) {

@@ -58,7 +58,7 @@ pub fn extract(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Option<Vec<u8>>, KeyError> {
-    let view = View::parse(formats::content_type(headers), body);
+    let view = View::of_request(headers, body);
     extract_from(source, uri, headers, &view)
 }
 

@@ -1475,6 +1475,76 @@ async fn a_form_field_key_where_frameworks_read_it_runs_once() {
     assert!(twice.is_empty(), "executed twice: {twice:?}");
 }
 
+/// Scenario: the default policy (header key, `mismatch = "reject"`), and
+/// two different requests under one key whose content type backends read
+/// two ways:
+///
+/// * two `Content-Type` lines, a form and then JSON: Apache joins them and
+///   Laravel's `isJson` reads JSON, so
+///   `{"x":"&","amount":1,"x":"&","amount":1000,"x":"&"}` is amount 1000
+///   and the same members reordered amount 1 — the engine read the first
+///   line and sorted the `&`-separated pieces, which are alike;
+/// * one line `application/x-www-form-urlencoded, application/vnd.api+json`:
+///   PHP and Rack cut the media type at `,` and read a form, where
+///   `{"p":"&amount=1&","q":"&amount=1000&"}` is amount 1000 and its
+///   members reordered amount 1 — the engine read JSON by the `+json`
+///   ending and sorted the members, which are alike.
+///
+/// Impact ("same key, different request is refused, never replayed"): the
+/// changed request is answered with the first one's response and never
+/// executed. Fix: a content type backends read more than one way is
+/// fingerprinted as raw bytes.
+#[tokio::test]
+async fn a_content_type_read_two_ways_never_shares_a_fingerprint() {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let app = layered(&engine, |n, _request| async move {
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("x-order", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let form: &[u8] = b"application/x-www-form-urlencoded";
+    let cases: [(&str, Vec<&[u8]>, &str, &str); 2] = [
+        (
+            "two lines, a form then JSON",
+            vec![form, b"application/json"],
+            r#"{"x":"&","amount":1,"x":"&","amount":1000,"x":"&"}"#,
+            r#"{"x":"&","amount":1000,"x":"&","amount":1,"x":"&"}"#,
+        ),
+        (
+            "one line cut at a comma",
+            vec![b"application/x-www-form-urlencoded, application/vnd.api+json"],
+            r#"{"p":"&amount=1&","q":"&amount=1000&"}"#,
+            r#"{"q":"&amount=1000&","p":"&amount=1&"}"#,
+        ),
+    ];
+    let mut replayed = Vec::new();
+    for (i, (case, content_types, first, changed)) in cases.into_iter().enumerate() {
+        let mut statuses = Vec::new();
+        for body in [first, changed] {
+            let mut request = Request::post("/orders")
+                .header("idempotency-key", format!("k-read-two-ways-{i}"))
+                .body(Full::new(Bytes::from(body)))
+                .unwrap();
+            for value in &content_types {
+                request.headers_mut().append(
+                    header::CONTENT_TYPE,
+                    http::HeaderValue::from_bytes(value).unwrap(),
+                );
+            }
+            statuses.push(app.send(request).await.status);
+        }
+        if statuses != [StatusCode::CREATED, StatusCode::UNPROCESSABLE_ENTITY] {
+            replayed.push(format!("{case}: {statuses:?}"));
+        }
+    }
+    assert!(
+        replayed.is_empty(),
+        "changed requests not refused: {replayed:?}"
+    );
+}
+
 /// Whether Rails routes `path` to `/contacts(.:format)`: its format
 /// segment is `[^/.?]+` (Journey's default requirement), and the router
 /// drops one trailing slash first.
