@@ -1173,6 +1173,18 @@ async fn a_rails_format_suffix_does_not_skip_a_required_route() {
     );
 }
 
+/// `engine` in front of a backend that answers `status` to everything,
+/// numbering its calls in `x-call`.
+fn answering(engine: &Engine, status: StatusCode) -> support::Upstream {
+    layered(engine, move |n, _request| async move {
+        Response::builder()
+            .status(status)
+            .header("x-call", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    })
+}
+
 /// An engine over one required route, `/orders`, covering `PUT` only.
 fn required_put_engine() -> Engine {
     let policy = Policy {
@@ -1340,13 +1352,7 @@ async fn a_php_reading_of_method_override_does_not_skip_a_required_route() {
 async fn a_content_type_read_two_ways_does_not_skip_a_required_route() {
     let engine = required_put_engine();
     // Every case below is one the backend named runs as `PUT`.
-    let app = layered(&engine, |n, _request| async move {
-        Response::builder()
-            .status(StatusCode::OK)
-            .header("x-update", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = answering(&engine, StatusCode::OK);
     let multipart = |boundary: &str| {
         format!(
             "--{boundary}\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nPUT\r\n--{boundary}--\r\n"
@@ -1430,13 +1436,7 @@ async fn a_form_field_key_where_frameworks_read_it_runs_once() {
     };
     let routes = Routes::new().route("/orders", policy).unwrap();
     let engine = Engine::new(MemoryStore::new(), routes);
-    let app = layered(&engine, |n, _request| async move {
-        Response::builder()
-            .status(StatusCode::CREATED)
-            .header("x-order", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = answering(&engine, StatusCode::CREATED);
     let form = "application/x-www-form-urlencoded";
     let cases: [(Option<&str>, &str); 7] = [
         (
@@ -1497,13 +1497,7 @@ async fn a_form_field_key_where_frameworks_read_it_runs_once() {
 #[tokio::test]
 async fn a_content_type_read_two_ways_never_shares_a_fingerprint() {
     let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
-    let app = layered(&engine, |n, _request| async move {
-        Response::builder()
-            .status(StatusCode::CREATED)
-            .header("x-order", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = answering(&engine, StatusCode::CREATED);
     let form: &[u8] = b"application/x-www-form-urlencoded";
     let cases: [(&str, Vec<&[u8]>, &str, &str); 2] = [
         (
