@@ -35,7 +35,7 @@
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::formats::{Kind, View};
+use crate::formats::{self, Kind, View};
 use crate::store::Fingerprint;
 
 pub use crate::formats::parse_pointer;
@@ -68,7 +68,7 @@ pub fn fingerprint(
     body: &[u8],
     exclude: Exclusions<'_>,
 ) -> Fingerprint {
-    let view = View::of_request(headers, body);
+    let view = View::parse(formats::content_type(headers), body);
     fingerprint_view(method, uri, headers, fingerprint_headers, &view, exclude)
 }
 
@@ -97,7 +97,12 @@ pub fn fingerprint_view(
             put(&mut hasher, value.as_bytes());
         }
     }
-    match &body.kind {
+    // A body whose type backends read more than one way is hashed raw.
+    let kind = match formats::read_more_than_one_way(headers) {
+        true => &Kind::Opaque,
+        false => &body.kind,
+    };
+    match kind {
         Kind::Json => match canonicalize(body.bytes, exclude.json, true, Buffers::take()) {
             Some(canonical) => {
                 hasher.update(b"J");

@@ -25,8 +25,10 @@ use memchr::memmem;
 
 /// The request's (first) `Content-Type` as text: "" when absent, and up to
 /// its first byte that is not UTF-8 when it holds one. Backends read the
-/// media type and its parameters from the raw bytes, so a byte such as
-/// Latin-1 `é` in a later parameter does not stop a form from being one.
+/// media type from the raw bytes, so a byte such as Latin-1 `é` in a later
+/// parameter does not hide a form's fields from the engine; such a body is
+/// still fingerprinted raw ([`read_more_than_one_way`]), as a boundary may
+/// be read up to the byte here and whole by the backend.
 pub fn content_type(headers: &HeaderMap) -> &str {
     let Some(value) = headers.get(http::header::CONTENT_TYPE) else {
         return "";
@@ -51,6 +53,49 @@ pub(crate) fn rack_form(content_type: &str) -> bool {
     media_type.is_empty()
         || media_type.eq_ignore_ascii_case("application/x-www-form-urlencoded")
         || media_type.eq_ignore_ascii_case("multipart/form-data")
+}
+
+/// Whether some `Content-Type` line holds `/json` or `+json`, in any case
+/// and anywhere (`text/json`, `application/merge-patch+json`): Laravel
+/// reads such a body as JSON (`isJson`), a server in front such as Apache
+/// joining repeated lines first. A superset of Laravel's reading, which is
+/// case-sensitive.
+pub(crate) fn spells_json(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::CONTENT_TYPE)
+        .iter()
+        .any(|value| {
+            value.as_bytes().windows(5).any(|window| {
+                matches!(window[0], b'/' | b'+') && window[1..].eq_ignore_ascii_case(b"json")
+            })
+        })
+}
+
+/// Whether backends read a request's body type more than one way, so its
+/// fingerprint must not depend on any one reading (its raw bytes are
+/// hashed instead, which no reading can make collide):
+///
+/// * repeated `Content-Type` lines (a server in front may join them:
+///   Apache does, and Laravel then reads JSON where the first line says a
+///   form);
+/// * a line that is not UTF-8 (the media type and boundary are read up to
+///   the bad byte here, from the raw bytes by PHP and Go);
+/// * a media type holding `,` (PHP and Rack cut it there:
+///   `application/x-www-form-urlencoded, application/vnd.api+json` is a
+///   form to them and JSON by its ending);
+/// * a type Laravel reads as JSON ([`spells_json`]) that is not JSON by
+///   its media type (`multipart/form-data; boundary=+JSON`, a form with a
+///   parameter `x=/json`).
+pub fn read_more_than_one_way(headers: &HeaderMap) -> bool {
+    let mut lines = headers.get_all(http::header::CONTENT_TYPE).iter();
+    let Some(first) = lines.next() else {
+        return false;
+    };
+    let Ok(text) = std::str::from_utf8(first.as_bytes()) else {
+        return true;
+    };
+    let media_type = text.split(';').next().unwrap_or_default();
+    lines.next().is_some() || media_type.contains(',') || (spells_json(headers) && !is_json(text))
 }
 
 /// Whether `content_type` is `expected`, ignoring parameters and case.
@@ -97,29 +142,12 @@ pub enum Kind<'a> {
 }
 
 impl<'a> View<'a> {
-    /// Reads a request's `body` as its `Content-Type` says ([`View::parse`]),
-    /// or as opaque bytes when backends read that type more than one way:
-    /// repeated `Content-Type` lines (a server in front may join them,
-    /// Apache does, and Laravel then reads JSON where the first line says
-    /// a form), or a media type holding a `,` (PHP and Rack cut it there;
-    /// `application/x-www-form-urlencoded, application/vnd.api+json` is a
-    /// form to them and JSON by its ending). Opaque bytes are fingerprinted
-    /// raw, which no reading of the body can make collide.
-    pub fn of_request(headers: &HeaderMap, body: &'a [u8]) -> Self {
-        let content_type = content_type(headers);
-        let repeated = headers
-            .get_all(http::header::CONTENT_TYPE)
-            .iter()
-            .nth(1)
-            .is_some();
-        let media_type = content_type.split(';').next().unwrap_or_default();
-        if repeated || media_type.contains(',') {
-            return View {
-                bytes: body,
-                kind: Kind::Opaque,
-            };
+    /// `body` as opaque bytes, whatever its type.
+    pub fn opaque(body: &'a [u8]) -> Self {
+        View {
+            bytes: body,
+            kind: Kind::Opaque,
         }
-        View::parse(content_type, body)
     }
 
     /// Reads `body` as `content_type` says.

@@ -51,14 +51,17 @@ pub enum KeyError {
 /// Reads the raw key from where `source` says, without validating it.
 ///
 /// `Ok(None)` means the request carries no key at all. Form and JSON
-/// sources read `body` (a form field by the request's `Content-Type`).
+/// sources read `body` where backends read them: a form field as the
+/// request's `Content-Type` says, and also from a JSON member, under a name
+/// PHP or Rack reads as it, or from a body Rack reads as a form; a JSON
+/// pointer whatever the type says, and also from its form field.
 pub fn extract(
     source: &KeySource,
     uri: &Uri,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Option<Vec<u8>>, KeyError> {
-    let view = View::of_request(headers, body);
+    let view = View::parse(formats::content_type(headers), body);
     extract_from(source, uri, headers, &view)
 }
 
@@ -112,33 +115,42 @@ pub fn extract_from(
 }
 
 /// A form-field key wherever the backends' frameworks read the field: the
-/// field itself; a field PHP or Rack reads under that name
-/// (`submission.token`, `[submission_token]`, see [`formats::read_as`]); a
-/// body Rack reads as a form although its type says otherwise (none, a
-/// form type cut at a comma, multipart without a boundary); the same data
-/// sent as JSON, whose top-level member Laravel's `input()`, Rails'
-/// `params` and Express's `req.body` read (whatever the content type).
+/// field itself; else, of the other readings, the first that holds a
+/// well-formed key (a malformed value there is no key, as before these
+/// readings, rather than a 400 for a request that never meant it as one): a
+/// field PHP or Rack reads under that name (`submission.token`,
+/// `[submission_token]`, see [`formats::read_as`]); a body Rack reads as a
+/// form although its type says otherwise (none, a form type cut at a comma,
+/// multipart without a boundary); the same data sent as JSON, whose
+/// top-level member Laravel's `input()`, Rails' `params` and Express's
+/// `req.body` read (whatever the content type).
 fn form_field_key(name: &str, headers: &HeaderMap, body: &View<'_>) -> Option<Vec<u8>> {
     if let Some(key) = body.field(name) {
         return Some(key.to_vec());
     }
-    if let Some(key) = body.fields_read_as(name).first() {
-        return Some(key.to_vec());
-    }
-    let untyped = matches!(
-        body.kind,
-        formats::Kind::Opaque | formats::Kind::BadMultipart
-    );
-    if untyped && formats::rack_form(formats::content_type(headers)) {
-        let mut pairs = formats::form_pairs(body.bytes);
-        if let Some((_, key)) = pairs.find(|(raw, _)| formats::read_as(raw, name)) {
-            return Some(key);
+    let well_formed = |key: &Vec<u8>| validate(key, false).is_ok();
+    let mangled = || body.fields_read_as(name).first().map(|key| key.to_vec());
+    let rack = || {
+        let untyped = matches!(
+            body.kind,
+            formats::Kind::Opaque | formats::Kind::BadMultipart
+        );
+        if !untyped || !formats::rack_form(formats::content_type(headers)) {
+            return None;
         }
-    }
-    match json::value_at(body.bytes, &[name]) {
+        let mut pairs = formats::form_pairs(body.bytes);
+        pairs
+            .find(|(raw, _)| formats::read_as(raw, name))
+            .map(|(_, key)| key)
+    };
+    let json = || match json::value_at(body.bytes, &[name]) {
         json::Found::String(key) => Some(key),
         _ => None,
-    }
+    };
+    mangled()
+        .filter(well_formed)
+        .or_else(|| rack().filter(well_formed))
+        .or_else(|| json().filter(well_formed))
 }
 
 /// The form field that holds a JSON pointer's value when the same data

@@ -1472,6 +1472,28 @@ async fn a_form_field_key_where_frameworks_read_it_runs_once() {
             twice.push(format!("{content_type:?} {body}"));
         }
     }
+    // A multipart form whose type a client library and the app both set:
+    // two identical lines. Its field is read by the first, as before (only
+    // its fingerprint turns raw).
+    let multipart =
+        "--X\r\nContent-Disposition: form-data; name=\"submission_token\"\r\n\r\nt8\r\n--X--\r\n";
+    let before = app.calls();
+    for _ in 0..2 {
+        let mut request = Request::post("/orders")
+            .body(Full::new(Bytes::from(multipart)))
+            .unwrap();
+        for _ in 0..2 {
+            request.headers_mut().append(
+                header::CONTENT_TYPE,
+                http::HeaderValue::from_static("multipart/form-data; boundary=X"),
+            );
+        }
+        let reply = app.send(request).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "two multipart lines");
+    }
+    if app.calls() - before != 1 {
+        twice.push("two multipart lines".into());
+    }
     assert!(twice.is_empty(), "executed twice: {twice:?}");
 }
 
@@ -1488,7 +1510,12 @@ async fn a_form_field_key_where_frameworks_read_it_runs_once() {
 ///   PHP and Rack cut the media type at `,` and read a form, where
 ///   `{"p":"&amount=1&","q":"&amount=1000&"}` is amount 1000 and its
 ///   members reordered amount 1 — the engine read JSON by the `+json`
-///   ending and sorted the members, which are alike.
+///   ending and sorted the members, which are alike;
+/// * `application/x-www-form-urlencoded; x=/json`: JSON to Laravel, a form
+///   to the engine (the first case's bodies);
+/// * `multipart/form-data; boundary=abc\xe9def` (a Latin-1 byte): PHP reads
+///   the boundary whole; read up to the byte it is `abc`, whose closing
+///   delimiter ends the body before the part that differs.
 ///
 /// Impact ("same key, different request is refused, never replayed"): the
 /// changed request is answered with the first one's response and never
@@ -1499,18 +1526,38 @@ async fn a_content_type_read_two_ways_never_shares_a_fingerprint() {
     let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
     let app = answering(&engine, StatusCode::CREATED);
     let form: &[u8] = b"application/x-www-form-urlencoded";
-    let cases: [(&str, Vec<&[u8]>, &str, &str); 2] = [
+    // (case, its `Content-Type` lines, a body, the body changed)
+    type Case<'a> = (&'a str, Vec<&'a [u8]>, &'a [u8], &'a [u8]);
+    let cases: [Case<'_>; 4] = [
         (
             "two lines, a form then JSON",
             vec![form, b"application/json"],
-            r#"{"x":"&","amount":1,"x":"&","amount":1000,"x":"&"}"#,
-            r#"{"x":"&","amount":1000,"x":"&","amount":1,"x":"&"}"#,
+            br#"{"x":"&","amount":1,"x":"&","amount":1000,"x":"&"}"#,
+            br#"{"x":"&","amount":1000,"x":"&","amount":1,"x":"&"}"#,
         ),
         (
             "one line cut at a comma",
             vec![b"application/x-www-form-urlencoded, application/vnd.api+json"],
-            r#"{"p":"&amount=1&","q":"&amount=1000&"}"#,
-            r#"{"q":"&amount=1000&","p":"&amount=1&"}"#,
+            br#"{"p":"&amount=1&","q":"&amount=1000&"}"#,
+            br#"{"q":"&amount=1000&","p":"&amount=1&"}"#,
+        ),
+        // Laravel: `/json` in a parameter of a form type.
+        (
+            "a form type with a parameter spelling /json",
+            vec![b"application/x-www-form-urlencoded; x=/json"],
+            br#"{"x":"&","amount":1,"x":"&","amount":1000,"x":"&"}"#,
+            br#"{"x":"&","amount":1000,"x":"&","amount":1,"x":"&"}"#,
+        ),
+        // PHP: the boundary is `abc\xe9def`, read whole; read up to the
+        // Latin-1 byte, it would be `abc`, whose closing delimiter ends the
+        // body before the part that differs.
+        (
+            "a boundary holding a Latin-1 byte",
+            vec![b"multipart/form-data; boundary=abc\xe9def"],
+            b"--abc\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--abc--\r\n\
+             --abc\xe9def\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n1000\r\n--abc\xe9def--\r\n",
+            b"--abc\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--abc--\r\n\
+             --abc\xe9def\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n5\r\n--abc\xe9def--\r\n",
         ),
     ];
     let mut replayed = Vec::new();

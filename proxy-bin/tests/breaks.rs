@@ -639,7 +639,8 @@ required = true
 }
 
 /// Scenario: a covered form `POST` whose client lists
-/// `Connection: content-type` (or `content-encoding`). The engine reads the
+/// `Connection: content-type` (or `content-encoding`, or
+/// `x-http-method-override`, by which the engine scoped it). The engine reads the
 /// key, the method a `POST` names and the fingerprint by the content type;
 /// the proxy then removed every header `Connection` lists, so the upstream
 /// got the body without its type — which Rack reads as a form and others as
@@ -668,8 +669,12 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
                 ("idempotency-key", "connection-listed-1"),
                 ("content-type", "application/x-www-form-urlencoded"),
                 ("content-encoding", "identity"),
+                ("x-http-method-override", "PATCH"),
                 ("x-dropped", "yes"),
-                ("connection", "content-type, content-encoding, x-dropped"),
+                (
+                    "connection",
+                    "content-type, content-encoding, x-http-method-override, x-dropped",
+                ),
             ],
             "amount=10",
         )
@@ -681,6 +686,7 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
         "{seen}"
     );
     assert_eq!(seen["headers"]["content-encoding"], "identity", "{seen}");
+    assert_eq!(seen["headers"]["x-http-method-override"], "PATCH", "{seen}");
     // Other listed headers are still the client's connection's own.
     assert!(seen["headers"].get("x-dropped").is_none(), "{seen}");
 }

@@ -206,8 +206,10 @@ const OVERRIDE_HEADER: &str = "x-http-method-override";
 /// value, the body's field (when `body` is given), the query's. Each
 /// backend's reading counts: the first and the last of a repeated field
 /// (PHP and Rack read the last, others the first), fields PHP reads as
-/// `_method` (`.method`, ` _method`), a JSON body's top-level member, a
-/// body without a content type read as a form (Rack). Nothing for any
+/// `_method` (`.method`, ` _method`), a JSON body's top-level member
+/// (whenever a `Content-Type` line spells JSON), a body Rack reads as a
+/// form although its type says otherwise ([`formats::rack_form`]: none, a
+/// form type cut at `,`, multipart without a boundary). Nothing for any
 /// other method.
 fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     let mut named = Named(Vec::new());
@@ -250,7 +252,7 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
             }
             _ => {}
         }
-        if laravel_json(head.headers) {
+        if formats::spells_json(head.headers) {
             if let Some(name) = json_override(body.bytes) {
                 named.add(&name);
             }
@@ -325,23 +327,7 @@ fn may_name_in_body(head: &RequestHead<'_>) -> bool {
         && (formats::rack_form(content_type)
             || formats::is_media_type(content_type, "application/x-www-form-urlencoded")
             || formats::is_media_type(content_type, "multipart/form-data")
-            || laravel_json(head.headers))
-}
-
-/// Whether Laravel may read the body as JSON: its content type contains
-/// `/json` or `+json` (`text/json`, `application/merge-patch+json`), read
-/// from the raw bytes of every `Content-Type` line (a server in front,
-/// Apache for one, joins repeated lines into one value), in any case (a
-/// superset of Laravel's reading: more readings only add candidates).
-fn laravel_json(headers: &http::HeaderMap) -> bool {
-    headers
-        .get_all(http::header::CONTENT_TYPE)
-        .iter()
-        .any(|value| {
-            value.as_bytes().windows(5).any(|window| {
-                matches!(window[0], b'/' | b'+') && window[1..].eq_ignore_ascii_case(b"json")
-            })
-        })
+            || formats::spells_json(head.headers))
 }
 
 /// Whether a covered request goes to the upstream untouched before its

@@ -17,7 +17,7 @@ use super::responses::{log_decision, replay, Answered};
 use super::scope::{principal_hash, scope_key, Short};
 use super::{Covered, Engine, RequestHead, Reservation};
 use crate::fingerprint::{fingerprint_view, Exclusions};
-use crate::formats::View;
+use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
 use crate::policy::{FailMode, InFlightPolicy, KeySource, MismatchPolicy, RoutePolicy};
@@ -102,7 +102,7 @@ impl Engine {
     ) -> Decision {
         let started = Instant::now();
         // Parsed once, read by the key and the fingerprint.
-        let body = View::of_request(head.headers, body);
+        let body = View::parse(formats::content_type(head.headers), body);
         // A POST covered as the method it names is scoped and
         // fingerprinted as that method.
         let Some((method, policy)) = self.dispatched(covered.policy(), &head, &body) else {

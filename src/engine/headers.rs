@@ -55,15 +55,20 @@ pub fn lists_coding_other_than(headers: &HeaderMap, name: &HeaderName, allowed: 
 /// The request headers not forwarded with a buffered body: the connection
 /// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
 /// `Upgrade`, `Expect`), and every header `Connection` lists except
-/// `Content-Type` and `Content-Encoding`. The caller removes them (and sets
-/// `Content-Length` for the body it sends).
+/// `Content-Type`, `Content-Encoding` and `X-HTTP-Method-Override`. The
+/// caller removes them (and sets `Content-Length` for the body it sends).
 ///
-/// Those two say how to read the body: the engine read the key, the
-/// method a `POST` names and the fingerprint by them, so the upstream must
-/// get them too (a client listing `Connection: content-type` would
+/// Those say how to read the body and which method it is: the engine read
+/// the key, the method a `POST` names and the fingerprint by them, so the
+/// upstream must get them too (a client listing `Connection: content-type` would
 /// otherwise have a form read as JSON here and as a form there, as Rack
 /// reads a body without a type). nginx forwards them likewise.
 pub fn not_forwarded(request: &HeaderMap) -> Vec<HeaderName> {
+    const READ_BY_THE_ENGINE: [HeaderName; 3] = [
+        header::CONTENT_TYPE,
+        header::CONTENT_ENCODING,
+        HeaderName::from_static("x-http-method-override"),
+    ];
     let mut names: Vec<HeaderName> = CONNECTION_SCOPED
         .iter()
         .chain(&HOP_FRAMING)
@@ -72,7 +77,7 @@ pub fn not_forwarded(request: &HeaderMap) -> Vec<HeaderName> {
     names.extend(
         connection_listed(request)
             .into_iter()
-            .filter(|name| *name != header::CONTENT_TYPE && *name != header::CONTENT_ENCODING),
+            .filter(|name| !READ_BY_THE_ENGINE.contains(name)),
     );
     names
 }

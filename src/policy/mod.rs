@@ -40,7 +40,10 @@ pub enum KeySource {
     /// name is a malformed key.
     Header(String),
     /// A field of an `application/x-www-form-urlencoded` or
-    /// `multipart/form-data` body, such as a hidden `submission_token`.
+    /// `multipart/form-data` body, such as a hidden `submission_token`;
+    /// also read where frameworks read the same field (a JSON body's
+    /// top-level member, a name PHP or Rack reads as it, a body Rack reads
+    /// as a form), when it holds a well-formed key.
     FormField(String),
     /// A JSON pointer (RFC 6901) into a JSON body, such as `/idempotency_key`.
     /// The value must be a string.
