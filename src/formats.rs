@@ -142,14 +142,6 @@ pub enum Kind<'a> {
 }
 
 impl<'a> View<'a> {
-    /// `body` as opaque bytes, whatever its type.
-    pub fn opaque(body: &'a [u8]) -> Self {
-        View {
-            bytes: body,
-            kind: Kind::Opaque,
-        }
-    }
-
     /// Reads `body` as `content_type` says.
     pub fn parse(content_type: &str, body: &'a [u8]) -> Self {
         let kind = if is_json(content_type) {
