@@ -199,14 +199,17 @@ async fn php_form_fields_read_differently_never_share_a_fingerprint() {
     )
     .unwrap();
     let addr = common::free_port();
-    let php = Php(std::process::Command::new("php")
+    let mut php = Php(std::process::Command::new("php")
         .args(["-S", &addr.to_string()])
         .arg(&script)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("php is installed (scripts/setup.sh)"));
-    common::services::wait_for_port(addr.port());
+    assert!(
+        common::services::wait_listening(&mut php.0, addr),
+        "php -S exited at start (its port taken?)"
+    );
     let proxy = Proxy::start(ProxyArgs::new(
         format!("http://{addr}"),
         "[[route]]\npath = \"/pay\"\n",

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 
 use bytes::Bytes;
-use common::{client, free_port, send, services::wait_for_port, temp_dir, Proxy, ProxyArgs};
+use common::{client, free_port, send, services::wait_listening, temp_dir, Proxy, ProxyArgs};
 use harness::{hidden_fields, Browser};
 
 /// How many contact requests the app stored (`GET /stats`, read directly).
@@ -135,7 +135,7 @@ async fn the_layer_example_in_a_browser() {
         binary.display()
     );
     let addr = free_port();
-    let _example = Example(
+    let mut example = Example(
         Command::new(&binary)
             .env("PORT", addr.port().to_string())
             .stdout(Stdio::null())
@@ -143,7 +143,10 @@ async fn the_layer_example_in_a_browser() {
             .spawn()
             .expect("start the example"),
     );
-    wait_for_port(addr.port());
+    assert!(
+        wait_listening(&mut example.0, addr),
+        "the example exited at start (its port taken?)"
+    );
     // `a@b` passes the browser's check of `type=email`, not the app's.
     story(&format!("http://{addr}"), "/", "/thanks", addr, "a@b").await;
 }

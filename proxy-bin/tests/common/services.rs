@@ -24,6 +24,24 @@ pub fn wait_for_port(port: u16) {
     }
 }
 
+/// Polls until `child` itself listens on `addr` (true), or exits first
+/// (false). Another test's listener on a port picked free does not count.
+/// Readiness, not a timing assertion: gives up after a minute.
+pub fn wait_listening(child: &mut Child, addr: std::net::SocketAddr) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !super::listens(child.id(), addr) {
+        if child.try_wait().unwrap().is_some() {
+            return false;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nothing of ours listens on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}
+
 fn check(what: &str, output: std::io::Result<Output>) -> Output {
     let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
     assert!(
@@ -181,15 +199,22 @@ pub struct PrivateRedis {
 }
 
 impl PrivateRedis {
-    /// Starts `redis-server` on a free port.
+    /// Starts `redis-server` on a free port. A port picked free may be
+    /// taken by another test before Redis binds it; Redis then exits at
+    /// once, and is started on another.
     pub fn start() -> Self {
         let mut redis = PrivateRedis {
             dir: temp_dir("redis").keep(),
             port: free_port().port(),
             child: None,
         };
-        redis.start_again();
-        redis
+        for _ in 0..5 {
+            if redis.try_start() {
+                return redis;
+            }
+            redis.port = free_port().port();
+        }
+        panic!("redis-server exited at start five times");
     }
 
     /// `redis://…` for it.
@@ -207,6 +232,17 @@ impl PrivateRedis {
 
     /// Starts it again on the same port, empty.
     pub fn start_again(&mut self) {
+        assert!(
+            self.try_start(),
+            "redis-server exited at start on {}",
+            self.port
+        );
+    }
+
+    /// Starts it on its port and waits until this process listens there
+    /// (not merely something: another test's listener may hold a port
+    /// picked free); false when it exited first.
+    fn try_start(&mut self) -> bool {
         assert!(self.child.is_none(), "already running");
         let port = self.port.to_string();
         let child = Command::new("redis-server")
@@ -218,8 +254,13 @@ impl PrivateRedis {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server");
-        self.child = Some(child);
-        wait_for_port(self.port);
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.port));
+        let child = self.child.insert(child);
+        if wait_listening(child, addr) {
+            return true;
+        }
+        self.child = None;
+        false
     }
 
     /// Every byte Redis holds (an uncompressed RDB snapshot), to search for
