@@ -178,6 +178,24 @@ impl<'a> View<'a> {
         }
     }
 
+    /// The values of every form field PHP or Rack reads as `name`, in
+    /// order, wherever a framework reads the body as a form: parsed as its
+    /// content type says (urlencoded or multipart), or as urlencoded where
+    /// Rack reads it so although `content_type` makes it no form here (none,
+    /// a form type cut at `,`, multipart without a boundary: [`rack_form`]).
+    /// None for other bodies.
+    pub(crate) fn framework_fields(&self, content_type: &str, name: &str) -> Vec<Vec<u8>> {
+        match &self.kind {
+            Kind::Form(_) | Kind::Multipart(_) => self
+                .fields_read_as(name)
+                .into_iter()
+                .map(<[u8]>::to_vec)
+                .collect(),
+            _ if rack_form(content_type) => form_values_read_as(self.bytes, name).collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Whether the body is JSON by its content type.
     pub fn is_json(&self) -> bool {
         matches!(self.kind, Kind::Json)
@@ -234,6 +252,15 @@ pub(crate) fn read_as(raw: &[u8], name: &str) -> bool {
         .position(|b| matches!(b, b'[' | b']'))
         .unwrap_or(rest.len());
     rest[..end] == *name.as_bytes() && rest[end..].iter().all(|&b| b == b']')
+}
+
+/// The values of the urlencoded `input`'s fields PHP or Rack reads as
+/// `name` ([`read_as`]), in order.
+pub(crate) fn form_values_read_as<'i>(
+    input: &'i [u8],
+    name: &'i str,
+) -> impl Iterator<Item = Vec<u8>> + 'i {
+    form_pairs(input).filter_map(move |(raw, value)| read_as(&raw, name).then_some(value))
 }
 
 /// Decodes `application/x-www-form-urlencoded` into (name, value) pairs,

@@ -129,27 +129,14 @@ fn form_field_key(name: &str, headers: &HeaderMap, body: &View<'_>) -> Option<Ve
         return Some(key.to_vec());
     }
     let well_formed = |key: &Vec<u8>| validate(key, false).is_ok();
-    let mangled = || body.fields_read_as(name).first().map(|key| key.to_vec());
-    let rack = || {
-        let untyped = matches!(
-            body.kind,
-            formats::Kind::Opaque | formats::Kind::BadMultipart
-        );
-        if !untyped || !formats::rack_form(formats::content_type(headers)) {
-            return None;
-        }
-        let mut pairs = formats::form_pairs(body.bytes);
-        pairs
-            .find(|(raw, _)| formats::read_as(raw, name))
-            .map(|(_, key)| key)
-    };
+    let content_type = formats::content_type(headers);
+    let framework = || body.framework_fields(content_type, name).into_iter().next();
     let json = || match json::value_at(body.bytes, &[name]) {
         json::Found::String(key) => Some(key),
         _ => None,
     };
-    mangled()
+    framework()
         .filter(well_formed)
-        .or_else(|| rack().filter(well_formed))
         .or_else(|| json().filter(well_formed))
 }
 

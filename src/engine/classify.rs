@@ -7,7 +7,7 @@ use std::sync::Arc;
 use http::{HeaderMap, Method, Uri};
 
 use super::Engine;
-use crate::formats::{self, Kind, View};
+use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
 use crate::policy::{KeySource, PathPattern, RoutePolicy, Routes};
@@ -236,22 +236,12 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         named.add(&first[start..end]);
     }
     if let Some(body) = body {
-        // A form's field (a body without a content type is a form to
-        // Rack), and, whatever else reads the body as a form, the member
-        // Laravel reads when it takes the body for JSON.
-        match body.kind {
-            Kind::Form(_) | Kind::Multipart(_) => {
-                let fields = body.fields_read_as(OVERRIDE_FIELD).into_iter();
-                named.first_and_last(fields.map(<[u8]>::to_vec));
-            }
-            // Rack reads these as urlencoded: no content type, a form type
-            // cut at `,` (`application/x-www-form-urlencoded, text/plain`),
-            // or multipart without a boundary it can find.
-            _ if formats::rack_form(formats::content_type(head.headers)) => {
-                named.first_and_last(fields_named(body.bytes));
-            }
-            _ => {}
-        }
+        // A form's field, wherever a framework reads the body as a form,
+        // and, whatever else reads it as a form, the member Laravel reads
+        // when it takes the body for JSON.
+        let content_type = formats::content_type(head.headers);
+        let fields = body.framework_fields(content_type, OVERRIDE_FIELD);
+        named.first_and_last(fields.into_iter());
         if formats::spells_json(head.headers) {
             if let Some(name) = json_override(body.bytes) {
                 named.add(&name);
@@ -259,7 +249,10 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         }
     }
     if let Some(query) = head.uri.query() {
-        named.first_and_last(fields_named(query.as_bytes()));
+        named.first_and_last(formats::form_values_read_as(
+            query.as_bytes(),
+            OVERRIDE_FIELD,
+        ));
     }
     named.0
 }
@@ -277,13 +270,6 @@ fn json_override(body: &[u8]) -> Option<Vec<u8>> {
         key::json::Found::String(name) => Some(name),
         _ => None,
     }
-}
-
-/// The values of the urlencoded `input`'s fields PHP or Rack reads as
-/// [`OVERRIDE_FIELD`].
-fn fields_named(input: &[u8]) -> impl Iterator<Item = Vec<u8>> + '_ {
-    formats::form_pairs(input)
-        .filter_map(|(name, value)| formats::read_as(&name, OVERRIDE_FIELD).then_some(value))
 }
 
 /// The distinct methods a request names, in order.
