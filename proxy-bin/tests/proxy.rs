@@ -247,22 +247,10 @@ async fn nextjs_idempotency_key_json_contract() {
 async fn a_replayed_204_has_no_content_length() {
     let (backend, proxy) = start("no_content", FORMS).await;
     let key = uuid();
-    let first = proxy
-        .send(
-            "POST",
-            "/echo?status=204",
-            &[("idempotency-key", &key)],
-            "x",
-        )
-        .await;
-    let replay = proxy
-        .send(
-            "POST",
-            "/echo?status=204",
-            &[("idempotency-key", &key)],
-            "x",
-        )
-        .await;
+    let headers = [("idempotency-key", key.as_str())];
+    let send = || proxy.send("POST", "/echo?status=204", &headers, "x");
+    let first = send().await;
+    let replay = send().await;
     assert_eq!(backend.hits("/echo"), 1);
     assert_eq!((first.status, replay.status), (204, 204));
     assert!(replay.replayed());
