@@ -487,3 +487,156 @@ async fn a_conflict_that_never_ends_fails_closed() {
         assert_eq!(harness.calls(), 0, "executed although the store failed");
     }
 }
+
+/// How many server backends run for `application`, read through `admin`.
+async fn backends(admin: &mut sqlx::PgConnection, application: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(application)
+        .fetch_one(admin)
+        .await
+        .unwrap()
+}
+
+/// The store opens its connections itself (no ping round trip on release):
+/// under fifty callers at once, each reserving, completing and reading
+/// back its own key, it never has more open than the pool's
+/// `max_connections`, every caller is served (waiting, not failing), and
+/// every answer is the caller's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_callers_share_at_most_the_pools_size_of_connections() {
+    use sqlx::Connection;
+    let options = fresh_schema().await;
+    let application = format!("store_cap_{}", std::process::id());
+    let store =
+        PostgresStore::from_pool(pool(options.clone().application_name(&application), 3).await);
+    store.migrate().await.unwrap();
+    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (done, application, options) = (done.clone(), application.clone(), options.clone());
+        tokio::spawn(async move {
+            let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+            let mut most = 0;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                most = most.max(backends(&mut admin, &application).await);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            most
+        })
+    };
+    let callers = (0..50u8).map(|i| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let key = random_key();
+            let owner = OwnerToken::random();
+            let claim = store
+                .reserve(&key, &fingerprint(i), &owner, LONG, LONG)
+                .await
+                .unwrap();
+            assert_eq!(claim, Claim::Acquired { takeover: false });
+            let body = bytes::Bytes::from(vec![i; 64]);
+            let outcome = Outcome::Stored(StoredResponse {
+                status: http::StatusCode::CREATED,
+                headers: Vec::new(),
+                body: body.clone(),
+            });
+            assert!(store.complete(&key, &owner, &outcome, LONG).await.unwrap());
+            let record = store.get(&key).await.unwrap().expect("its record");
+            assert_eq!(record.fingerprint, fingerprint(i));
+            match record.state {
+                tower_idempotency::store::RecordState::Completed(outcome) => {
+                    let Outcome::Stored(response) = outcome else {
+                        panic!("not a stored response: {outcome:?}")
+                    };
+                    assert_eq!(response.body, body, "another caller's response");
+                }
+                other => panic!("not completed: {other:?}"),
+            }
+        })
+    });
+    for caller in join_all(callers).await {
+        caller.unwrap();
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let most = sampler.await.unwrap();
+    assert!(most >= 1, "the sampler never saw the store's connections");
+    assert!(most <= 3, "{most} connections open for a pool of 3");
+    assert!(backends(&mut admin, &application).await <= 3);
+    store.close().await;
+}
+
+/// A statement abandoned halfway (its caller gave up while the database
+/// waited on a row lock) does not leave its connection to the next
+/// statement: with one connection allowed, the store goes on answering
+/// every later call correctly, and the abandoned one is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
+    use sqlx::Connection;
+    let options = fresh_schema().await;
+    let application = format!("store_abandon_{}", std::process::id());
+    let store =
+        PostgresStore::from_pool(pool(options.clone().application_name(&application), 1).await);
+    store.migrate().await.unwrap();
+    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+
+    let locked = random_key();
+    let owner = OwnerToken::random();
+    let claim = store
+        .reserve(&locked, &fingerprint(1), &owner, LONG, LONG)
+        .await;
+    assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
+    let mut other = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let mut tx = other.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
+        .bind(locked.as_bytes().as_slice())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let completing = {
+        let store = store.clone();
+        tokio::spawn(async move { store.complete(&locked, &owner, &outcome(), LONG).await })
+    };
+    for _ in 0.. {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(&application)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    completing.abort();
+    assert!(completing.await.unwrap_err().is_cancelled());
+    tx.rollback().await.unwrap();
+
+    for i in 0..20u8 {
+        let key = random_key();
+        let mine = OwnerToken::random();
+        let claim = store
+            .reserve(&key, &fingerprint(i), &mine, LONG, LONG)
+            .await;
+        assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
+        assert!(store.complete(&key, &mine, &outcome(), LONG).await.unwrap());
+        let again = store
+            .reserve(&key, &fingerprint(i), &OwnerToken::random(), LONG, LONG)
+            .await
+            .unwrap();
+        let Claim::Existing(record) = again else {
+            panic!("a completed key acquired again: {again:?}")
+        };
+        assert_eq!(record.fingerprint, fingerprint(i));
+        assert!(matches!(
+            record.state,
+            tower_idempotency::store::RecordState::Completed(_)
+        ));
+    }
+    assert!(backends(&mut admin, &application).await <= 1);
+    other.close().await.unwrap();
+    store.close().await;
+}

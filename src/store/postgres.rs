@@ -5,10 +5,15 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::{PgArguments, PgPool, PgPoolOptions, Postgres};
+use sqlx::query::{Query, QueryAs, QueryScalar};
 
 use super::sql::{self, store_error};
 use super::StoreError;
+
+mod connections;
+
+use connections::Connections;
 
 /// A new record. Conflicts are skipped without locking the existing row.
 const INSERT: &str = "
@@ -205,18 +210,33 @@ FROM idempotency_records";
 ///   but PostgreSQL-compatible engines with optimistic concurrency
 ///   (CockroachDB, YugabyteDB) do under contention. A statement whose
 ///   outcome is unknown (connection lost, `40003`) is never retried.
-/// * A failed connection, a pool that has no connection within its acquire
-///   timeout, a conflict that outlasts the retry budget, or any other
-///   database error becomes a [`StoreError`], which the engine answers
-///   with 503 (fail closed). The pool reconnects on its own.
+/// * A failed connection, no connection within the acquire timeout, a
+///   conflict that outlasts the retry budget, or any other database error
+///   becomes a [`StoreError`], which the engine answers with 503 (fail
+///   closed). Connections are opened again on demand.
+/// * Every statement runs on connections of the store's own, opened on
+///   demand with the pool's connect options, at most the pool's
+///   `max_connections` at once, with its acquire and idle timeouts. A
+///   connection serves the next statement the moment the database answered
+///   the last one, without the test round trip sqlx's pool makes on every
+///   release (which held each connection for two round trips per
+///   statement). A statement abandoned halfway (the engine's
+///   `store_timeout`, a client gone) closes its connection instead, so none
+///   is reused in an unknown state. The pool itself opens no connection for
+///   the store: it stays the application's ([`pool`](PostgresStore::pool)),
+///   and one it also uses for its own queries has up to twice its size
+///   open. Hooks set on the pool (`after_connect`) do not run on the
+///   store's connections.
 ///
 /// The table is searched through the connection's `search_path`; to keep it
 /// in another schema, add `?options=-c%20search_path%3Dmy_schema` to the URL.
 ///
-/// Clones share the pool.
+/// Clones share the pool and the connections.
 #[derive(Clone, Debug)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// The connections of every request's statements.
+    connections: Arc<Connections>,
     /// The store's id, read once.
     id: Arc<OnceLock<String>>,
     /// How long a statement that conflicted is retried.
@@ -246,9 +266,10 @@ impl PostgresStore {
     /// Fails when the database cannot be reached now or a migration fails;
     /// once connected, an outage only fails the calls made during it.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        // Lazy: the store runs its statements on connections of its own,
+        // and the migration below is the first to reach the database.
         let pool = Self::pool_options()
-            .connect(url)
-            .await
+            .connect_lazy(url)
             .map_err(store_error)?;
         let store = Self::from_pool(pool);
         store.migrate().await?;
@@ -273,12 +294,21 @@ impl PostgresStore {
             .idle_timeout(Duration::from_secs(60))
     }
 
-    /// A store over an existing pool. Nothing is migrated: call
+    /// A store with `pool`'s connect options and limits (see the type's
+    /// doc: the store opens its connections itself). Nothing is migrated: call
     /// [`migrate`](PostgresStore::migrate), or apply
     /// [`MIGRATOR`](PostgresStore::MIGRATOR) or the SQL files yourself.
     pub fn from_pool(pool: PgPool) -> Self {
+        let options = pool.options();
+        let connections = Connections::new(
+            (*pool.connect_options()).clone(),
+            options.get_max_connections(),
+            options.get_acquire_timeout(),
+            options.get_idle_timeout(),
+        );
         PostgresStore {
             pool,
+            connections: Arc::new(connections),
             id: Arc::default(),
             retry: Self::RETRY_BUDGET,
         }
@@ -297,53 +327,62 @@ impl PostgresStore {
     /// Creates or upgrades the table. Safe to run from several instances at
     /// once (the migrator holds an advisory lock) and on every start.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut lease = self.connections.acquire().await.map_err(store_error)?;
+        // `run_direct`: sqlx's own way around `run`'s `Acquire` bound, whose
+        // future over a borrowed connection could not be spawned.
         Self::MIGRATOR
-            .run(&self.pool)
+            .run_direct(lease.connection())
             .await
-            .map_err(sql::migrate_error)
+            .map_err(sql::migrate_error)?;
+        // A failed run may leave the migrator's advisory lock held: only a
+        // finished one gives the connection back.
+        lease.release();
+        Ok(())
     }
 
-    /// The pool.
+    /// The pool the store was made with, for the application's own queries
+    /// (the store runs none on it).
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
 
-    /// Closes the pool's connections; later calls fail with
+    /// Closes the store's connections and the pool; later calls fail with
     /// [`StoreError::Unavailable`].
     pub async fn close(&self) {
+        self.connections.close();
         self.pool.close().await;
     }
 
-    /// A record write that returns whether it wrote: its own transaction
-    /// on a pooled connection.
+    /// A connection of the store's own for one statement.
+    async fn lease(&self) -> Result<connections::Lease<'_>, sqlx::Error> {
+        self.connections.acquire().await
+    }
+
+    /// A record write that returns whether it wrote: its own transaction.
     async fn write_scalar(
         &self,
-        query: sqlx::query::QueryScalar<'static, sqlx::Postgres, bool, sqlx::postgres::PgArguments>,
+        query: QueryScalar<'static, Postgres, bool, PgArguments>,
     ) -> Result<Option<bool>, sqlx::Error> {
-        query.fetch_optional(&self.pool).await
+        sql::on_connection!(self, |executor| query.fetch_optional(executor)).await
     }
 
     /// A record write answered with its count of changed rows: its own
-    /// transaction on a pooled connection.
+    /// transaction.
     async fn write_execute(
         &self,
-        statement: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        statement: Query<'static, Postgres, PgArguments>,
     ) -> Result<u64, sqlx::Error> {
-        Ok(statement.execute(&self.pool).await?.rows_affected())
+        let done = sql::on_connection!(self, |executor| statement.execute(executor)).await?;
+        Ok(done.rows_affected())
     }
 
     /// A reservation's first statement (`INSERT_OR_READ`): its own
-    /// transaction on a pooled connection.
+    /// transaction.
     async fn write_row(
         &self,
-        query: sqlx::query::QueryAs<
-            '_,
-            sqlx::Postgres,
-            sql::InsertOrReadRow,
-            sqlx::postgres::PgArguments,
-        >,
+        query: QueryAs<'_, Postgres, sql::InsertOrReadRow, PgArguments>,
     ) -> Result<Option<sql::InsertOrReadRow>, sqlx::Error> {
-        query.fetch_optional(&self.pool).await
+        sql::on_connection!(self, |executor| query.fetch_optional(executor)).await
     }
 }
 

@@ -340,6 +340,64 @@ where
     }
 }
 
+/// A SQL store's connection for one statement, taken with the store's
+/// `lease()`: an executor to run the statement on, and what becomes of the
+/// connection by the statement's result.
+pub(super) trait StatementLease {
+    /// What the statement runs on.
+    type Executor<'e>: sqlx::Executor<'e>
+    where
+        Self: 'e;
+
+    /// The executor.
+    fn executor(&mut self) -> Self::Executor<'_>;
+
+    /// Passes `result` through, deciding by it whether the connection
+    /// serves another statement.
+    fn finish<T>(self, result: Result<T, sqlx::Error>) -> Result<T, sqlx::Error>;
+}
+
+/// A statement on a sqlx pool: the pool takes its connection back and
+/// tests it itself.
+pub(super) struct PoolLease<'p, DB: sqlx::Database>(pub(super) &'p sqlx::Pool<DB>);
+
+impl<'p, DB: sqlx::Database> StatementLease for PoolLease<'p, DB>
+where
+    for<'e> &'e sqlx::Pool<DB>: sqlx::Executor<'e, Database = DB>,
+{
+    type Executor<'e>
+        = &'e sqlx::Pool<DB>
+    where
+        Self: 'e;
+
+    fn executor(&mut self) -> &sqlx::Pool<DB> {
+        self.0
+    }
+
+    fn finish<T>(self, result: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
+        result
+    }
+}
+
+/// Runs one statement on a connection of `store` (its `lease()`, a
+/// [`StatementLease`]): `|executor| statement` names the executor in an
+/// expression giving the statement's future. A future of the statement's
+/// `Result<_, sqlx::Error>`.
+macro_rules! on_connection {
+    ($store:expr, |$executor:ident| $statement:expr) => {
+        async {
+            use $crate::store::sql::StatementLease as _;
+            let mut lease = $store.lease().await?;
+            let result = {
+                let $executor = lease.executor();
+                $statement.await
+            };
+            lease.finish(result)
+        }
+    };
+}
+pub(super) use on_connection;
+
 /// Maps a sqlx error: no connection in time is [`StoreError::Timeout`], an
 /// undecodable row is [`StoreError::Corrupt`], anything else (I/O, TLS, a
 /// closed pool, a database error) is [`StoreError::Unavailable`].
@@ -415,8 +473,9 @@ pub(super) struct Statements {
 /// Implements [`Store`](super::Store) and [`Maintenance`](super::Maintenance)
 /// for a SQL store: a type with a `pool` field and an `id` field (an
 /// `Arc<OnceLock<String>>` caching [`Statements::identity`]), given its
-/// dialect's [`Statements`]. Reads go to the pool; the record writes go
-/// through the type's own `write_scalar` (a statement returning whether it
+/// dialect's [`Statements`]. Reads run on a connection of the type's own
+/// `lease()` (a [`StatementLease`], see [`on_connection`]); the record
+/// writes go through its `write_scalar` (a statement returning whether it
 /// wrote) and `write_execute` (its count of changed rows), which take the
 /// statement with owned (`'static`) parameters, so a store may hand it to
 /// a writer of its own (SQLite's group commit).
@@ -509,9 +568,11 @@ macro_rules! sql_store {
                 key: &$crate::store::ScopeKey,
             ) -> Result<Option<$crate::store::sql::RecordRow>, sqlx::Error> {
                 $crate::store::sql::retrying(self.statement_retry_budget(), || {
-                    sqlx::query_as(Self::STATEMENTS.select_live)
-                        .bind(key.as_bytes().as_slice())
-                        .fetch_optional(&self.pool)
+                    $crate::store::sql::on_connection!(self, |executor| {
+                        sqlx::query_as(Self::STATEMENTS.select_live)
+                            .bind(key.as_bytes().as_slice())
+                            .fetch_optional(executor)
+                    })
                 })
                 .await
             }
@@ -648,7 +709,9 @@ macro_rules! sql_store {
                     return Ok(Some(id.clone()));
                 }
                 let id: String = $crate::store::sql::retrying(self.statement_retry_budget(), || {
-                    sqlx::query_scalar(Self::STATEMENTS.identity).fetch_optional(&self.pool)
+                    $crate::store::sql::on_connection!(self, |executor| {
+                        sqlx::query_scalar(Self::STATEMENTS.identity).fetch_optional(executor)
+                    })
                 })
                 .await
                 .map_err($crate::store::sql::store_error)?
@@ -672,9 +735,9 @@ macro_rules! sql_store {
             async fn sweep(&self, batch: usize) -> Result<u64, $crate::store::StoreError> {
                 let batch = i64::try_from(batch).unwrap_or(i64::MAX);
                 let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
-                    sqlx::query(Self::STATEMENTS.sweep)
-                        .bind(batch)
-                        .execute(&self.pool)
+                    $crate::store::sql::on_connection!(self, |executor| {
+                        sqlx::query(Self::STATEMENTS.sweep).bind(batch).execute(executor)
+                    })
                 })
                 .await
                 .map_err($crate::store::sql::store_error)?;

@@ -244,6 +244,12 @@ impl SqliteStore {
         self.pool.close().await;
     }
 
+    /// A connection for a read or an admin statement: the pool's, beside
+    /// the writer.
+    async fn lease(&self) -> Result<sql::PoolLease<'_, sqlx::Sqlite>, sqlx::Error> {
+        Ok(sql::PoolLease(&self.pool))
+    }
+
     /// A record write that returns whether it wrote: in the next group
     /// commit, answered once it is on disk.
     async fn write_scalar(

@@ -61,7 +61,9 @@ pub struct PrivatePostgres {
 }
 
 impl PrivatePostgres {
-    /// Creates and starts a fresh cluster on a free port.
+    /// Creates and starts a fresh cluster on a free port. A port picked
+    /// free may be taken by another test before the server binds it; the
+    /// server then fails to start, and is started on another.
     pub fn start() -> Self {
         let bin = postgres_bin();
         let dir = temp_dir("pg").keep();
@@ -75,7 +77,7 @@ impl PrivatePostgres {
                     .output(),
             );
         }
-        let postgres = PrivatePostgres {
+        let mut postgres = PrivatePostgres {
             bin,
             dir,
             port: free_port().port(),
@@ -85,8 +87,13 @@ impl PrivatePostgres {
             "initdb",
             &["-A", "trust", "-U", "postgres", "--no-sync", "-D", &data],
         );
-        postgres.start_again();
-        postgres
+        for _ in 0..5 {
+            if postgres.try_start().status.success() {
+                return postgres;
+            }
+            postgres.port = free_port().port();
+        }
+        panic!("postgres failed to start five times");
     }
 
     /// `postgres://…` for the cluster's `postgres` database.
@@ -104,26 +111,33 @@ impl PrivatePostgres {
 
     /// Starts the (stopped) server again on the same port and data.
     pub fn start_again(&self) {
+        let output = self.try_start();
+        assert!(
+            output.status.success(),
+            "pg_ctl start on {} failed: {}{}",
+            self.port,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// `pg_ctl -w start` on the cluster's port: its output, success or not
+    /// (a port another test took makes the server exit at start). `-w`
+    /// waits until this server accepts connections, so another listener on
+    /// the port is never taken for it.
+    fn try_start(&self) -> Output {
         let options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
             self.port,
             self.dir.display()
         );
         let log = self.dir.join("server.log");
-        self.run(
-            "pg_ctl",
-            &[
-                "-D",
-                &self.data(),
-                "-o",
-                &options,
-                "-l",
-                log.to_str().unwrap(),
-                "-w",
-                "start",
-            ],
-        );
-        wait_for_port(self.port);
+        self.command("pg_ctl")
+            .args(["-D", &self.data(), "-o", &options, "-l"])
+            .arg(&log)
+            .args(["-w", "start"])
+            .output()
+            .expect("pg_ctl")
     }
 
     /// The whole database as SQL text (`pg_dump`), to search for leaks.
@@ -141,6 +155,12 @@ impl PrivatePostgres {
     }
 
     fn run(&self, program: &str, args: &[&str]) -> Output {
+        check(program, self.command(program).args(args).output())
+    }
+
+    /// `program` from the server's binaries, run as `postgres` when the
+    /// tests run as root, in the cluster's directory.
+    fn command(&self, program: &str) -> Command {
         let program = self.bin.join(program);
         let mut command = if is_root() {
             let mut command = Command::new("runuser");
@@ -149,11 +169,8 @@ impl PrivatePostgres {
         } else {
             Command::new(&program)
         };
+        command.current_dir(&self.dir).stdin(Stdio::null());
         command
-            .args(args)
-            .current_dir(&self.dir)
-            .stdin(Stdio::null());
-        check(&format!("{}", program.display()), command.output())
     }
 }
 

@@ -132,11 +132,13 @@ macro_rules! sql_admin {
                 statement: &'static str,
                 key: &$crate::store::ScopeKey,
             ) -> Result<bool, $crate::store::StoreError> {
-                let done = sqlx::query(statement)
-                    .bind(key.as_bytes().as_slice())
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let done = $crate::store::sql::on_connection!(self, |executor| {
+                    sqlx::query(statement)
+                        .bind(key.as_bytes().as_slice())
+                        .execute(executor)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 Ok(done.rows_affected() > 0)
             }
 
@@ -146,12 +148,14 @@ macro_rules! sql_admin {
                 principal: &$crate::store::PrincipalHash,
                 limit: usize,
             ) -> Result<Vec<$crate::store::ScopeKey>, $crate::store::StoreError> {
-                let keys: Vec<Vec<u8>> = sqlx::query_scalar(statement)
-                    .bind(principal.as_bytes().as_slice())
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                    .fetch_all(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?;
+                let keys: Vec<Vec<u8>> = $crate::store::sql::on_connection!(self, |executor| {
+                    sqlx::query_scalar(statement)
+                        .bind(principal.as_bytes().as_slice())
+                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                        .fetch_all(executor)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?;
                 keys.iter()
                     .map(|key| $crate::store::ScopeKey::from_slice(key))
                     .collect()
@@ -177,13 +181,15 @@ macro_rules! sql_admin {
                 &self,
                 key: &$crate::store::ScopeKey,
             ) -> Result<Option<$crate::store::RecordInfo>, $crate::store::StoreError> {
-                sqlx::query_as::<_, $crate::store::sql::admin::InfoRow>(Self::ADMIN.inspect)
-                    .bind(key.as_bytes().as_slice())
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::store_error)?
-                    .map($crate::store::sql::admin::InfoRow::into_info)
-                    .transpose()
+                $crate::store::sql::on_connection!(self, |executor| {
+                    sqlx::query_as::<_, $crate::store::sql::admin::InfoRow>(Self::ADMIN.inspect)
+                        .bind(key.as_bytes().as_slice())
+                        .fetch_optional(executor)
+                })
+                .await
+                .map_err($crate::store::sql::store_error)?
+                .map($crate::store::sql::admin::InfoRow::into_info)
+                .transpose()
             }
 
             async fn purge(
@@ -224,12 +230,14 @@ macro_rules! sql_admin {
                 limit: usize,
             ) -> Result<Vec<$crate::store::RecordInfo>, $crate::store::StoreError> {
                 let rows: Vec<$crate::store::sql::admin::InfoRow> =
-                    sqlx::query_as(Self::ADMIN.in_flight_older_than)
-                        .bind($crate::store::sql::micros(age))
-                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                        .fetch_all(&self.pool)
-                        .await
-                        .map_err($crate::store::sql::store_error)?;
+                    $crate::store::sql::on_connection!(self, |executor| {
+                        sqlx::query_as(Self::ADMIN.in_flight_older_than)
+                            .bind($crate::store::sql::micros(age))
+                            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                            .fetch_all(executor)
+                    })
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
                 rows.into_iter()
                     .map($crate::store::sql::admin::InfoRow::into_info)
                     .collect()
@@ -238,8 +246,10 @@ macro_rules! sql_admin {
             async fn counts(
                 &self,
             ) -> Result<$crate::store::StateCounts, $crate::store::StoreError> {
-                let row: $crate::store::sql::admin::CountsRow = sqlx::query_as(Self::ADMIN.counts)
-                    .fetch_one(&self.pool)
+                let row: $crate::store::sql::admin::CountsRow =
+                    $crate::store::sql::on_connection!(self, |executor| {
+                        sqlx::query_as(Self::ADMIN.counts).fetch_one(executor)
+                    })
                     .await
                     .map_err($crate::store::sql::store_error)?;
                 Ok(row.into())
