@@ -613,7 +613,19 @@ async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
     }
     completing.abort();
     assert!(completing.await.unwrap_err().is_cancelled());
+    // The abandoned statement still waits on the server: the store's next
+    // call must not open a second session beside it (the pool allows one).
+    let reading = {
+        let store = store.clone();
+        tokio::spawn(async move { store.get(&random_key()).await })
+    };
+    for _ in 0..30 {
+        let open = backends(&mut admin, &application).await;
+        assert!(open <= 1, "{open} sessions for a pool of 1");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     tx.rollback().await.unwrap();
+    assert!(reading.await.unwrap().unwrap().is_none());
 
     for i in 0..20u8 {
         let key = random_key();
@@ -638,5 +650,50 @@ async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
     }
     assert!(backends(&mut admin, &application).await <= 1);
     other.close().await.unwrap();
+    store.close().await;
+}
+
+/// A connection whose session the server ended (`pg_terminate_backend`,
+/// as a restart or a failover does) fails the one call that drew it, and
+/// is not drawn again: the next call succeeds on a new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_session_ended_fails_one_call_only() {
+    use sqlx::Connection;
+    let options = fresh_schema().await;
+    let application = format!("store_fatal_{}", std::process::id());
+    let store =
+        PostgresStore::from_pool(pool(options.clone().application_name(&application), 1).await);
+    store.migrate().await.unwrap();
+    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    for round in 0..3 {
+        let key = random_key();
+        let owner = OwnerToken::random();
+        let claim = store
+            .reserve(&key, &fingerprint(1), &owner, LONG, LONG)
+            .await;
+        assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
+        let ended: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+        )
+        .bind(&application)
+        .fetch_all(&mut admin)
+        .await
+        .unwrap();
+        assert_eq!(ended, [true], "round {round}: one idle session to end");
+        assert!(
+            store
+                .complete(&key, &owner, &outcome(), LONG)
+                .await
+                .is_err(),
+            "round {round}: a statement on an ended session succeeded"
+        );
+        assert!(
+            store
+                .complete(&key, &owner, &outcome(), LONG)
+                .await
+                .unwrap(),
+            "round {round}: the call after the ended session failed too"
+        );
+    }
     store.close().await;
 }

@@ -215,18 +215,22 @@ FROM idempotency_records";
 ///   becomes a [`StoreError`], which the engine answers with 503 (fail
 ///   closed). Connections are opened again on demand.
 /// * Every statement runs on connections of the store's own, opened on
-///   demand with the pool's connect options, at most the pool's
-///   `max_connections` at once, with its acquire and idle timeouts. A
-///   connection serves the next statement the moment the database answered
-///   the last one, without the test round trip sqlx's pool makes on every
-///   release (which held each connection for two round trips per
-///   statement). A statement abandoned halfway (the engine's
-///   `store_timeout`, a client gone) closes its connection instead, so none
-///   is reused in an unknown state. The pool itself opens no connection for
-///   the store: it stays the application's ([`pool`](PostgresStore::pool)),
-///   and one it also uses for its own queries has up to twice its size
-///   open. Hooks set on the pool (`after_connect`) do not run on the
-///   store's connections.
+///   demand with the pool's current connect options, at most the pool's
+///   `max_connections` at once, with its acquire timeout, idle timeout
+///   and maximum lifetime. A connection serves the next statement the
+///   moment the database answered the last one, without the test round
+///   trip sqlx's pool makes on every release (which held each connection
+///   for two round trips per statement). A statement abandoned halfway
+///   (the engine's `store_timeout`, a client gone) keeps its connection's
+///   place until the server is ready again (at most 30 s, then it is
+///   closed), so the server never runs more than `max_connections` of the
+///   store's sessions. A connection whose session the server ended
+///   (`FATAL`, a restart, a failover) is closed, not reused. The pool
+///   itself opens no connection for the store: it stays the application's
+///   ([`pool`](PostgresStore::pool)), and one it also uses for its own
+///   queries has up to twice its size open. Its hooks (`after_connect`,
+///   `before_acquire`, `after_release`) and `test_before_acquire` do not
+///   apply to the store's connections.
 ///
 /// The table is searched through the connection's `search_path`; to keep it
 /// in another schema, add `?options=-c%20search_path%3Dmy_schema` to the URL.
@@ -299,16 +303,9 @@ impl PostgresStore {
     /// [`migrate`](PostgresStore::migrate), or apply
     /// [`MIGRATOR`](PostgresStore::MIGRATOR) or the SQL files yourself.
     pub fn from_pool(pool: PgPool) -> Self {
-        let options = pool.options();
-        let connections = Connections::new(
-            (*pool.connect_options()).clone(),
-            options.get_max_connections(),
-            options.get_acquire_timeout(),
-            options.get_idle_timeout(),
-        );
         PostgresStore {
+            connections: Connections::new(pool.clone()),
             pool,
-            connections: Arc::new(connections),
             id: Arc::default(),
             retry: Self::RETRY_BUDGET,
         }
@@ -349,12 +346,12 @@ impl PostgresStore {
     /// Closes the store's connections and the pool; later calls fail with
     /// [`StoreError::Unavailable`].
     pub async fn close(&self) {
-        self.connections.close();
+        self.connections.close().await;
         self.pool.close().await;
     }
 
     /// A connection of the store's own for one statement.
-    async fn lease(&self) -> Result<connections::Lease<'_>, sqlx::Error> {
+    async fn lease(&self) -> Result<connections::Lease, sqlx::Error> {
         self.connections.acquire().await
     }
 

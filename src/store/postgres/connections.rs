@@ -1,157 +1,249 @@
-//! The connections the store runs every request's statements on, kept
-//! without sqlx's pool.
+//! The connections the store runs its statements on, kept without sqlx's
+//! pool.
 //!
 //! sqlx 0.8's pool tests every connection it takes back with a `Sync`
 //! round trip, in a task spawned for it, and the connection serves no one
 //! until that answer is in: each statement held a connection for two round
 //! trips. With a pool as large as the load (64 connections for 64
 //! clients), replays ran at 0.64× the database's own `SELECT` rate. Here a
-//! connection is idle again the moment its statement answered.
+//! connection is idle again the moment the database answered its
+//! statement.
 //!
-//! What sqlx's test guarded against is a connection left in an unknown
-//! state: a statement abandoned halfway (the engine gave up at its
-//! `store_timeout`, the client went away) may have written half a
-//! message. A [`Lease`] therefore gives its connection back only through
-//! [`Lease::finish`], and only when the statement ended with an answer of
-//! the database (rows, or an error the database sent); dropped any other
-//! way, or after a failure of the connection itself, it closes the
-//! connection.
+//! What sqlx's test guarded against is a connection in an unknown state: a
+//! statement abandoned halfway (the engine gave up at its `store_timeout`,
+//! the client went away) may still run on the server, its answer unread.
+//! A [`Lease`] dropped without [`finish`](StatementLease::finish) therefore
+//! keeps its connection's permit while a task of its own waits (bounded)
+//! for the server to be ready again, as sqlx's test did: the server never
+//! holds more than `max` of the store's sessions, however many callers give
+//! up. A connection whose server session ended, or that failed itself, is
+//! closed.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::{PgConnection, PgDatabaseError, PgPool, PgSeverity};
 use sqlx::Connection;
-use tokio::sync::{Semaphore, SemaphorePermit};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-/// At most `max` connections to one database, opened on demand and closed
-/// after `idle_timeout` unused.
+use crate::store::sql::StatementLease;
+
+/// How long a connection whose statement was abandoned may take to be
+/// ready again before it is closed.
+const RECOVERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// At most the pool's `max_connections` connections, opened on demand with
+/// the pool's current connect options, closed after its idle timeout
+/// unused and at its maximum lifetime.
 #[derive(Debug)]
 pub(super) struct Connections {
-    options: PgConnectOptions,
-    /// Idle connections, the longest idle first.
-    idle: Mutex<Vec<Idle>>,
-    /// One permit per connection that may be out; closed by [`close`](Self::close).
-    permits: Semaphore,
-    acquire_timeout: Duration,
-    idle_timeout: Option<Duration>,
+    /// Where the connect options and limits are read.
+    pool: PgPool,
+    /// Idle connections, the longest idle first; `None` once closed.
+    idle: Mutex<Option<Vec<Idle>>>,
+    /// One permit per connection that may be open.
+    permits: Arc<Semaphore>,
+    /// Whether a task closes connections idle too long.
+    reaping: AtomicBool,
 }
 
 #[derive(Debug)]
 struct Idle {
-    connection: PgConnection,
+    connection: Open,
     since: Instant,
 }
 
+/// A connection and when it was opened.
+#[derive(Debug)]
+struct Open {
+    connection: PgConnection,
+    opened: Instant,
+}
+
 impl Connections {
-    /// Up to `max` connections made with `options`.
-    pub(super) fn new(
-        options: PgConnectOptions,
-        max: u32,
-        acquire_timeout: Duration,
-        idle_timeout: Option<Duration>,
-    ) -> Self {
-        Connections {
-            options,
-            idle: Mutex::new(Vec::new()),
-            permits: Semaphore::new(max.max(1) as usize),
-            acquire_timeout,
-            idle_timeout,
-        }
+    /// Connections with `pool`'s connect options and limits.
+    pub(super) fn new(pool: PgPool) -> Arc<Self> {
+        let max = pool.options().get_max_connections().max(1) as usize;
+        Arc::new(Connections {
+            pool,
+            idle: Mutex::new(Some(Vec::new())),
+            permits: Arc::new(Semaphore::new(max)),
+            reaping: AtomicBool::new(false),
+        })
     }
 
     /// A connection for one statement: the most recently used idle one, or
-    /// a new one. Waits while `max` are out; fails with
+    /// a new one. Waits while `max` are open; fails with
     /// [`sqlx::Error::PoolTimedOut`] when none is free (or none could be
     /// opened) within the acquire timeout, with
     /// [`sqlx::Error::PoolClosed`] once [`close`](Self::close) was called,
     /// and with the connection's error when the database refused it.
-    pub(super) async fn acquire(&self) -> Result<Lease<'_>, sqlx::Error> {
-        let deadline = Instant::now() + self.acquire_timeout;
-        let permit = match tokio::time::timeout_at(deadline, self.permits.acquire()).await {
-            Err(_) => return Err(sqlx::Error::PoolTimedOut),
-            Ok(Err(_)) => return Err(sqlx::Error::PoolClosed),
-            Ok(Ok(permit)) => permit,
-        };
-        let connection = match self.take_idle() {
+    pub(super) async fn acquire(self: &Arc<Self>) -> Result<Lease, sqlx::Error> {
+        let deadline = Instant::now() + self.pool.options().get_acquire_timeout();
+        let permit =
+            match tokio::time::timeout_at(deadline, self.permits.clone().acquire_owned()).await {
+                Err(_) => return Err(sqlx::Error::PoolTimedOut),
+                Ok(Err(_)) => return Err(sqlx::Error::PoolClosed),
+                Ok(Ok(permit)) => permit,
+            };
+        let connection = match self.take_idle()? {
             Some(connection) => connection,
-            None => tokio::time::timeout_at(deadline, PgConnection::connect_with(&self.options))
-                .await
-                .map_err(|_| sqlx::Error::PoolTimedOut)??,
+            None => {
+                let options = self.pool.connect_options();
+                let connection =
+                    tokio::time::timeout_at(deadline, PgConnection::connect_with(&options))
+                        .await
+                        .map_err(|_| sqlx::Error::PoolTimedOut)??;
+                Open {
+                    connection,
+                    opened: Instant::now(),
+                }
+            }
         };
         Ok(Lease {
             connection: Some(connection),
-            connections: self,
-            _permit: permit,
+            connections: self.clone(),
+            permit: Some(permit),
         })
     }
 
-    /// The most recently used idle connection, after closing those idle
-    /// longer than the idle timeout.
-    fn take_idle(&self) -> Option<PgConnection> {
-        let (stale, connection) = {
-            let mut idle = self.idle.lock().unwrap();
-            let stale = match self.idle_timeout {
-                Some(timeout) => {
-                    let count = idle
-                        .iter()
-                        .take_while(|idle| idle.since.elapsed() >= timeout)
-                        .count();
-                    idle.drain(..count).collect()
-                }
-                None => Vec::new(),
-            };
-            (stale, idle.pop().map(|idle| idle.connection))
-        };
+    /// The most recently used idle connection that is not past the idle
+    /// timeout or its lifetime (those are closed).
+    fn take_idle(&self) -> Result<Option<Open>, sqlx::Error> {
+        let mut guard = self.idle.lock().unwrap();
+        let idle = guard.as_mut().ok_or(sqlx::Error::PoolClosed)?;
+        let stale = self.drain_stale(idle);
+        while let Some(Idle { connection, .. }) = idle.pop() {
+            if !self.past_lifetime(&connection) {
+                drop(guard);
+                drop(stale);
+                return Ok(Some(connection));
+            }
+        }
+        drop(guard);
         drop(stale);
-        connection
+        Ok(None)
+    }
+
+    /// Takes out the connections idle longer than the idle timeout (the
+    /// oldest are first).
+    fn drain_stale(&self, idle: &mut Vec<Idle>) -> Vec<Idle> {
+        let Some(timeout) = self.pool.options().get_idle_timeout() else {
+            return Vec::new();
+        };
+        let count = idle
+            .iter()
+            .take_while(|idle| idle.since.elapsed() >= timeout)
+            .count();
+        idle.drain(..count).collect()
+    }
+
+    fn past_lifetime(&self, connection: &Open) -> bool {
+        self.pool
+            .options()
+            .get_max_lifetime()
+            .is_some_and(|lifetime| connection.opened.elapsed() >= lifetime)
+    }
+
+    /// Makes `connection` idle, unless the connections are closed or it is
+    /// past its lifetime (then it is closed).
+    fn give_back(self: &Arc<Self>, connection: Open) {
+        if self.past_lifetime(&connection) {
+            return;
+        }
+        let mut guard = self.idle.lock().unwrap();
+        let Some(idle) = guard.as_mut() else { return };
+        idle.push(Idle {
+            connection,
+            since: Instant::now(),
+        });
+        drop(guard);
+        self.reap_later();
+    }
+
+    /// Starts the task that closes connections idle past the idle timeout,
+    /// unless it runs: it ends when no connection is idle.
+    fn reap_later(self: &Arc<Self>) {
+        let Some(timeout) = self.pool.options().get_idle_timeout() else {
+            return;
+        };
+        if self.reaping.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.reaping.store(false, Ordering::Release);
+            return;
+        };
+        let connections: Weak<Self> = Arc::downgrade(self);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(timeout / 2).await;
+                let Some(connections) = connections.upgrade() else {
+                    return;
+                };
+                let stale;
+                {
+                    let mut guard = connections.idle.lock().unwrap();
+                    let Some(idle) = guard.as_mut() else { return };
+                    stale = connections.drain_stale(idle);
+                    if idle.is_empty() {
+                        connections.reaping.store(false, Ordering::Release);
+                        drop(guard);
+                        drop(stale);
+                        return;
+                    }
+                }
+                drop(stale);
+            }
+        });
     }
 
     /// Closes the idle connections; later [`acquire`](Self::acquire)s
     /// fail, and connections out now are closed when their statement ends.
-    pub(super) fn close(&self) {
+    pub(super) async fn close(&self) {
         self.permits.close();
-        let idle = std::mem::take(&mut *self.idle.lock().unwrap());
-        drop(idle);
+        let idle = self.idle.lock().unwrap().take().unwrap_or_default();
+        for idle in idle {
+            let _ = idle.connection.connection.close().await;
+        }
     }
 }
 
-/// One connection, out for one statement. Dropped without
-/// [`finish`](Lease::finish), it closes the connection.
+/// One connection, out for one statement, holding its permit.
 #[derive(Debug)]
-pub(super) struct Lease<'a> {
-    connection: Option<PgConnection>,
-    connections: &'a Connections,
-    _permit: SemaphorePermit<'a>,
+pub(super) struct Lease {
+    connection: Option<Open>,
+    connections: Arc<Connections>,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
-impl Lease<'_> {
+impl Lease {
     /// The connection to run the statement on.
     pub(super) fn connection(&mut self) -> &mut PgConnection {
-        self.connection
+        &mut self
+            .connection
             .as_mut()
             .expect("a lease holds its connection")
+            .connection
     }
 
     /// Gives the connection back for the next statement: only after the
     /// database answered the last one in full.
     pub(super) fn release(mut self) {
-        if self.connections.permits.is_closed() {
-            return;
+        if let Some(connection) = self.connection.take() {
+            self.connections.give_back(connection);
         }
-        let connection = self
-            .connection
-            .take()
-            .expect("a lease holds its connection");
-        self.connections.idle.lock().unwrap().push(Idle {
-            connection,
-            since: Instant::now(),
-        });
+    }
+
+    /// Closes the connection.
+    fn close(mut self) {
+        self.connection = None;
     }
 }
 
-impl super::sql::StatementLease for Lease<'_> {
+impl StatementLease for Lease {
     type Executor<'e>
         = &'e mut PgConnection
     where
@@ -162,13 +254,55 @@ impl super::sql::StatementLease for Lease<'_> {
     }
 
     /// Gives the connection back when `result` shows it ready for the next
-    /// statement: the database answered (rows, or an error it sent; sqlx
-    /// reads any rest of the answer before its next statement). After an
-    /// error of the connection itself (I/O, protocol, TLS) it is closed.
+    /// statement: the database answered (rows, or an error it sent about
+    /// the statement; sqlx reads any rest of the answer before its next
+    /// statement). Closes it after an error of the connection itself (I/O,
+    /// protocol, TLS), one of the session (`FATAL`: the server is shutting
+    /// down or ended it), or one that a reconnect may cure (a connection
+    /// or resource error, a read-only server after a failover).
     fn finish<T>(self, result: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
-        if matches!(result, Ok(_) | Err(sqlx::Error::Database(_))) {
+        let reusable = match &result {
+            Ok(_) => true,
+            Err(sqlx::Error::Database(error)) => error
+                .try_downcast_ref::<PgDatabaseError>()
+                .is_some_and(|error| {
+                    let code = error.code();
+                    error.severity() == PgSeverity::Error
+                        && !["08", "53", "57"]
+                            .iter()
+                            .any(|class| code.starts_with(class))
+                        && code != "25006"
+                }),
+            Err(_) => false,
+        };
+        if reusable {
             self.release();
+        } else {
+            self.close();
         }
         result
+    }
+}
+
+impl Drop for Lease {
+    /// A statement abandoned halfway: its connection keeps its permit while
+    /// a task waits for the server to be ready again (it may still be
+    /// running the statement), then goes back to the idle list, or is
+    /// closed after [`RECOVERY_TIMEOUT`] or an error.
+    fn drop(&mut self) {
+        let (Some(mut open), Some(permit)) = (self.connection.take(), self.permit.take()) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let connections = self.connections.clone();
+        runtime.spawn(async move {
+            let ready = tokio::time::timeout(RECOVERY_TIMEOUT, open.connection.ping()).await;
+            if matches!(ready, Ok(Ok(()))) {
+                connections.give_back(open);
+            }
+            drop(permit);
+        });
     }
 }
