@@ -121,3 +121,52 @@ async fn grouped_writes_keep_each_outcome_and_are_on_disk_when_answered() {
         assert!(matches!(record.state, RecordState::Completed(_)));
     }
 }
+
+/// A reservation whose commit fails (here a deferred foreign key, checked
+/// at commit; in production a full disk or an I/O error on sync) is a
+/// store error, never `Acquired`: SQLite rolled the record back, so
+/// acquiring would let every retry execute. Each reservation is the
+/// writer's only job, so it commits on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_whose_commit_fails_is_an_error_not_acquired() {
+    use sqlx::Connection;
+    use tower_idempotency::store::OwnerToken;
+    use tower_idempotency::Store;
+
+    let path = fixtures::sqlite_path();
+    let path = path.to_str().unwrap();
+    let store = SqliteStore::connect(path).await.unwrap();
+    let mut sabotage = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
+        .await
+        .unwrap();
+    for statement in [
+        "CREATE TABLE sabotage_parent (id INTEGER PRIMARY KEY)",
+        "CREATE TABLE sabotage_child (parent INTEGER REFERENCES sabotage_parent (id)
+             DEFERRABLE INITIALLY DEFERRED)",
+        "CREATE TRIGGER sabotage AFTER INSERT ON idempotency_records
+             BEGIN INSERT INTO sabotage_child (parent) VALUES (42); END",
+    ] {
+        sqlx::query(statement).execute(&mut sabotage).await.unwrap();
+    }
+    sabotage.close().await.unwrap();
+
+    let key = fixtures::random_key();
+    let lease = std::time::Duration::from_secs(60);
+    for attempt in 0..3 {
+        let claim = store
+            .reserve(
+                &key,
+                &fixtures::fingerprint(1),
+                &OwnerToken::random(),
+                lease,
+                lease,
+            )
+            .await;
+        assert!(
+            claim.is_err(),
+            "attempt {attempt}: a reservation SQLite rolled back answered {claim:?}"
+        );
+        assert!(store.get(&key).await.unwrap().is_none());
+    }
+    store.close().await;
+}

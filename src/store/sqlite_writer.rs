@@ -174,6 +174,15 @@ async fn run(mut connection: SqliteConnection, mut queue: mpsc::UnboundedReceive
     }
 }
 
+/// The first row of `query`, stepped to its end. `fetch_optional` stops
+/// after the first row and discards what finishing the statement reports:
+/// for a lone autocommit statement, that is its commit, and a commit that
+/// failed (disk full, an I/O error) would answer with a row of a write
+/// SQLite rolled back.
+async fn first_row(query: Scalar, connection: &mut SqliteConnection) -> sqlx::Result<Option<bool>> {
+    Ok(query.fetch_all(connection).await?.into_iter().next())
+}
+
 /// Runs one job on its own; `Err` carries a close request.
 async fn run_one(
     job: Job,
@@ -181,7 +190,7 @@ async fn run_one(
 ) -> Result<Option<Answer>, oneshot::Sender<()>> {
     match job {
         Job::Scalar(query, to) => {
-            let _ = to.send(query.fetch_optional(&mut *connection).await);
+            let _ = to.send(first_row(query, connection).await);
         }
         Job::Execute(statement, to) => {
             let result = statement.execute(&mut *connection).await;
@@ -218,7 +227,7 @@ async fn batch(
         };
         taken += 1;
         match job {
-            Job::Scalar(query, to) => match query.fetch_optional(&mut *connection).await {
+            Job::Scalar(query, to) => match first_row(query, connection).await {
                 Ok(value) => answers.push(Answer::Scalar(value, to)),
                 Err(error) => {
                     let _ = to.send(Err(batch_failed(&error.to_string())));
