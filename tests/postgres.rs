@@ -5,6 +5,7 @@
 mod fixtures;
 mod support;
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -695,5 +696,58 @@ async fn a_connection_whose_session_ended_fails_one_call_only() {
             "round {round}: the call after the ended session failed too"
         );
     }
+    store.close().await;
+}
+
+/// A pool whose `after_connect` hook sets the schema (rather than its
+/// connect options): the store's own connections are the pool's, so its
+/// migration, records and reads all land in that schema, never in
+/// another one where a second deployment would not see them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_set_by_the_pools_hook_is_the_stores_schema() {
+    use sqlx::Connection;
+    let options = fresh_schema().await;
+    let schema = options
+        .get_options()
+        .and_then(|o| o.split('=').nth(1).map(|s| s.trim().to_owned()))
+        .expect("the fixture's search_path");
+    // The same database, the schema only in the hook.
+    let bare = sqlx::postgres::PgConnectOptions::from_str(&fixtures::database_url()).unwrap();
+    let hooked = {
+        let schema = schema.clone();
+        PostgresStore::pool_options()
+            .max_connections(2)
+            .after_connect(move |connection, _| {
+                let set = format!("SET search_path TO {schema}");
+                Box::pin(async move {
+                    sqlx::query(&set).execute(connection).await?;
+                    Ok(())
+                })
+            })
+            .connect_lazy_with(bare)
+    };
+    let store = PostgresStore::from_pool(hooked);
+    store.migrate().await.unwrap();
+    let key = random_key();
+    let owner = OwnerToken::random();
+    let claim = store
+        .reserve(&key, &fingerprint(1), &owner, LONG, LONG)
+        .await;
+    assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
+    assert!(store
+        .complete(&key, &owner, &outcome(), LONG)
+        .await
+        .unwrap());
+
+    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let rows: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.idempotency_records WHERE key = $1"
+    ))
+    .bind(key.as_bytes().as_slice())
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert_eq!(rows, 1, "the record is not in the hook's schema");
+    admin.close().await.unwrap();
     store.close().await;
 }

@@ -214,23 +214,21 @@ FROM idempotency_records";
 ///   conflict that outlasts the retry budget, or any other database error
 ///   becomes a [`StoreError`], which the engine answers with 503 (fail
 ///   closed). Connections are opened again on demand.
-/// * Every statement runs on connections of the store's own, opened on
-///   demand with the pool's current connect options, at most the pool's
-///   `max_connections` at once, with its acquire timeout, idle timeout
-///   and maximum lifetime. A connection serves the next statement the
-///   moment the database answered the last one, without the test round
-///   trip sqlx's pool makes on every release (which held each connection
-///   for two round trips per statement). A statement abandoned halfway
-///   (the engine's `store_timeout`, a client gone) keeps its connection's
-///   place until the server is ready again (at most 30 s, then it is
-///   closed), so the server never runs more than `max_connections` of the
-///   store's sessions. A connection whose session the server ended
-///   (`FATAL`, a restart, a failover) is closed, not reused. The pool
-///   itself opens no connection for the store: it stays the application's
-///   ([`pool`](PostgresStore::pool)), and one it also uses for its own
-///   queries has up to twice its size open. Its hooks (`after_connect`,
-///   `before_acquire`, `after_release`) and `test_before_acquire` do not
-///   apply to the store's connections.
+/// * Every statement runs on connections of the store's own: opened by the
+///   pool (its connect options and `after_connect` hook) and detached from
+///   it, at most the pool's `max_connections` at once, with its acquire
+///   timeout, idle timeout and maximum lifetime. A connection serves the
+///   next statement the moment the database answered the last one, without
+///   the test round trip sqlx's pool makes on every release (which held
+///   each connection for two round trips per statement). A statement
+///   abandoned halfway (the engine's `store_timeout`, a client gone) keeps
+///   its connection's place until the server is ready again (at most 30 s,
+///   then it is closed), so the server never runs more than
+///   `max_connections` of the store's sessions. A connection whose session
+///   the server ended (`FATAL`, a restart, a failover) is closed, not
+///   reused. Detached connections no longer count against the pool: one
+///   the application also uses for its own queries may have up to twice
+///   its size open. The pool's `after_release` hook does not run.
 ///
 /// The table is searched through the connection's `search_path`; to keep it
 /// in another schema, add `?options=-c%20search_path%3Dmy_schema` to the URL.
@@ -327,13 +325,15 @@ impl PostgresStore {
         let mut lease = self.connections.acquire().await.map_err(store_error)?;
         // `run_direct`: sqlx's own way around `run`'s `Acquire` bound, whose
         // future over a borrowed connection could not be spawned.
-        Self::MIGRATOR
-            .run_direct(lease.connection())
-            .await
-            .map_err(sql::migrate_error)?;
-        // A failed run may leave the migrator's advisory lock held: only a
-        // finished one gives the connection back.
-        lease.release();
+        match Self::MIGRATOR.run_direct(lease.connection()).await {
+            Ok(()) => lease.release(),
+            // A failed run may leave the migrator's advisory lock held (it
+            // unlocks only at the end): the connection must not serve again.
+            Err(error) => {
+                lease.close();
+                return Err(sql::migrate_error(error));
+            }
+        }
         Ok(())
     }
 

@@ -34,12 +34,12 @@ use crate::store::sql::StatementLease;
 /// ready again before it is closed.
 const RECOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// At most the pool's `max_connections` connections, opened on demand with
-/// the pool's current connect options, closed after its idle timeout
-/// unused and at its maximum lifetime.
+/// At most the pool's `max_connections` connections, opened on demand by
+/// the pool and detached from it, closed after its idle timeout unused and
+/// at its maximum lifetime.
 #[derive(Debug)]
 pub(super) struct Connections {
-    /// Where the connect options and limits are read.
+    /// Where connections are opened and the limits read.
     pool: PgPool,
     /// Idle connections, the longest idle first; `None` once closed.
     idle: Mutex<Option<Vec<Idle>>>,
@@ -90,14 +90,15 @@ impl Connections {
             };
         let connection = match self.take_idle()? {
             Some(connection) => connection,
+            // Opened by the pool (its connect options and `after_connect`
+            // hook, a `search_path` set there included), then detached: the
+            // pool counts it no more, the permit does.
             None => {
-                let options = self.pool.connect_options();
-                let connection =
-                    tokio::time::timeout_at(deadline, PgConnection::connect_with(&options))
-                        .await
-                        .map_err(|_| sqlx::Error::PoolTimedOut)??;
+                let connection = tokio::time::timeout_at(deadline, self.pool.acquire())
+                    .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)??;
                 Open {
-                    connection,
+                    connection: connection.detach(),
                     opened: Instant::now(),
                 }
             }
@@ -238,7 +239,7 @@ impl Lease {
     }
 
     /// Closes the connection.
-    fn close(mut self) {
+    pub(super) fn close(mut self) {
         self.connection = None;
     }
 }
