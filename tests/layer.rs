@@ -615,6 +615,59 @@ async fn a_response_body_that_fails_midway_is_not_executed_again() {
     server.abort();
 }
 
+/// A response body that ends cleanly but short of the `Content-Length`
+/// its head declared (a producer that stopped early): hyper cuts the first
+/// caller's connection, so the 40 bytes it got are no complete answer.
+/// Retries — many at once, and over a real socket — get 409
+/// `response-incomplete`, never those bytes as if complete, and never a
+/// second execution. The same for a body longer than declared.
+#[tokio::test]
+async fn a_response_body_short_of_its_declared_length_is_not_replayed_as_complete() {
+    for (declared, sent) in [(100usize, 40usize), (10, 40)] {
+        let (engine, _store) = memory_engine(Policy::default());
+        let upstream = layered(&engine, move |_, _| async move {
+            let chunks = vec![Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; sent]))];
+            let mut response = reply(
+                StatusCode::CREATED,
+                Body::from_stream(futures::stream::iter(chunks)),
+            );
+            response
+                .headers_mut()
+                .insert(http::header::CONTENT_LENGTH, declared.into());
+            response
+        });
+        let _ = upstream
+            .call(order("k", "{}"))
+            .await
+            .into_body()
+            .collect()
+            .await;
+        let retries: Vec<_> = (0..20)
+            .map(|_| tokio::spawn(upstream.send(order("k", "{}"))))
+            .collect();
+        for retry in retries {
+            let retry = retry.await.unwrap();
+            retry.assert_problem(StatusCode::CONFLICT, "response-incomplete");
+        }
+        assert_eq!(upstream.calls(), 1, "the inner service ran once");
+
+        let (addr, server) = upstream.serve().await;
+        let raw = "POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: socket\r\n\
+             content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
+            .to_owned();
+        let first = promptly(exchange_raw(addr, raw.clone())).await;
+        assert!(
+            !first.contains(&"x".repeat(sent)) || !first.starts_with("HTTP/1.1 201"),
+            "declared {declared}, sent {sent}: hyper passed a mis-framed body on whole: {first}"
+        );
+        let retry = promptly(exchange_raw(addr, raw)).await;
+        assert!(retry.starts_with("HTTP/1.1 409"), "{retry}");
+        assert!(retry.contains("response-incomplete"), "{retry}");
+        assert_eq!(upstream.calls(), 2, "one execution per key");
+        server.abort();
+    }
+}
+
 /// A client that sends a covered request over a real socket, reads nothing
 /// of the answer and stays connected does not hold the key: the layer
 /// records the inner body at its own pace (hyper polls the service's

@@ -187,22 +187,12 @@ impl Exchange {
                 return;
             }
         };
-        let mut head = session
-            .resp_header()
-            .expect("a response head was read")
-            .clone();
+        let answered = session.resp_header().expect("a response head was read");
         let mut recorder: Option<Recorder> = match reservation {
-            Some(reservation) => Some(reservation.record(head.status, &head.headers).await),
+            Some(reservation) => Some(reservation.record(answered.status, &answered.headers).await),
             None => None,
         };
-        for name in headers::not_relayed(&head.headers) {
-            head.remove_header(&name);
-        }
-        if framed_by_close(&request, &head) {
-            // Relayed as is, the client could not tell a cut (a reset
-            // upstream) from the end either: chunk it, so a cut shows.
-            let _ = head.append_header(http::header::TRANSFER_ENCODING, "chunked");
-        }
+        let head = relayed_head(&request, answered);
         // Bytes that are not recorded move at the client's pace.
         let mut paced = !recorder.as_ref().is_some_and(Recorder::is_recording);
         self.send(Frame::Head(Box::new(head)), false).await;
@@ -249,10 +239,28 @@ impl Exchange {
     }
 }
 
+/// The head relayed to the client for the upstream's answer `head` to
+/// `request`: without the headers that are not relayed, and, for a body
+/// that ends only where the upstream's connection closes, chunked (relayed
+/// as is, the client could not tell a cut, a reset upstream, from the end
+/// either) and labelled HTTP/1.1, the version chunks need (an HTTP/1.0
+/// upstream's head would say 1.0), as Pingora's own proxy path does.
+pub fn relayed_head(request: &RequestHeader, head: &ResponseHeader) -> ResponseHeader {
+    let mut head = head.clone();
+    for name in headers::not_relayed(&head.headers) {
+        head.remove_header(&name);
+    }
+    if framed_by_close(request, &head) {
+        head.set_version(http::Version::HTTP_11);
+        let _ = head.append_header(http::header::TRANSFER_ENCODING, "chunked");
+    }
+    head
+}
+
 /// Whether the upstream's response body ends only where its connection
 /// closes (no `Content-Length`, not chunked), as the upstream session
 /// frames it.
-pub fn framed_by_close(request: &RequestHeader, head: &ResponseHeader) -> bool {
+fn framed_by_close(request: &RequestHeader, head: &ResponseHeader) -> bool {
     let status = head.status;
     let no_body = request.method == http::Method::HEAD
         || status.is_informational()

@@ -22,7 +22,7 @@ use tower_idempotency::engine::headers;
 use tower_idempotency::Engine;
 
 use crate::body::read_body;
-use crate::exchange::framed_by_close;
+use crate::exchange::relayed_head;
 use crate::proxy::write_response;
 use crate::upstream::Upstream;
 
@@ -96,17 +96,8 @@ pub async fn forward(
             return Ok(true);
         }
     };
-    let mut head = exchange
-        .resp_header()
-        .expect("a response head was read")
-        .clone();
-    for name in headers::not_relayed(&head.headers) {
-        head.remove_header(&name);
-    }
-    if framed_by_close(&request, &head) {
-        // As on the recorded path: a cut must show as a cut.
-        let _ = head.append_header(header::TRANSFER_ENCODING, "chunked");
-    }
+    let answered = exchange.resp_header().expect("a response head was read");
+    let head = relayed_head(&request, answered);
     session.write_response_header(Box::new(head), false).await?;
     loop {
         match exchange.read_body_bytes().await {

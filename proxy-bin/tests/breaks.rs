@@ -693,3 +693,139 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
     // Other listed headers are still the client's connection's own.
     assert!(seen["headers"].get("x-dropped").is_none(), "{seen}");
 }
+
+/// A backend that reads one request (head, then a `Content-Length` body),
+/// counts it, writes `answer` as is and closes the connection: an answer
+/// framed by the close, as HTTP/1.0 servers (Python's `http.server`) and
+/// hand-written ones send. Returns its URL and the requests it answered.
+async fn closing_backend(answer: &'static [u8]) -> (String, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let end = loop {
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|line| line.strip_prefix("content-length:"))
+                    .map_or(0, |value| value.trim().parse().unwrap_or(0));
+                while buf.len() < end + length {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                counter.fetch_add(1, Ordering::SeqCst);
+                let _ = conn.write_all(answer).await;
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    (url, calls)
+}
+
+/// Scenario: an HTTP/1.0 backend (Python's `http.server`, which README
+/// names) answers a covered order with a body framed by its close. The
+/// proxy chunks such a body so a cut shows as a cut, but relayed the head
+/// still labelled `HTTP/1.0`, and `Transfer-Encoding` means nothing in
+/// HTTP/1.0: hyper and reqwest refuse the answer, Go hands the chunk
+/// framing to the caller as the body. Impact ("no lost response"): the
+/// first caller of an executed order gets an error or a corrupted body,
+/// while its retry is replayed a different (correct) answer. The same on
+/// the direct path for requests the proxy does not cover.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_1_0_answer_framed_by_its_close_reaches_the_client_whole() {
+    let (upstream, calls) = closing_backend(
+        b"HTTP/1.0 201 Created\r\nContent-Type: application/json\r\n\r\n{\"id\":1}",
+    )
+    .await;
+    let dir = temp_dir("breaks-http10");
+    let config = r#"
+[[route]]
+path = "/orders"
+methods = ["POST"]
+"#;
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    let headers = [
+        ("idempotency-key", "order-http10"),
+        ("content-type", "application/json"),
+    ];
+    let first = proxy.send("POST", "/orders", &headers, "{}").await;
+    assert_eq!((first.status, first.text().as_str()), (201, r#"{"id":1}"#));
+    let retry = proxy.send("POST", "/orders", &headers, "{}").await;
+    assert!(retry.replayed());
+    assert_eq!(retry.text(), first.text());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // Not covered: the direct path relays the same framing.
+    let plain = proxy.send("POST", "/status", &[], "").await;
+    assert_eq!((plain.status, plain.text().as_str()), (201, r#"{"id":1}"#));
+}
+
+/// Scenario: a backend answers a covered order under a transfer coding
+/// other than chunked (`Transfer-Encoding: gzip`, framed by its close).
+/// The first caller decodes it (chunked, then gzip); the stored record
+/// kept the body but not its coding (`Transfer-Encoding` is never stored),
+/// so every retry was replayed the raw gzip bytes as if they were the
+/// body. Impact ("replays the stored response"): a retry gets garbage
+/// where its first attempt got the answer. Now such a body is not stored:
+/// a retry gets `response-not-stored`, and the order still ran once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_under_a_transfer_coding_is_never_replayed_without_it() {
+    let (upstream, calls) = closing_backend(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nConnection: close\r\n\r\n\x1f\x8b\x08\x00coded",
+    )
+    .await;
+    let dir = temp_dir("breaks-te-gzip");
+    let config = r#"
+[[route]]
+path = "/orders"
+methods = ["POST"]
+"#;
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    let headers = [
+        ("idempotency-key", "order-gzip"),
+        ("content-type", "application/json"),
+    ];
+    let first = proxy.send("POST", "/orders", &headers, "{}").await;
+    assert_eq!(first.status, 200);
+    assert!(
+        first
+            .header("transfer-encoding")
+            .is_some_and(|coding| coding.contains("gzip")),
+        "the first caller must get the coding with the coded body: {:?}",
+        first.headers
+    );
+    let retry = proxy.send("POST", "/orders", &headers, "{}").await;
+    assert!(
+        !(retry.replayed() && retry.status == 200),
+        "a coded body replayed without its coding: {} {:?}",
+        retry.status,
+        retry.text()
+    );
+    assert!(
+        retry.text().contains("response-not-stored"),
+        "{} {}",
+        retry.status,
+        retry.text()
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}

@@ -52,6 +52,24 @@ pub fn lists_coding_other_than(headers: &HeaderMap, name: &HeaderName, allowed: 
         .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(allowed))
 }
 
+/// The length a head's `Content-Length` declares: `None` without one, or
+/// when its lines do not all state the same valid number.
+pub fn content_length(headers: &HeaderMap) -> Option<u64> {
+    let mut declared = None;
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        let length = std::str::from_utf8(value.as_bytes())
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+        if declared.is_some_and(|known| known != length) {
+            return None;
+        }
+        declared = Some(length);
+    }
+    declared
+}
+
 /// The request headers not forwarded with a buffered body: the connection
 /// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
 /// `Upgrade`, `Expect`), and every header `Connection` lists except

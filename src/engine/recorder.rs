@@ -46,6 +46,9 @@ pub struct Recorder {
     pub(super) headers: Vec<(HeaderName, HeaderValue)>,
     body: Buffer,
     limit: usize,
+    /// The body length the head declared (`Content-Length`), when the
+    /// status carries a body.
+    declared: Option<u64>,
 }
 
 impl Recorder {
@@ -56,13 +59,18 @@ impl Recorder {
         status: StatusCode,
         headers: Vec<(HeaderName, HeaderValue)>,
         limit: usize,
+        declared: Option<u64>,
     ) -> Self {
+        let bodiless = status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
         Recorder {
             reservation: Some(reservation),
             status,
             headers,
             body: Buffer::default(),
             limit,
+            declared: declared.filter(|_| !bodiless),
         }
     }
 
@@ -74,6 +82,7 @@ impl Recorder {
             headers: Vec::new(),
             body: Buffer::default(),
             limit: 0,
+            declared: None,
         }
     }
 
@@ -114,8 +123,17 @@ impl Recorder {
 
     /// The body ended: stores the response (from now on it is replayed).
     /// Returns the recorded body, the very bytes stored (empty when nothing
-    /// was recorded).
+    /// was recorded). A body that ended cleanly but not at the length its
+    /// head declared (`Content-Length`: a producer that stopped early)
+    /// reached the client cut, so it is stored as
+    /// [`fail`](Recorder::fail) stores a break, never as complete.
     pub async fn end(mut self) -> Bytes {
+        if self
+            .declared
+            .is_some_and(|declared| declared != self.body.len() as u64)
+        {
+            return self.fail().await;
+        }
         let body = std::mem::take(&mut self.body).into_bytes();
         if let Some(reservation) = self.reservation.take() {
             reservation

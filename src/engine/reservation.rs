@@ -91,8 +91,17 @@ impl Reservation {
             return Recorder::settled(status);
         }
         let kept = headers::stored(headers, settings.replay_set_cookie);
-        let limit = settings.max_response_bytes;
-        Recorder::new(self, status, kept, limit)
+        // A body under a transfer coding other than chunked (`gzip`) is
+        // relayed coded, and a replay could not say how: it is not stored
+        // (the marker "executed, response not stored" once a byte comes).
+        let coded =
+            headers::lists_coding_other_than(headers, &http::header::TRANSFER_ENCODING, b"chunked");
+        let limit = if coded {
+            0
+        } else {
+            settings.max_response_bytes
+        };
+        Recorder::new(self, status, kept, limit, headers::content_length(headers))
     }
 
     /// Releases the key without storing anything (upstream transport
