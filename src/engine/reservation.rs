@@ -128,7 +128,10 @@ impl Reservation {
     /// background (the renewer still renewing the lease) for up to the
     /// route's lease, so a store outage shorter than the lease never leads
     /// to a second execution; after that it is logged and the key can be
-    /// taken over.
+    /// taken over. From half the lease on, the retries store the small
+    /// marker "executed, response not stored" instead: a response the
+    /// store keeps refusing (too large for it, say) while it renews the
+    /// lease still keeps the key from running the request again.
     pub(super) async fn store(mut self, outcome: Outcome) {
         let status = outcome.status().unwrap_or(StatusCode::OK);
         // Sealed once: a retry below stores the very same bytes.
@@ -146,7 +149,10 @@ impl Reservation {
                 let task = self.engine.background_task(self.key, "storing an outcome");
                 tokio::spawn(async move {
                     let _task = task;
-                    let deadline = Instant::now() + self.policy.policy().lease;
+                    let lease = self.policy.policy().lease;
+                    let deadline = Instant::now() + lease;
+                    let marker_from = Instant::now() + lease / 2;
+                    let marker = self.engine.seal(&self.key, Outcome::TooLarge { status });
                     let mut attempt = 0;
                     let result = loop {
                         let now = Instant::now();
@@ -156,7 +162,11 @@ impl Reservation {
                         tokio::time::sleep(crate::store::backoff(attempt).min(deadline - now))
                             .await;
                         attempt += 1;
-                        let result = self.complete(&outcome).await;
+                        let storing = match Instant::now() >= marker_from {
+                            true => &marker,
+                            false => &outcome,
+                        };
+                        let result = self.complete(storing).await;
                         if result.is_ok() {
                             break result;
                         }

@@ -773,3 +773,94 @@ async fn a_body_counts_at_its_length_only_where_the_length_frames_it() {
     assert_eq!(engine.metrics().overloaded(), 4);
     assert!(engine.metrics().buffered_bytes_peak() <= 1500);
 }
+
+/// The memory store, refusing every completion that carries a response
+/// (as a database refuses a record too large for it) while it renews
+/// leases and stores markers.
+#[derive(Debug)]
+struct RefusesResponses(MemoryStore);
+
+#[async_trait::async_trait]
+impl Store for RefusesResponses {
+    async fn reserve(
+        &self,
+        key: &crate::store::ScopeKey,
+        fingerprint: &crate::store::Fingerprint,
+        owner: &crate::store::OwnerToken,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<crate::store::Claim, crate::store::StoreError> {
+        self.0.reserve(key, fingerprint, owner, lease, ttl).await
+    }
+
+    async fn complete(
+        &self,
+        key: &crate::store::ScopeKey,
+        owner: &crate::store::OwnerToken,
+        outcome: &crate::store::Outcome,
+        ttl: Duration,
+    ) -> Result<bool, crate::store::StoreError> {
+        if matches!(outcome, crate::store::Outcome::Stored(_)) {
+            return Err(crate::store::StoreError::Unavailable(
+                "the record is too large".into(),
+            ));
+        }
+        self.0.complete(key, owner, outcome, ttl).await
+    }
+
+    async fn release(
+        &self,
+        key: &crate::store::ScopeKey,
+        owner: &crate::store::OwnerToken,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.0.release(key, owner).await
+    }
+
+    async fn renew(
+        &self,
+        key: &crate::store::ScopeKey,
+        owner: &crate::store::OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.0.renew(key, owner, lease).await
+    }
+
+    async fn get(
+        &self,
+        key: &crate::store::ScopeKey,
+    ) -> Result<Option<crate::store::Record>, crate::store::StoreError> {
+        self.0.get(key).await
+    }
+}
+
+/// A store that keeps refusing the response (while it renews the lease)
+/// must not let the key be taken over when the engine stops retrying: a
+/// retry long after gets 409 `response-not-stored` (the request ran), never
+/// a second execution.
+#[tokio::test(start_paused = true)]
+async fn a_response_the_store_keeps_refusing_still_keeps_the_key_executed() {
+    let routes = Routes::all(Policy {
+        lease: Duration::from_millis(300),
+        ..Policy::default()
+    })
+    .unwrap();
+    let engine = Engine::new(RefusesResponses(MemoryStore::new()), routes);
+    let policy = covered(&engine, "/orders");
+    let first = proceed(begin(&engine, &policy, "k").await);
+    let mut recorder = first.record(StatusCode::CREATED, &HeaderMap::new()).await;
+    assert_eq!(
+        recorder.chunk(&Bytes::from_static(b"order 1")).await,
+        Flow::Record
+    );
+    recorder.end().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for _ in 0..3 {
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await),
+            (
+                StatusCode::CONFLICT,
+                "urn:tower-idempotency:response-not-stored".to_owned()
+            )
+        );
+    }
+}
