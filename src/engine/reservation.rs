@@ -128,10 +128,11 @@ impl Reservation {
     /// background (the renewer still renewing the lease) for up to the
     /// route's lease, so a store outage shorter than the lease never leads
     /// to a second execution; after that it is logged and the key can be
-    /// taken over. From half the lease on, the retries store the small
-    /// marker "executed, response not stored" instead: a response the
-    /// store keeps refusing (too large for it, say) while it renews the
-    /// lease still keeps the key from running the request again.
+    /// taken over. In the lease's last quarter, an attempt that fails is
+    /// followed by one storing the small marker "executed, response not
+    /// stored": a response the store keeps refusing (too large for it,
+    /// say) while it renews the lease still keeps the key from running the
+    /// request again.
     pub(super) async fn store(mut self, outcome: Outcome) {
         let status = outcome.status().unwrap_or(StatusCode::OK);
         // Sealed once: a retry below stores the very same bytes.
@@ -151,7 +152,7 @@ impl Reservation {
                     let _task = task;
                     let lease = self.policy.policy().lease;
                     let deadline = Instant::now() + lease;
-                    let marker_from = Instant::now() + lease / 2;
+                    let marker_from = Instant::now() + lease * 3 / 4;
                     let marker = self.engine.seal(&self.key, Outcome::TooLarge { status });
                     let mut attempt = 0;
                     let result = loop {
@@ -162,11 +163,10 @@ impl Reservation {
                         tokio::time::sleep(crate::store::backoff(attempt).min(deadline - now))
                             .await;
                         attempt += 1;
-                        let storing = match Instant::now() >= marker_from {
-                            true => &marker,
-                            false => &outcome,
+                        let result = match self.complete(&outcome).await {
+                            Err(_) if Instant::now() >= marker_from => self.complete(&marker).await,
+                            other => other,
                         };
-                        let result = self.complete(storing).await;
                         if result.is_ok() {
                             break result;
                         }
