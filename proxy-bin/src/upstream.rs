@@ -12,8 +12,8 @@ use pingora_core::connectors::TransportConnector;
 use pingora_core::protocols::http::v1::client::{http_req_header_to_wire, HttpSession};
 use pingora_core::protocols::Stream;
 use pingora_core::upstreams::peer::HttpPeer;
-use pingora_error::{Error, ErrorType, RetryType};
-use pingora_http::RequestHeader;
+use pingora_error::{Error, ErrorType};
+use pingora_http::{RequestHeader, ResponseHeader};
 
 /// Timeouts for talking to the upstream.
 #[derive(Clone, Copy, Debug)]
@@ -108,16 +108,18 @@ impl Upstream {
 
     /// Sends a whole buffered request and reads the response head.
     ///
-    /// A pooled connection the upstream closed while idle is retried once
-    /// on a fresh one, but only when writing the request failed (and
-    /// Pingora classifies the failure `ReusedOnly`). Once the request was
-    /// written whole, the upstream may have acted on it: it is never sent
-    /// twice, the caller answers 502 and releases the key.
+    /// A pooled connection that failed before the request head was written
+    /// whole (the upstream closed it while idle) is retried once on a fresh
+    /// one: a partial head is nothing the upstream can act on. Once the
+    /// head was written, the upstream may have acted on it: it is never
+    /// sent twice, and the caller's 502 or 504 is kept as the key's
+    /// outcome. Pooled connections are not kept past the idle time the
+    /// upstream announces (`Keep-Alive: timeout=N`), so that race is rare.
     pub async fn send(&self, request: &RequestHeader, body: &Bytes) -> Result<Sent, ExchangeError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (stream, reused) = match self.idle.take(self.timeouts.idle) {
+            let (stream, reused) = match self.idle.take() {
                 Some(stream) => (stream, true),
                 None => {
                     let stream = self
@@ -140,8 +142,7 @@ impl Upstream {
                 Err((sent, error)) => {
                     // Once the request head is written, the upstream may
                     // have acted on it: never send it a second time.
-                    let stale = reused && !sent && matches!(error.retry, RetryType::ReusedOnly);
-                    if stale && attempt == 1 {
+                    if reused && !sent && attempt == 1 {
                         tracing::debug!(%error, "stale pooled upstream connection; retrying");
                         continue;
                     }
@@ -173,8 +174,13 @@ impl Upstream {
             return;
         }
         session.respect_keepalive();
+        let kept = kept_idle(session.resp_header(), self.timeouts.idle);
+        if kept.is_zero() {
+            session.shutdown().await;
+            return;
+        }
         if let Some(stream) = session.reuse().await {
-            self.idle.put(stream);
+            self.idle.put(stream, kept);
         }
     }
 
@@ -204,6 +210,29 @@ impl Upstream {
     }
 }
 
+/// How long a connection whose answer had `head` may wait idle in the
+/// pool: `pool`, or less when the upstream announces it closes idle
+/// connections sooner (`Keep-Alive: timeout=N`, as Node.js sends with
+/// its 5 s default): a second under that, since the upstream may close it
+/// just as the next request is written. Zero: not kept.
+fn kept_idle(head: Option<&ResponseHeader>, pool: Duration) -> Duration {
+    let announced = head
+        .and_then(|head| head.headers.get("keep-alive"))
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| {
+            value.split(',').find_map(|param| {
+                let (name, seconds) = param.split_once('=')?;
+                name.trim()
+                    .eq_ignore_ascii_case("timeout")
+                    .then(|| seconds.trim().parse::<u64>().ok())?
+            })
+        });
+    match announced {
+        Some(seconds) => pool.min(Duration::from_secs(seconds.saturating_sub(1))),
+        None => pool,
+    }
+}
+
 /// The most idle connections kept (Pingora's own pool keeps 128).
 const POOL_SIZE: usize = 128;
 
@@ -217,34 +246,53 @@ const POOL_SIZE: usize = 128;
 /// that has unexpected bytes waiting) is dropped and the next one tried.
 #[derive(Default)]
 struct Pool {
-    idle: Mutex<Vec<(Stream, Instant)>>,
+    idle: Mutex<Vec<Idle>>,
+}
+
+/// A pooled connection: since when it is idle, and for how long it may be.
+struct Idle {
+    stream: Stream,
+    since: Instant,
+    max_idle: Duration,
+}
+
+impl Idle {
+    fn expired(&self) -> bool {
+        self.since.elapsed() > self.max_idle
+    }
 }
 
 impl Pool {
-    /// An idle connection still open and within `max_idle`, if there is one.
-    fn take(&self, max_idle: Duration) -> Option<Stream> {
+    /// An idle connection still open and within its idle time, if there
+    /// is one.
+    fn take(&self) -> Option<Stream> {
         loop {
-            let (mut stream, since) = self.lock().pop()?;
-            if since.elapsed() <= max_idle && still_open(&mut stream) {
-                return Some(stream);
+            let mut idle = self.lock().pop()?;
+            if !idle.expired() && still_open(&mut idle.stream) {
+                return Some(idle.stream);
             }
         }
     }
 
-    /// Keeps a connection whose exchange ended cleanly; past
-    /// [`POOL_SIZE`], the oldest is closed.
-    fn put(&self, stream: Stream) {
+    /// Keeps a connection whose exchange ended cleanly, for up to
+    /// `max_idle`; past [`POOL_SIZE`], the oldest is closed.
+    fn put(&self, stream: Stream, max_idle: Duration) {
         let oldest = {
             let mut idle = self.lock();
-            idle.push((stream, Instant::now()));
+            idle.push(Idle {
+                stream,
+                since: Instant::now(),
+                max_idle,
+            });
             (idle.len() > POOL_SIZE).then(|| idle.remove(0))
         };
         drop(oldest);
     }
 
-    /// Closes, from a thread of its own, the idle connections past
-    /// `max_idle` or closed by the upstream, so that a quiet proxy holds
-    /// none for long; the thread ends with the pool.
+    /// Closes, from a thread of its own, the idle connections past their
+    /// idle time or closed by the upstream, so that a quiet proxy holds
+    /// none for long; the thread ends with the pool. It looks every half
+    /// of `max_idle` (the pool's own idle timeout).
     fn sweep_every(pool: std::sync::Weak<Pool>, max_idle: Duration) {
         let interval = (max_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
         let sweeper = std::thread::Builder::new()
@@ -257,8 +305,8 @@ impl Pool {
                     let mut idle = pool.lock();
                     let mut index = 0;
                     while index < idle.len() {
-                        let (stream, since) = &mut idle[index];
-                        if since.elapsed() > max_idle || !still_open(stream) {
+                        let entry = &mut idle[index];
+                        if entry.expired() || !still_open(&mut entry.stream) {
                             closed.push(idle.remove(index));
                         } else {
                             index += 1;
@@ -272,7 +320,7 @@ impl Pool {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(Stream, Instant)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

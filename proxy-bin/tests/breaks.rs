@@ -829,3 +829,96 @@ methods = ["POST"]
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// Scenario: a Node.js backend (its `keepAliveTimeout` is 5 s, announced
+/// as `Keep-Alive: timeout=5`) behind the proxy, whose pool kept idle
+/// connections 60 s. A request written on a connection idle for about the
+/// backend's timeout meets the backend closing it: the head was written,
+/// so the proxy must keep the 502 as the key's outcome (README), and an
+/// order that never ran is answered 502 for good. Now a connection is not
+/// kept past a second under the idle time the upstream announces: here
+/// `timeout=2`, so a request 1.5 s later goes out on a new connection.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_is_not_reused_past_the_idle_time_the_upstream_announces() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let connections = Arc::new(AtomicUsize::new(0));
+    let accepted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .map_or(0, |value| value.trim().parse().unwrap_or(0));
+                    while buf.len() < end + length {
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..end + length);
+                    let answer = b"HTTP/1.1 201 Created\r\nConnection: keep-alive\r\n\
+                        Keep-Alive: timeout=2\r\nContent-Length: 2\r\n\r\nok";
+                    if conn.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let dir = temp_dir("breaks-keep-alive");
+    let config = r#"
+[[route]]
+path = "/orders"
+methods = ["POST"]
+"#;
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    let order = |key: &'static str| {
+        let proxy = &proxy;
+        async move {
+            proxy
+                .send(
+                    "POST",
+                    "/orders",
+                    &[
+                        ("idempotency-key", key),
+                        ("content-type", "application/json"),
+                    ],
+                    "{}",
+                )
+                .await
+        }
+    };
+    assert_eq!(order("first").await.status, 201);
+    assert_eq!(order("at-once").await.status, 201);
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        1,
+        "a connection within its idle time is reused"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert_eq!(order("later").await.status, 201);
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        2,
+        "a connection past the announced idle time (less a second) was reused"
+    );
+}
