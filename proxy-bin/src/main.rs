@@ -228,7 +228,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let file = cli.config.as_deref().unwrap_or(std::path::Path::new("-"));
             let database = outbox_settings.database_or(&settings.store)?;
             let secrets = outbox_settings.secrets(file)?;
-            let outbox = runtime.block_on(outbox::workers::open(&database))?;
+            let listeners = outbox_settings.listeners();
+            let outbox = runtime.block_on(outbox::workers::open(&database, listeners))?;
             let _entered = runtime.enter();
             let workers = outbox::workers::Workers::start(outbox.clone(), outbox_settings, secrets);
             Some((outbox, workers))

@@ -869,3 +869,38 @@ async fn the_database_restarted_mid_run_nothing_lost_nothing_doubled() {
     db.close().await;
     drop(crm.proxy);
 }
+
+/// Scenario: the proxy's PostgreSQL outbox with a dozen destinations, each
+/// worker `LISTEN`ing (the default). Each listener holds a connection for
+/// good; the pool had sqlx's 10, so claims, renewals and the operator API
+/// waited for a connection that never came, and no row was delivered (a
+/// warning per poll was the only sign). The pool now has room for every
+/// listener besides its working connections: every row is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dozen_listening_destinations_still_deliver() {
+    let dir = temp_dir("outbox-listeners");
+    let db = Db::postgres().await;
+    let receiver = Receiver::start(Duration::ZERO, false).await;
+    let mut topics = vec!["crm".to_owned()];
+    topics.extend((1..12).map(|i| format!("quiet{i}")));
+    let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let config = dir.join("outbox.toml");
+    std::fs::write(
+        &config,
+        outbox_config(Some(db.url()), &receiver.url(), &topics, ""),
+    )
+    .unwrap();
+    let _runner = Runner::start(&dir, &config);
+    db.wait_for_table().await;
+    for i in 0..10 {
+        let source = format!("many-{i}");
+        assert!(db.enqueue("crm", &source, &payload(&source)).await);
+    }
+    eventually("every row delivered", || async {
+        db.count("state = 'completed'").await == 10
+    })
+    .await;
+    let effects = receiver.effects();
+    assert_eq!(effects.len(), 10);
+    assert!(effects.values().all(|count| *count == 1), "{effects:?}");
+}

@@ -179,7 +179,7 @@ async fn open(target: &Target) -> Result<Outbox, String> {
             return Err(format!("no SQLite database at {path}"));
         }
     }
-    workers::open(&url).await
+    workers::open(&url, 0).await
 }
 
 /// `outbox run`: the workers alone until SIGTERM or SIGINT.
@@ -197,7 +197,7 @@ async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn s
         None => database_of(&config, path)?,
     };
     let secrets = settings.secrets(path)?;
-    let outbox = workers::open(&database).await?;
+    let outbox = workers::open(&database, settings.listeners()).await?;
     let workers = Workers::start(outbox, settings, secrets);
     tracing::info!(
         destinations = settings.destinations.len(),

@@ -83,6 +83,18 @@ pub struct OutboxSettings {
     pub destinations: Vec<DestinationSettings>,
 }
 
+impl OutboxSettings {
+    /// How many workers hold a `LISTEN` connection (PostgreSQL): one per
+    /// destination when `listen` is on.
+    pub fn listeners(&self) -> usize {
+        if self.worker.listen {
+            self.destinations.len()
+        } else {
+            0
+        }
+    }
+}
+
 /// One destination, checked.
 #[derive(Clone, Debug)]
 pub struct DestinationSettings {

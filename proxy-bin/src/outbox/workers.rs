@@ -12,14 +12,23 @@ use tower_idempotency::PostgresStore;
 
 use super::config::{DestinationSettings, OutboxSettings};
 
+/// The PostgreSQL connections an outbox has for its statements (claims,
+/// renewals, outcomes, the rescuer, the operator API) beside its workers'
+/// `LISTEN` connections, each of which holds one for good.
+const WORKING_CONNECTIONS: u32 = 10;
+
 /// Opens the outbox on `url` (`postgres://…` or `sqlite://…`) without
-/// applying the migrations. A PostgreSQL pool connects lazily, so the
-/// proxy starts (and its operator API answers 503) while the database is
-/// down; an SQLite file that cannot be opened is an error. Errors never
-/// repeat the URL (it may hold a password).
-pub async fn open(url: &str) -> Result<Outbox, String> {
+/// applying the migrations, for `listeners` workers that `LISTEN`. A
+/// PostgreSQL pool connects lazily, so the proxy starts (and its operator
+/// API answers 503) while the database is down; it has
+/// [`WORKING_CONNECTIONS`] besides one per listener. An SQLite file that
+/// cannot be opened is an error. Errors never repeat the URL (it may hold
+/// a password).
+pub async fn open(url: &str, listeners: usize) -> Result<Outbox, String> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let listeners = u32::try_from(listeners).unwrap_or(u32::MAX);
         let pool = PostgresStore::pool_options()
+            .max_connections(WORKING_CONNECTIONS.saturating_add(listeners))
             .connect_lazy(url)
             .map_err(|_| "the outbox's PostgreSQL URL is malformed".to_owned())?;
         Ok(Outbox::postgres(pool))
