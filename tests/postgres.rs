@@ -751,3 +751,60 @@ async fn a_schema_set_by_the_pools_hook_is_the_stores_schema() {
     admin.close().await.unwrap();
     store.close().await;
 }
+
+/// A statement the server cancels (`statement_timeout`, SQLSTATE 57014)
+/// fails its call, and its connection goes on serving: the next call runs
+/// on the same server session, not a new one (a reconnect per timeout
+/// would deepen an overload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_the_server_cancelled_keeps_its_connection() {
+    use sqlx::Connection;
+    let options = fresh_schema().await;
+    let application = format!("store_cancel_{}", std::process::id());
+    let store = PostgresStore::from_pool(
+        pool(
+            options
+                .clone()
+                .application_name(&application)
+                .options([("statement_timeout", "200")]),
+            1,
+        )
+        .await,
+    );
+    store.migrate().await.unwrap();
+    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let session = || {
+        sqlx::query_scalar::<_, i32>("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&application)
+    };
+    let key = random_key();
+    let owner = OwnerToken::random();
+    let claim = store
+        .reserve(&key, &fingerprint(1), &owner, LONG, LONG)
+        .await;
+    assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
+    let before = session().fetch_one(&mut admin).await.unwrap();
+
+    let mut other = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let mut tx = other.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
+        .bind(key.as_bytes().as_slice())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let cancelled = store.complete(&key, &owner, &outcome(), LONG).await;
+    assert!(cancelled.is_err(), "the lock outlasted statement_timeout");
+    tx.rollback().await.unwrap();
+
+    assert!(store
+        .complete(&key, &owner, &outcome(), LONG)
+        .await
+        .unwrap());
+    let after = session().fetch_one(&mut admin).await.unwrap();
+    assert_eq!(
+        before, after,
+        "the cancelled statement's session was closed"
+    );
+    other.close().await.unwrap();
+    store.close().await;
+}

@@ -196,6 +196,9 @@ impl Exchange {
         // Bytes that are not recorded move at the client's pace.
         let mut paced = !recorder.as_ref().is_some_and(Recorder::is_recording);
         self.send(Frame::Head(Box::new(head)), false).await;
+        // When the upstream finished its answer: its idle clock for the
+        // connection starts then, not once the outcome is stored.
+        let mut finished = None;
         loop {
             match session.read_body_bytes().await {
                 Ok(Some(chunk)) => {
@@ -208,6 +211,7 @@ impl Exchange {
                     }
                     // Store before the client sees the last byte.
                     if session.is_body_done() {
+                        finished.get_or_insert_with(std::time::Instant::now);
                         if let Some(recording) = recorder.take() {
                             recording.end().await;
                         }
@@ -227,6 +231,7 @@ impl Exchange {
                 }
             }
         }
+        let finished = *finished.get_or_insert_with(std::time::Instant::now);
         // A body framed by the connection's close ends here too: a clean
         // close cannot be told from a cut (a reset is an error above).
         if let Some(recording) = recorder {
@@ -234,7 +239,7 @@ impl Exchange {
         }
         // Back to the pool first: the client's end is the exchange's last
         // act, so the relay rarely outlives it.
-        self.upstream.release(session).await;
+        self.upstream.release(session, finished).await;
         self.send(Frame::End, false).await;
     }
 }

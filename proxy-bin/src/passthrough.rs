@@ -110,6 +110,6 @@ pub async fn forward(
         }
     }
     session.write_response_body(None, true).await?;
-    upstream.release(exchange).await;
+    upstream.release(exchange, std::time::Instant::now()).await;
     Ok(true)
 }

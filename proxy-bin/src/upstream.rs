@@ -109,8 +109,9 @@ impl Upstream {
     /// Sends a whole buffered request and reads the response head.
     ///
     /// A pooled connection that failed before the request head was written
-    /// whole (the upstream closed it while idle) is retried once on a fresh
-    /// one: a partial head is nothing the upstream can act on. Once the
+    /// whole (the upstream closed it while idle) is retried once on another
+    /// connection (pooled or new): a partial head is nothing the upstream
+    /// can act on. Once the
     /// head was written, the upstream may have acted on it: it is never
     /// sent twice, and the caller's 502 or 504 is kept as the key's
     /// outcome. Pooled connections are not kept past the idle time the
@@ -161,8 +162,10 @@ impl Upstream {
     }
 
     /// Returns a connection whose response was read to the end to the
-    /// pool, unless its request was not written whole (see [`Sent`]).
-    pub async fn release(&self, sent: Sent) {
+    /// pool, unless its request was not written whole (see [`Sent`]); it is
+    /// idle since `finished`, when the upstream ended its answer (its own
+    /// idle clock starts there).
+    pub async fn release(&self, sent: Sent, finished: Instant) {
         let Sent {
             mut session,
             reusable,
@@ -180,7 +183,7 @@ impl Upstream {
             return;
         }
         if let Some(stream) = session.reuse().await {
-            self.idle.put(stream, kept);
+            self.idle.put(stream, finished, kept);
         }
     }
 
@@ -274,14 +277,15 @@ impl Pool {
         }
     }
 
-    /// Keeps a connection whose exchange ended cleanly, for up to
-    /// `max_idle`; past [`POOL_SIZE`], the oldest is closed.
-    fn put(&self, stream: Stream, max_idle: Duration) {
+    /// Keeps a connection whose exchange ended cleanly, idle since
+    /// `since`, for up to `max_idle`; past [`POOL_SIZE`], the oldest is
+    /// closed.
+    fn put(&self, stream: Stream, since: Instant, max_idle: Duration) {
         let oldest = {
             let mut idle = self.lock();
             idle.push(Idle {
                 stream,
-                since: Instant::now(),
+                since,
                 max_idle,
             });
             (idle.len() > POOL_SIZE).then(|| idle.remove(0))

@@ -135,6 +135,10 @@ impl Reservation {
     /// request again.
     pub(super) async fn store(mut self, outcome: Outcome) {
         let status = outcome.status().unwrap_or(StatusCode::OK);
+        // What a response the store keeps refusing falls back to (a marker
+        // is already small: it has none).
+        let marker = matches!(outcome, Outcome::Stored(_))
+            .then(|| self.engine.seal(&self.key, Outcome::TooLarge { status }));
         // Sealed once: a retry below stores the very same bytes.
         let outcome = self.engine.seal(&self.key, outcome);
         match self.complete(&outcome).await {
@@ -152,8 +156,7 @@ impl Reservation {
                     let _task = task;
                     let lease = self.policy.policy().lease;
                     let deadline = Instant::now() + lease;
-                    let marker_from = Instant::now() + lease * 3 / 4;
-                    let marker = self.engine.seal(&self.key, Outcome::TooLarge { status });
+                    let marker_from = Instant::now() + (lease - lease / 4);
                     let mut attempt = 0;
                     let result = loop {
                         let now = Instant::now();
@@ -163,9 +166,11 @@ impl Reservation {
                         tokio::time::sleep(crate::store::backoff(attempt).min(deadline - now))
                             .await;
                         attempt += 1;
-                        let result = match self.complete(&outcome).await {
-                            Err(_) if Instant::now() >= marker_from => self.complete(&marker).await,
-                            other => other,
+                        let result = match (self.complete(&outcome).await, &marker) {
+                            (Err(_), Some(marker)) if Instant::now() >= marker_from => {
+                                self.complete(marker).await
+                            }
+                            (result, _) => result,
                         };
                         if result.is_ok() {
                             break result;
@@ -202,7 +207,7 @@ impl Reservation {
                 tracing::info!(outcome = "executed", status = status.as_u16(), duration_us, key = %Short::of(&self.key), "idempotency");
             }
             Ok(false) => {
-                tracing::warn!(status = status.as_u16(), key = %Short::of(&self.key), "idempotency lease was taken over before completion; response not stored");
+                tracing::warn!(status = status.as_u16(), key = %Short::of(&self.key), "idempotency record no longer ours: its lease was taken over, or an earlier attempt that timed out stored it");
             }
             Err(error) => {
                 engine.inner.metrics.record(Event::StoreError);

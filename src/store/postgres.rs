@@ -323,6 +323,9 @@ impl PostgresStore {
     /// once (the migrator holds an advisory lock) and on every start.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut lease = self.connections.acquire().await.map_err(store_error)?;
+        // Abandoned (a caller's timeout), the run may hold the migrator's
+        // advisory lock: the connection must not serve again.
+        lease.discard_if_abandoned();
         // `run_direct`: sqlx's own way around `run`'s `Acquire` bound, whose
         // future over a borrowed connection could not be spawned.
         match Self::MIGRATOR.run_direct(lease.connection()).await {

@@ -20,7 +20,7 @@
 //! closed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgPool, PgSeverity};
@@ -107,13 +107,14 @@ impl Connections {
             connection: Some(connection),
             connections: self.clone(),
             permit: Some(permit),
+            discard: false,
         })
     }
 
     /// The most recently used idle connection that is not past the idle
     /// timeout or its lifetime (those are closed).
     fn take_idle(&self) -> Result<Option<Open>, sqlx::Error> {
-        let mut guard = self.idle.lock().unwrap();
+        let mut guard = self.idle();
         let idle = guard.as_mut().ok_or(sqlx::Error::PoolClosed)?;
         let stale = self.drain_stale(idle);
         while let Some(Idle { connection, .. }) = idle.pop() {
@@ -154,7 +155,7 @@ impl Connections {
         if self.past_lifetime(&connection) {
             return;
         }
-        let mut guard = self.idle.lock().unwrap();
+        let mut guard = self.idle();
         let Some(idle) = guard.as_mut() else { return };
         idle.push(Idle {
             connection,
@@ -177,8 +178,20 @@ impl Connections {
             self.reaping.store(false, Ordering::Release);
             return;
         };
+        /// Clears the flag however the task ends (a runtime shut down
+        /// while it slept included), so a later give-back starts another.
+        struct Reaping(Weak<Connections>);
+        impl Drop for Reaping {
+            fn drop(&mut self) {
+                if let Some(connections) = self.0.upgrade() {
+                    connections.reaping.store(false, Ordering::Release);
+                }
+            }
+        }
         let connections: Weak<Self> = Arc::downgrade(self);
+        let reaping = Reaping(connections.clone());
         runtime.spawn(async move {
+            let _reaping = reaping;
             loop {
                 tokio::time::sleep(timeout / 2).await;
                 let Some(connections) = connections.upgrade() else {
@@ -186,11 +199,10 @@ impl Connections {
                 };
                 let stale;
                 {
-                    let mut guard = connections.idle.lock().unwrap();
+                    let mut guard = connections.idle();
                     let Some(idle) = guard.as_mut() else { return };
                     stale = connections.drain_stale(idle);
                     if idle.is_empty() {
-                        connections.reaping.store(false, Ordering::Release);
                         drop(guard);
                         drop(stale);
                         return;
@@ -201,11 +213,15 @@ impl Connections {
         });
     }
 
+    fn idle(&self) -> std::sync::MutexGuard<'_, Option<Vec<Idle>>> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Closes the idle connections; later [`acquire`](Self::acquire)s
     /// fail, and connections out now are closed when their statement ends.
     pub(super) async fn close(&self) {
         self.permits.close();
-        let idle = self.idle.lock().unwrap().take().unwrap_or_default();
+        let idle = self.idle().take().unwrap_or_default();
         for idle in idle {
             let _ = idle.connection.connection.close().await;
         }
@@ -218,6 +234,9 @@ pub(super) struct Lease {
     connection: Option<Open>,
     connections: Arc<Connections>,
     permit: Option<OwnedSemaphorePermit>,
+    /// Dropped without `finish`, the connection is closed rather than
+    /// recovered (see [`Lease::discard_if_abandoned`]).
+    discard: bool,
 }
 
 impl Lease {
@@ -228,6 +247,13 @@ impl Lease {
             .as_mut()
             .expect("a lease holds its connection")
             .connection
+    }
+
+    /// Closes the connection if this lease is dropped without being
+    /// finished, instead of recovering it: for work that leaves session
+    /// state behind when abandoned (the migrator's advisory lock).
+    pub(super) fn discard_if_abandoned(&mut self) {
+        self.discard = true;
     }
 
     /// Gives the connection back for the next statement: only after the
@@ -258,9 +284,11 @@ impl StatementLease for Lease {
     /// statement: the database answered (rows, or an error it sent about
     /// the statement; sqlx reads any rest of the answer before its next
     /// statement). Closes it after an error of the connection itself (I/O,
-    /// protocol, TLS), one of the session (`FATAL`: the server is shutting
-    /// down or ended it), or one that a reconnect may cure (a connection
-    /// or resource error, a read-only server after a failover).
+    /// protocol, TLS), one of the session (`FATAL`, `57P…`: the server is
+    /// shutting down or ended it), or one that a reconnect may cure (a
+    /// connection or resource error, a read-only server after a failover).
+    /// A statement the server cancelled (`57014`, `statement_timeout`)
+    /// leaves the connection usable.
     fn finish<T>(self, result: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
         let reusable = match &result {
             Ok(_) => true,
@@ -269,7 +297,7 @@ impl StatementLease for Lease {
                 .is_some_and(|error| {
                     let code = error.code();
                     error.severity() == PgSeverity::Error
-                        && !["08", "53", "57"]
+                        && !["08", "53", "57P"]
                             .iter()
                             .any(|class| code.starts_with(class))
                         && code != "25006"
@@ -291,6 +319,9 @@ impl Drop for Lease {
     /// running the statement), then goes back to the idle list, or is
     /// closed after [`RECOVERY_TIMEOUT`] or an error.
     fn drop(&mut self) {
+        if self.discard {
+            return;
+        }
         let (Some(mut open), Some(permit)) = (self.connection.take(), self.permit.take()) else {
             return;
         };
