@@ -88,5 +88,5 @@ pub use enqueue::notify;
 pub use enqueue::{enqueue, EnqueueFuture, Message, OutboxConnection, NOTIFY_CHANNEL};
 pub use metrics::OutboxMetrics;
 pub use store::{Counts, DeadMessage, MessageStatus, Outbox, OutboxError, State};
-pub use webhook::{Destination, WebhookDeliverer, WebhookSecret};
+pub use webhook::{Destination, VerifyError, WebhookDeliverer, WebhookSecret};
 pub use worker::{Backoff, Worker, WorkerConfig, WorkerHandle};
