@@ -358,6 +358,14 @@ impl PostgresStore {
         self.connections.acquire().await
     }
 
+    /// Whether statements go through: a `SELECT 1` on one of the store's
+    /// connections.
+    async fn writable(&self) -> Result<(), sqlx::Error> {
+        sql::on_connection!(self, |executor| sqlx::query("SELECT 1").execute(executor))
+            .await
+            .map(drop)
+    }
+
     /// A record write that returns whether it wrote: its own transaction.
     async fn write_scalar(
         &self,

@@ -704,6 +704,15 @@ macro_rules! sql_store {
                     .transpose()
             }
 
+            /// Whether the store can write, not only read: the type's own
+            /// `writable()` (SQLite's writer thread, PostgreSQL's
+            /// connections).
+            async fn ping(&self) -> Result<(), $crate::store::StoreError> {
+                self.writable()
+                    .await
+                    .map_err($crate::store::sql::store_error)
+            }
+
             async fn identity(&self) -> Result<Option<String>, $crate::store::StoreError> {
                 if let Some(id) = self.id.get() {
                     return Ok(Some(id.clone()));

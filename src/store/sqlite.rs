@@ -250,6 +250,12 @@ impl SqliteStore {
         Ok(sql::PoolLease(&self.pool))
     }
 
+    /// Whether writes go through: a `SELECT 1` through the writer (whose
+    /// thread a read through the pool would not check).
+    async fn writable(&self) -> Result<(), sqlx::Error> {
+        self.writer.execute(sqlx::query("SELECT 1")).await.map(drop)
+    }
+
     /// A record write that returns whether it wrote: in the next group
     /// commit, answered once it is on disk.
     async fn write_scalar(
@@ -292,3 +298,32 @@ super::sql::sql_admin!(
         counts: COUNTS,
     }
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Store;
+
+    /// A health check that read through the pool stayed green with the
+    /// writer gone, while every write failed: the ping goes through the
+    /// writer.
+    #[tokio::test]
+    async fn the_health_check_fails_when_the_writer_is_gone() {
+        let path = std::env::temp_dir().join(format!(
+            "ti_ping_{}_{}.db",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        let store = SqliteStore::connect(path.to_str().unwrap()).await.unwrap();
+        assert!(store.ping().await.is_ok());
+        store.writer.close().await;
+        assert!(
+            store.ping().await.is_err(),
+            "healthy without a writer: every write fails"
+        );
+        store.close().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+}
