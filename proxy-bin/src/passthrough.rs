@@ -99,17 +99,18 @@ pub async fn forward(
     let answered = exchange.resp_header().expect("a response head was read");
     let head = relayed_head(&request, answered);
     session.write_response_header(Box::new(head), false).await?;
-    loop {
+    let finished = loop {
         match exchange.read_body_bytes().await {
             Ok(Some(chunk)) => session.write_response_body(Some(chunk), false).await?,
-            Ok(None) => break,
+            // The upstream's idle clock for the connection starts here.
+            Ok(None) => break std::time::Instant::now(),
             Err(error) => {
                 tracing::warn!(%error, "upstream broke off its response");
                 return Err(error.into_up());
             }
         }
-    }
+    };
     session.write_response_body(None, true).await?;
-    upstream.release(exchange, std::time::Instant::now()).await;
+    upstream.release(exchange, finished).await;
     Ok(true)
 }

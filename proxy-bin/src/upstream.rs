@@ -178,7 +178,7 @@ impl Upstream {
         }
         session.respect_keepalive();
         let kept = kept_idle(session.resp_header(), self.timeouts.idle);
-        if kept.is_zero() {
+        if finished.elapsed() >= kept {
             session.shutdown().await;
             return;
         }

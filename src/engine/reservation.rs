@@ -135,10 +135,9 @@ impl Reservation {
     /// request again.
     pub(super) async fn store(mut self, outcome: Outcome) {
         let status = outcome.status().unwrap_or(StatusCode::OK);
-        // What a response the store keeps refusing falls back to (a marker
-        // is already small: it has none).
-        let marker = matches!(outcome, Outcome::Stored(_))
-            .then(|| self.engine.seal(&self.key, Outcome::TooLarge { status }));
+        // Only a full response falls back to a marker (a marker is small
+        // already).
+        let may_fall_back = matches!(outcome, Outcome::Stored(_));
         // Sealed once: a retry below stores the very same bytes.
         let outcome = self.engine.seal(&self.key, outcome);
         match self.complete(&outcome).await {
@@ -157,6 +156,8 @@ impl Reservation {
                     let lease = self.policy.policy().lease;
                     let deadline = Instant::now() + lease;
                     let marker_from = Instant::now() + (lease - lease / 4);
+                    let marker = may_fall_back
+                        .then(|| self.engine.seal(&self.key, Outcome::TooLarge { status }));
                     let mut attempt = 0;
                     let result = loop {
                         let now = Instant::now();

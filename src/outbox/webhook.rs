@@ -75,27 +75,35 @@ impl WebhookSecret {
     /// it:
     ///
     /// * one of the `webhook-signature` entries (`v1,…`, space-separated:
-    ///   several while secrets rotate) is this secret's signature of
-    ///   `webhook-id`, `webhook-timestamp` and `body`, compared in constant
-    ///   time;
+    ///   a sender may sign with several secrets) is this secret's signature
+    ///   of `webhook-id`, `webhook-timestamp` and `body`, compared in
+    ///   constant time (a receiver rotating its own secret calls `verify`
+    ///   once per secret it accepts);
     /// * `webhook-timestamp` is within `tolerance` of now (either way), so
     ///   a captured delivery cannot be replayed later (Standard Webhooks
     ///   suggests 5 minutes);
     /// * `Idempotency-Key` is present and equals `webhook-id`. The key is
     ///   not signed; a receiver that deduplicates by it (behind this
     ///   crate's layer or proxy) would otherwise run a captured delivery
-    ///   again under a key of the attacker's choosing.
+    ///   again under a key of the attacker's choosing. This makes it a
+    ///   check for this crate's deliveries, not for every Standard
+    ///   Webhooks sender (most send no `Idempotency-Key`);
+    /// * each of those headers comes exactly once.
     pub fn verify(
         &self,
         headers: &HeaderMap,
         body: &[u8],
         tolerance: Duration,
     ) -> Result<(), VerifyError> {
+        // Exactly one line each: a reader that takes another of several
+        // would see a value this check did not.
         let header = |name: &'static str| {
-            headers
-                .get(name)
-                .and_then(|value| value.to_str().ok())
-                .ok_or(VerifyError::Missing(name))
+            let mut values = headers.get_all(name).iter();
+            match (values.next(), values.next()) {
+                (Some(value), None) => value.to_str().map_err(|_| VerifyError::Malformed(name)),
+                (None, _) => Err(VerifyError::Missing(name)),
+                (Some(_), Some(_)) => Err(VerifyError::Malformed(name)),
+            }
         };
         let id = header("webhook-id")?;
         let timestamp: u64 = header("webhook-timestamp")?
@@ -407,6 +415,12 @@ mod tests {
         assert_eq!(
             secret.verify(&rekeyed, body, window),
             Err(VerifyError::KeyMismatch)
+        );
+        let mut twice = good.clone();
+        twice.append("idempotency-key", "x2".parse().unwrap());
+        assert_eq!(
+            secret.verify(&twice, body, window),
+            Err(VerifyError::Malformed("idempotency-key"))
         );
         let mut unkeyed = good.clone();
         unkeyed.remove("idempotency-key");

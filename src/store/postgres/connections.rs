@@ -191,7 +191,7 @@ impl Connections {
         let connections: Weak<Self> = Arc::downgrade(self);
         let reaping = Reaping(connections.clone());
         runtime.spawn(async move {
-            let _reaping = reaping;
+            let mut reaping = reaping;
             loop {
                 tokio::time::sleep(timeout / 2).await;
                 let Some(connections) = connections.upgrade() else {
@@ -203,6 +203,10 @@ impl Connections {
                     let Some(idle) = guard.as_mut() else { return };
                     stale = connections.drain_stale(idle);
                     if idle.is_empty() {
+                        // Cleared under the lock: a give-back after it
+                        // starts another reaper.
+                        connections.reaping.store(false, Ordering::Release);
+                        reaping.0 = Weak::new();
                         drop(guard);
                         drop(stale);
                         return;
