@@ -65,6 +65,7 @@ impl Sent {
             uri: &self.uri,
             headers: &self.headers,
             principal: None,
+            routed: None,
         }
     }
 }

@@ -332,6 +332,63 @@ async fn a_required_full_path_route_is_covered_behind_nest() {
     );
 }
 
+/// Scenario: the layer inside `Router::nest("/shop-a", …)`, its routes
+/// written for the nested path as README says: a `required` `/orders`
+/// with a principal, and an optional catch-all `/**`. Classifying matched
+/// `/orders` (the path the layer sees), but the decision matched routes
+/// again on axum's `OriginalUri` (`/shop-a/orders`), which only the
+/// catch-all covers: a keyless order passed uncovered, and two users with
+/// the same key shared the catch-all's anonymous scope. Impact ("once";
+/// "no leaked response"): a required route skipped, the principal never
+/// checked. Now classifying and deciding match the same route.
+#[tokio::test]
+async fn behind_nest_the_decision_keeps_the_route_it_was_classified_under() {
+    use axum::routing::post;
+    use axum::Router;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    use tower::ServiceExt;
+    use tower_idempotency::IdempotencyLayer;
+
+    let routes = Routes::new()
+        .route("/orders", Policy::default().required(true))
+        .unwrap()
+        .route("/**", Policy::default())
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let shop = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = counted.fetch_add(1, SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("order {n}")) }
+            }),
+        )
+        .layer(IdempotencyLayer::new(engine.clone()));
+    let app = Router::new().nest("/shop-a", shop);
+    let order = |key: Option<&str>| {
+        let mut request = Request::post("/shop-a/orders");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request.body(Body::empty()).unwrap()
+    };
+    let keyless = app.clone().oneshot(order(None)).await.unwrap();
+    assert_eq!(
+        keyless.status(),
+        StatusCode::BAD_REQUEST,
+        "a keyless order ran on a required route"
+    );
+    assert_eq!(calls.load(SeqCst), 0);
+    for _ in 0..3 {
+        let keyed = app.clone().oneshot(order(Some("k-nest"))).await.unwrap();
+        assert_eq!(keyed.status(), StatusCode::CREATED);
+    }
+    assert_eq!(calls.load(SeqCst), 1, "the keyed order ran more than once");
+}
+
 /// Scenario: a `required` route `/api/pay` in front of a backend that reads
 /// `\` as `/` in paths, as IIS and ASP.NET do (the backends
 /// `Routes::case_insensitive` is documented for). The engine's normal
@@ -687,6 +744,7 @@ mod operator {
                 uri: &self.uri,
                 headers: &self.headers,
                 principal: None,
+                routed: None,
             }
         }
     }

@@ -1124,6 +1124,7 @@ async fn an_expired_lease_is_taken_over_by_exactly_one_of_twenty_retries() {
                 uri: &parts.uri,
                 headers: &parts.headers,
                 principal: None,
+                routed: None,
             };
             let Coverage::Covered(covered) = dead.classify(&head) else {
                 panic!("the request is covered");

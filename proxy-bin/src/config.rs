@@ -494,6 +494,7 @@ mismatch_status = 409
             uri: &uri,
             headers: &headers,
             principal: None,
+            routed: None,
         };
         match engine.classify(&head) {
             Coverage::Covered(covered) => assert_eq!(covered.label(), "/contact"),

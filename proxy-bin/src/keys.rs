@@ -324,6 +324,7 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
         uri: &uri,
         headers: &headers,
         principal: principal.as_deref(),
+        routed: None,
     };
     // The proxy's principal is only ever the route's own: one given for a
     // route without a principal would name a scope no request has.

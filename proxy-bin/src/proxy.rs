@@ -323,6 +323,7 @@ fn request_head(request: &RequestHeader) -> RequestHead<'_> {
         uri: &request.uri,
         headers: &request.headers,
         principal: None,
+        routed: None,
     }
 }
 

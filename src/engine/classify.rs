@@ -18,14 +18,28 @@ use crate::policy::{KeySource, PathPattern, RoutePolicy, Routes};
 pub struct RequestHead<'a> {
     /// The method.
     pub method: &'a Method,
-    /// The URI (path and query are used).
+    /// The URI the request arrived with (path and query are used; the
+    /// scope and the fingerprint are taken from it).
     pub uri: &'a Uri,
+    /// The URI routes are matched on, when it differs from `uri`: behind
+    /// axum's `Router::nest`, the path the layer sees (`/orders`), where
+    /// `uri` is the original one (`/shop-a/orders`). `None`: `uri`.
+    pub routed: Option<&'a Uri>,
     /// The headers.
     pub headers: &'a HeaderMap,
     /// An authenticated principal set by the application (the tower layer
     /// reads it from a [`Principal`](crate::Principal) request extension).
     /// Hashed into the scope, never stored.
     pub principal: Option<&'a [u8]>,
+}
+
+impl RequestHead<'_> {
+    /// The path routes are matched on: [`routed`](RequestHead::routed)'s,
+    /// else [`uri`](RequestHead::uri)'s. Classifying a request and
+    /// deciding it match the same route by it.
+    pub fn route_path(&self) -> &str {
+        self.routed.unwrap_or(self.uri).path()
+    }
 }
 
 /// The engine's answer to [`Engine::classify`].
@@ -128,7 +142,7 @@ impl Engine {
     /// if any: the rule the operator's lookups ([`Engine::scope_of`])
     /// use, which name the method the backend dispatched.
     pub(super) fn route_of(&self, head: &RequestHead<'_>) -> Option<&Arc<RoutePolicy>> {
-        self.inner.routes.find(head.method, head.uri.path())
+        self.inner.routes.find(head.method, head.route_path())
     }
 
     /// Every route a request may be dispatched under, read before its
@@ -138,7 +152,7 @@ impl Engine {
     /// a route lists; for any other method, its own.
     fn routes_of(&self, head: &RequestHead<'_>) -> Vec<&Arc<RoutePolicy>> {
         let routes = &self.inner.routes;
-        let path = head.uri.path();
+        let path = head.route_path();
         let mut methods = overrides(head, None);
         methods.push(head.method.clone());
         if may_name_in_body(head) {
@@ -169,7 +183,7 @@ impl Engine {
         head: &RequestHead<'_>,
         body: &View<'_>,
     ) -> Option<(Option<Method>, &'r Arc<RoutePolicy>)> {
-        let path = head.uri.path();
+        let path = head.route_path();
         let named = overrides(head, Some(body))
             .into_iter()
             .filter_map(|method| {

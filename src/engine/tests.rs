@@ -23,6 +23,7 @@ fn covered(engine: &Engine, path: &'static str) -> Covered {
         uri: &uri,
         headers: &headers,
         principal: None,
+        routed: None,
     };
     match engine.classify(&head) {
         Coverage::Covered(covered) => covered,
@@ -48,6 +49,7 @@ async fn begin(engine: &Engine, policy: &Covered, key: &str) -> Decision {
         uri: &Uri::from_static("/orders"),
         headers: &headers,
         principal: None,
+        routed: None,
     };
     engine.begin(policy, head, br#"{"amount":10}"#).await
 }
@@ -343,6 +345,7 @@ fn every_part_of_the_scope_changes_the_key() {
             uri: &uri,
             headers: &headers,
             principal,
+            routed: None,
         };
         scope_key(hasher, &policy, &head, raw)
     };
@@ -466,6 +469,7 @@ async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
         uri: &uri,
         headers: &headers,
         principal: None,
+        routed: None,
     };
     let policy = covered(&engine, "/orders");
     let Decision::Proceed(reservation) = engine.begin(&policy, head, b"").await else {

@@ -75,9 +75,10 @@ where
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let head = RequestHead {
             method: request.method(),
-            uri: request.uri(),
+            uri: original_uri(request.extensions(), request.uri()),
             headers: request.headers(),
             principal: None,
+            routed: Some(request.uri()),
         };
         let Coverage::Covered(covered) = self.engine.classify(&head) else {
             return ResponseFuture::passthrough(
@@ -112,9 +113,10 @@ where
             let principal = parts.extensions.get::<Principal>().map(|p| p.0.clone());
             let head = RequestHead {
                 method: &parts.method,
-                uri: original_uri(&parts),
+                uri: original_uri(&parts.extensions, &parts.uri),
                 headers: &parts.headers,
                 principal: principal.as_deref(),
+                routed: Some(&parts.uri),
             };
             let decision = engine.begin(&covered, head, &body).await;
             drop(permit);
@@ -141,14 +143,18 @@ where
 /// The URI the request arrived with: axum records it as `OriginalUri`
 /// before `Router::nest` strips a prefix, and the scope must tell
 /// `/shop-a/orders` from `/shop-b/orders` even where the layer sees
-/// `/orders` for both. (Routes are still matched on the path the layer
-/// sees, as they are written for where the layer sits.)
-fn original_uri(parts: &http::request::Parts) -> &http::Uri {
+/// `/orders` for both; else `uri`, the one the layer sees. (Routes are
+/// still matched on the path the layer sees, as they are written for where
+/// the layer sits: [`RequestHead::routed`].)
+fn original_uri<'a>(
+    #[cfg_attr(not(feature = "axum"), allow(unused_variables))] extensions: &'a http::Extensions,
+    uri: &'a http::Uri,
+) -> &'a http::Uri {
     #[cfg(feature = "axum")]
-    if let Some(axum::extract::OriginalUri(uri)) = parts.extensions.get() {
+    if let Some(axum::extract::OriginalUri(uri)) = extensions.get() {
         return uri;
     }
-    &parts.uri
+    uri
 }
 
 enum ReadError {
