@@ -274,6 +274,52 @@ async fn tenants_behind_a_host_rewriting_proxy_never_share_a_scope() {
     assert_eq!(app.calls(), 2);
 }
 
+/// Scenario: an application that picks its tenant from `Host` (axum's
+/// `Host` extractor prefers it over the URI's authority), and a request
+/// that carries both: an HTTP/1.1 absolute-form target
+/// `http://shop-a.example/…` with `Host: shop-b.example` (or HTTP/2's
+/// `:authority` beside a `host` line). The engine scoped by the URI's
+/// authority alone, so shop B's order under a key shop A had used was
+/// answered with shop A's response. Impact ("two virtual hosts never share
+/// a scope"): a cross-tenant replay. Now both hosts are in the scope when
+/// they differ.
+#[tokio::test]
+async fn an_authority_and_a_host_that_differ_never_share_a_scope() {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let app = layered(&engine, |_, request| async move {
+        let tenant = request.headers()[header::HOST].clone();
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("x-tenant", tenant)
+            .body(Body::empty())
+            .unwrap()
+    });
+    let order = |host: &'static str| {
+        app.send(
+            Request::post("http://shop-a.example/api/orders")
+                .header(header::HOST, host)
+                .header("idempotency-key", "order-1001")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from_static(b"{\"item\":1}")))
+                .unwrap(),
+        )
+    };
+    let a = order("shop-a.example").await;
+    assert_eq!(a.headers["x-tenant"], "shop-a.example");
+    let b = order("shop-b.example").await;
+    assert!(
+        !b.replayed(),
+        "shop B was answered with {:?}'s response",
+        b.headers["x-tenant"]
+    );
+    assert_eq!(b.headers["x-tenant"], "shop-b.example");
+    // The same host both ways, and the same host spelled differently, are
+    // one scope: a retry replays.
+    let again = order("SHOP-A.example.").await;
+    assert!(again.replayed());
+    assert_eq!(app.calls(), 2);
+}
+
 /// Scenario: one engine whose routes name full paths (`/shop-a/orders`,
 /// what a user sees and what the layer scopes by behind `Router::nest`),
 /// with the layer applied inside routers nested under `/shop-a` and

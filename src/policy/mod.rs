@@ -193,8 +193,9 @@ pub struct Policy {
     /// Replay `Set-Cookie` headers. Default `false`: a replay never hands out
     /// a session cookie minted for the first request.
     pub replay_set_cookie: bool,
-    /// Hash the request's host name (the URI's, else the `Host` header's;
-    /// lowercased, without port, see [`scope_host`]) into the key's scope.
+    /// Hash the request's host name (the URI's and the `Host` header's,
+    /// both when they differ; lowercased, without port, see
+    /// [`scope_host`]) into the key's scope.
     /// Default `true`: two virtual hosts (tenants) behind one engine never
     /// share a key space. Turn it off only when several host names serve
     /// one and the same application and a retry may arrive under another

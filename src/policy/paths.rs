@@ -60,25 +60,35 @@ pub(super) fn strip_format_suffix(path: &str) -> Option<&str> {
     (dot > segment && !suffix.is_empty()).then(|| &path[..dot])
 }
 
-/// The host a request's key is scoped by: the URI's authority, else the
-/// `Host` header, without port or trailing dot, lowercased; empty when
-/// there is none. Host names select tenants; the port does not (instances
-/// of one deployment listen on different ports, and `example.com` and
-/// `example.com:443` are one target).
+/// The host a request's key is scoped by: the URI's authority and the
+/// `Host` header, each without port or trailing dot, lowercased — one of
+/// them when the other is missing or names the same host, both (joined by
+/// a space, which no host name holds) when they differ; empty when there
+/// is neither. Frameworks pick the tenant from either (axum's `Host`
+/// extractor prefers the header, the engine used to prefer the URI), and
+/// HTTP/1.1 absolute-form requests and HTTP/2 `:authority` with a `host`
+/// line can carry two: scoped by both, no reading shares a scope with
+/// another tenant's. Host names select tenants; the port does not
+/// (instances of one deployment listen on different ports, and
+/// `example.com` and `example.com:443` are one target).
 pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
-    let host = match uri.authority() {
-        Some(authority) => authority.host().to_owned(),
-        None => match headers.get(http::header::HOST) {
-            Some(value) => match http::uri::Authority::try_from(value.as_bytes()) {
-                Ok(authority) => authority.host().to_owned(),
-                // Not a valid authority: the value itself, as it came.
-                Err(_) => String::from_utf8_lossy(value.as_bytes()).into_owned(),
-            },
-            None => String::new(),
-        },
+    let normal = |host: &str| {
+        let host = host.strip_suffix('.').unwrap_or(host);
+        host.to_ascii_lowercase()
     };
-    let host = host.strip_suffix('.').unwrap_or(&host);
-    host.to_ascii_lowercase()
+    let from_uri = uri.authority().map(|authority| normal(authority.host()));
+    let from_header = headers.get(http::header::HOST).map(|value| {
+        match http::uri::Authority::try_from(value.as_bytes()) {
+            Ok(authority) => normal(authority.host()),
+            // Not a valid authority: the value itself, as it came.
+            Err(_) => normal(&String::from_utf8_lossy(value.as_bytes())),
+        }
+    });
+    match (from_uri, from_header) {
+        (Some(uri), Some(header)) if uri != header => format!("{uri} {header}"),
+        (Some(host), _) | (None, Some(host)) => host,
+        (None, None) => String::new(),
+    }
 }
 
 /// The form a path is routed and scoped by; the request itself is
