@@ -1220,3 +1220,53 @@ async fn a_replayed_204_carries_no_content_length() {
     );
     assert_eq!(upstream.calls(), 1);
 }
+
+/// A concurrency limit inside the layer (`ConcurrencyLimitLayer`, a
+/// `Buffer`): a covered request whose client trickles its body must not
+/// hold the limit's permit while the layer reads it (nor while the engine
+/// decides, nor for a replay that never calls the service). The layer used
+/// to carry the service it was polled ready with into the request, so one
+/// slow upload stalled every other route behind the limit.
+#[tokio::test]
+async fn a_slow_upload_does_not_hold_the_inner_services_readiness() {
+    use tower::limit::ConcurrencyLimitLayer;
+    let (engine, _store) = memory_engine(Policy::default());
+    let service = tower::ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(engine))
+        .layer(ConcurrencyLimitLayer::new(1))
+        .service(tower::service_fn(|_request: Request<_>| async {
+            Ok::<_, Infallible>(reply(StatusCode::OK, "done"))
+        }));
+    // A covered order whose body never ends.
+    let (_sender, body) = futures::channel::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    let slow = Request::post("/orders")
+        .header("idempotency-key", "slow-upload")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(body))
+        .unwrap();
+    let upload = tokio::spawn(service.clone().oneshot(slow));
+    tokio::task::yield_now().await;
+    // Another request through the same limit is served.
+    let other = Request::get("/status").body(Body::empty()).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), service.clone().oneshot(other))
+        .await
+        .expect("the slow upload holds the concurrency limit")
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    // A replay never calls the service: a finished order, then its retry,
+    // while another upload trickles.
+    let order = || {
+        Request::post("/orders")
+            .header("idempotency-key", "k-replay")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    assert_eq!(
+        service.clone().oneshot(order()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let replay = service.clone().oneshot(order()).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    upload.abort();
+}

@@ -85,9 +85,11 @@ where
                 self.inner.call(request.map(RequestBody::streaming)),
             );
         };
-        // Keep the service that was polled ready; hand it to the future.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        // A clone, made ready only when it is called: the service polled
+        // ready stays here, so what its readiness holds (a concurrency
+        // limit's permit, a buffer's slot) is not held while the body is
+        // read and the engine decides, nor by a replay that never calls it.
+        let inner = self.inner.clone();
         let engine = self.engine.clone();
         ResponseFuture::engine(Box::pin(async move {
             let (parts, body) = request.into_parts();
@@ -124,12 +126,17 @@ where
             let mut inner = inner;
             match decision {
                 Decision::Respond(response) => Step::Done(Ok(response.map(ResponseBody::full))),
-                Decision::Forward => Step::Done(
-                    inner
-                        .call(request)
-                        .await
-                        .map(|response| response.map(|body| ResponseBody::streaming(body))),
-                ),
+                Decision::Forward => {
+                    if let Err(error) = ready(&mut inner).await {
+                        return Step::Done(Err(error));
+                    }
+                    Step::Done(
+                        inner
+                            .call(request)
+                            .await
+                            .map(|response| response.map(|body| ResponseBody::streaming(body))),
+                    )
+                }
                 // Runs in the caller's task; if the caller goes away, the
                 // `ResponseFuture` moves it to a task of its own.
                 Decision::Proceed(reservation) => {
@@ -155,6 +162,14 @@ fn original_uri<'a>(
         return uri;
     }
     uri
+}
+
+/// Waits until `service` is ready for a call.
+async fn ready<S, R>(service: &mut S) -> Result<(), S::Error>
+where
+    S: Service<R>,
+{
+    std::future::poll_fn(|cx| service.poll_ready(cx)).await
 }
 
 enum ReadError {
@@ -211,6 +226,11 @@ where
     ResB: Body<Data = Bytes> + Unpin,
 {
     let deadline = tokio::time::Instant::now() + reservation.policy().policy().execution_timeout;
+    if let Err(error) = ready(&mut inner).await {
+        // Not called: nothing ran, the key is free again.
+        reservation.release().await;
+        return Err(error);
+    }
     // What the 504 is written for (HTML or JSON), kept before the request
     // goes to the inner service.
     let mut accept = http::HeaderMap::new();
