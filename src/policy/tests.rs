@@ -301,3 +301,20 @@ fn redirect_targets_resolve_as_rfc_3986_says() {
     );
     assert_eq!(path("//shop.test/a/../contact/thanks"), "/contact/thanks");
 }
+
+/// The recipes' patterns (docs/frameworks.md): a success target matched
+/// without reaching the form's own page, and a Rails path without its
+/// member routes.
+#[test]
+fn recipe_globs_stop_at_the_segment() {
+    let posts = super::PathPattern::parse("/posts*").unwrap();
+    assert!(posts.matches("/posts"));
+    assert!(posts.matches("/posts.json"));
+    assert!(!posts.matches("/posts/create"));
+    assert!(!posts.matches("/posts/1"));
+    let prefix = super::PathPattern::parse("/posts").unwrap();
+    assert!(
+        prefix.matches("/posts/create"),
+        "a plain pattern is a prefix"
+    );
+}
