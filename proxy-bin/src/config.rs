@@ -185,6 +185,29 @@ impl ProxySettings {
     }
 }
 
+impl Resolved {
+    /// Refuses settings the proxy cannot run with: a zero `store_timeout`
+    /// fails every store call (503 everywhere), a zero `sweep_interval`
+    /// stops the sweeper for good, zero upstream or body timeouts fail
+    /// every exchange.
+    pub fn check(&self) -> Result<(), String> {
+        let durations = [
+            ("store_timeout", self.store_timeout),
+            ("sweep_interval", self.sweep_interval),
+            ("connect_timeout", self.connect_timeout),
+            ("read_timeout", self.read_timeout),
+            ("write_timeout", self.write_timeout),
+            ("body_timeout", self.body_timeout),
+        ];
+        match durations.iter().find(|(_, value)| value.is_zero()) {
+            Some((name, _)) => Err(format!(
+                "`{name}` (in [proxy] or its flag) must be longer than zero, e.g. \"5s\""
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 /// A loaded configuration file.
 #[derive(Debug, Default)]
 pub struct Config {
@@ -425,6 +448,20 @@ mod tests {
 
     fn error(text: &str) -> (Option<usize>, String) {
         Config::parse(text).expect_err("the config should be refused")
+    }
+
+    #[test]
+    fn a_zero_timeout_or_interval_is_refused_naming_it() {
+        let config =
+            Config::parse("[proxy]\nupstream = \"http://a:1\"\nsweep_interval = \"0s\"\n").unwrap();
+        let message = config.proxy.clone().resolve().check().unwrap_err();
+        assert!(message.contains("`sweep_interval`"), "{message}");
+        let config =
+            Config::parse("[proxy]\nupstream = \"http://a:1\"\nstore_timeout = \"0s\"\n").unwrap();
+        let message = config.proxy.clone().resolve().check().unwrap_err();
+        assert!(message.contains("`store_timeout`"), "{message}");
+        let config = Config::parse("[proxy]\nupstream = \"http://a:1\"\n").unwrap();
+        assert_eq!(config.proxy.clone().resolve().check(), Ok(()));
     }
 
     #[test]

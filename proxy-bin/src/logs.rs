@@ -89,11 +89,26 @@ pub fn init() {
     tracing_subscriber::fmt()
         .with_writer(|| Batched)
         .with_ansi(ansi)
-        .with_env_filter(
+        .with_env_filter(filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| DEFAULT_FILTER.into()),
-        )
+        ))
         .init();
+}
+
+/// Pingora's modules that print whole request and response heads at debug
+/// and trace (`Idempotency-Key`, `Authorization`, the operator's bearer
+/// token, `Set-Cookie`): capped at `info` whatever `RUST_LOG` asks, so no
+/// log line ever carries a key or a credential.
+const HEAD_PRINTING: [&str; 2] = ["pingora_core::protocols=info", "pingora_core::apps=info"];
+
+/// `filter` with [`HEAD_PRINTING`]'s caps (more specific than any
+/// `pingora_core` or global level, so they win).
+fn filter(mut filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
+    for cap in HEAD_PRINTING {
+        filter = filter.add_directive(cap.parse().expect("a valid directive"));
+    }
+    filter
 }
 
 /// The writer thread: every [`INTERVAL`] (or when woken), takes what has
@@ -134,4 +149,30 @@ pub fn flush() {
     pending().closing = true;
     WAKE.notify_one();
     let _ = writer.join();
+}
+
+#[cfg(test)]
+mod tests {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// Even `RUST_LOG=trace` keeps Pingora's head-printing modules at info.
+    #[test]
+    fn pingora_heads_are_never_logged_below_info() {
+        let filter = super::filter(tracing_subscriber::EnvFilter::new("trace"));
+        let subscriber = tracing_subscriber::registry().with(filter);
+        tracing::subscriber::with_default(subscriber, || {
+            let client = "pingora_core::protocols::http::v1::client";
+            assert!(
+                !tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::DEBUG),
+                "{client} at debug"
+            );
+            assert!(
+                !tracing::enabled!(target: "pingora_core::apps::http_app", tracing::Level::TRACE)
+            );
+            assert!(
+                tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::INFO)
+            );
+            assert!(tracing::enabled!(target: "idempotency_proxy", tracing::Level::TRACE));
+        });
+    }
 }

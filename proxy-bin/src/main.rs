@@ -163,6 +163,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         (None, None) => Config::builtin(),
     };
     let settings = config.proxy.clone().overridden_by(cli.settings()).resolve();
+    settings.check()?;
     let upstream_url = settings
         .upstream
         .clone()
