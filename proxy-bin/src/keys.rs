@@ -338,6 +338,29 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
             uri.path()
         )));
     }
+    // A principal in the form the route does not take names a scope no
+    // request has: the answer would be "absent" (or "purged: 0") while the
+    // record lives.
+    let route_principal = engine
+        .route_policy(&head)
+        .and_then(|policy| policy.principal.as_ref());
+    if let (Some(given), Some(route)) = (&query.principal, route_principal) {
+        match given {
+            PrincipalInput::Raw(_) if route.header.is_none() => {
+                return Err(Failure::Input(
+                    "principal: the route takes a JWT's caller; give it as {\"sub\": …, \"iss\": …}"
+                        .to_owned(),
+                ))
+            }
+            PrincipalInput::Jwt { .. } if route.jwt.is_none() => {
+                return Err(Failure::Input(
+                    "principal: the route takes its caller from a header; give the header's value as text"
+                        .to_owned(),
+                ))
+            }
+            _ => {}
+        }
+    }
     let (scope, route) = engine.scope_of(&head, query.key.as_bytes())?;
     Ok((scope, Some(route.to_string())))
 }

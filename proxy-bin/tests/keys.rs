@@ -188,6 +188,15 @@ async fn every_key_route_needs_the_token_and_answers_json() {
             json!({ "key": key, "path": "/hold-first", "principal": "a" }),
             "does not scope keys by a principal",
         ),
+        // A JWT caller on a route whose principal is a header's value
+        // names a scope no request has: refused, not "absent".
+        (
+            "POST",
+            "/keys/lookup",
+            json!({ "key": key, "path": "/api/orders", "host": "127.0.0.1",
+                    "principal": { "sub": "alice" } }),
+            "from a header",
+        ),
         (
             "POST",
             "/keys/purge",
