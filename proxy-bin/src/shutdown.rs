@@ -122,6 +122,17 @@ impl ShutdownSignalWatch for Signals {
             _ = term.recv() => {
                 tracing::info!(in_flight = self.drain.active(), "SIGTERM: draining");
                 let deadline = Instant::now() + self.timeout;
+                // SIGINT while draining cuts the drain short, as it would
+                // have before SIGTERM (the handler installed above keeps
+                // its default action from ever running).
+                self.runtime.spawn(async {
+                    if let Ok(mut int) = signal(SignalKind::interrupt()) {
+                        int.recv().await;
+                        tracing::warn!("SIGINT while draining: exiting at once");
+                        crate::logs::flush();
+                        std::process::exit(130);
+                    }
+                });
                 let signals = Signals {
                     drain: self.drain.clone(),
                     engine: self.engine.clone(),

@@ -78,6 +78,13 @@ impl Upstream {
         let authority = uri
             .authority()
             .ok_or_else(|| format!("`--upstream {url}` has no host"))?;
+        if authority.as_str().contains('@') {
+            // It would be logged at start and sent as `Host`.
+            return Err(
+                "`--upstream` must not carry credentials (user:password@): the proxy sends no upstream authentication"
+                    .into(),
+            );
+        }
         let port = authority.port_u16().unwrap_or(80);
         let address: SocketAddr = (authority.host().trim_matches(['[', ']']), port)
             .to_socket_addrs()
@@ -510,5 +517,64 @@ async fn read_head(session: &mut HttpSession) -> Result<(), Box<Error>> {
             Some(status) if status.is_informational() && status.as_u16() != 101 => continue,
             _ => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timeouts() -> Timeouts {
+        let second = Duration::from_secs(1);
+        Timeouts {
+            connect: second,
+            read: second,
+            write: second,
+            idle: second,
+        }
+    }
+
+    /// A bad `--upstream` is refused with what to change; credentials in
+    /// it (which would be logged and sent as `Host`) are refused too.
+    #[test]
+    fn a_bad_upstream_url_is_refused_saying_why() {
+        for (url, expected) in [
+            ("http://user:secret@127.0.0.1:8081", "credentials"),
+            ("https://127.0.0.1:8081", "plain http://"),
+            ("http://127.0.0.1:8081/app", "must not have a path"),
+            ("127.0.0.1:8081", "must start with http://"),
+        ] {
+            let error = Upstream::new(url, timeouts()).err().expect(url);
+            assert!(error.contains(expected), "{url}: {error}");
+            assert!(
+                !error.contains("secret"),
+                "{url}: the password is repeated: {error}"
+            );
+        }
+        assert!(Upstream::new("http://127.0.0.1:8081", timeouts()).is_ok());
+    }
+
+    /// `Keep-Alive: timeout=N` shortens how long a connection is pooled,
+    /// to a second under N; malformed values leave the pool's own.
+    #[test]
+    fn an_announced_keep_alive_timeout_shortens_the_pool_time() {
+        let pool = Duration::from_secs(60);
+        let head = |value: &str| {
+            let mut head = ResponseHeader::build(200, None).unwrap();
+            head.insert_header("keep-alive", value).unwrap();
+            head
+        };
+        assert_eq!(kept_idle(None, pool), pool);
+        assert_eq!(
+            kept_idle(Some(&head("timeout=5")), pool),
+            Duration::from_secs(4)
+        );
+        assert_eq!(
+            kept_idle(Some(&head("max=100, timeout=5")), pool),
+            Duration::from_secs(4)
+        );
+        assert_eq!(kept_idle(Some(&head("timeout=1")), pool), Duration::ZERO);
+        assert_eq!(kept_idle(Some(&head("timeout=600")), pool), pool);
+        assert_eq!(kept_idle(Some(&head("timeout=soon")), pool), pool);
     }
 }

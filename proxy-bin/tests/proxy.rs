@@ -574,6 +574,42 @@ async fn sigterm_lets_in_flight_requests_finish_and_stops_accepting() {
     );
 }
 
+/// SIGINT while SIGTERM's drain waits for a request cuts the drain short
+/// (docs/proxy.md: "SIGINT exits at once"): the handler SIGTERM installed
+/// used to swallow it, and the proxy waited for the request or
+/// `shutdown_timeout`.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigint_during_the_drain_exits_at_once() {
+    let (backend, mut proxy) = start("sigint", FORMS).await;
+    let key = uuid();
+    let request = common::spawn_post(
+        proxy.addr,
+        "/slow?ms=gate",
+        &[("idempotency-key", &key)],
+        "ship it",
+    );
+    backend.held().await;
+    proxy.terminate();
+    // The drain is under way once the listener is closed.
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(proxy.addr).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &proxy.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // Exits while the request is still held (the gate never opens here).
+    assert!(
+        !proxy.wait_exit().await,
+        "an interrupted drain is no clean exit"
+    );
+    request.abort();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn admin_serves_health_and_metrics() {
     let (_backend, proxy) = start("admin", FORMS).await;

@@ -105,10 +105,12 @@ impl Admin {
     async fn health(&self) -> Answer {
         match self.engine.health().await {
             Ok(()) => Answer::text(StatusCode::OK, "ok\n"),
-            Err(error) => Answer::text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("store unavailable: {error}\n"),
-            ),
+            // The error (a database's user or host name) goes to the log,
+            // not to an unauthenticated caller.
+            Err(error) => {
+                tracing::warn!(%error, "health check: store unavailable");
+                Answer::text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+            }
         }
     }
 
