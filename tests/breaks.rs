@@ -320,6 +320,36 @@ async fn an_authority_and_a_host_that_differ_never_share_a_scope() {
     assert_eq!(app.calls(), 2);
 }
 
+/// An app with the layer (over `routes`) inside `Router::nest("/shop-a",
+/// …)`, whose `POST /orders` counts its executions; and the count.
+fn nested_shop(routes: Routes) -> (axum::Router, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use axum::routing::post;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let shop = axum::Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let n = counted.fetch_add(1, SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("order {n}")) }
+            }),
+        )
+        .layer(tower_idempotency::IdempotencyLayer::new(engine));
+    (axum::Router::new().nest("/shop-a", shop), calls)
+}
+
+/// `POST /shop-a/orders`, with `key` when given.
+fn shop_order(key: Option<&str>) -> Request<Body> {
+    let mut request = Request::post("/shop-a/orders");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request.body(Body::empty()).unwrap()
+}
+
 /// Scenario: one engine whose routes name full paths (`/shop-a/orders`,
 /// what a user sees and what the layer scopes by behind `Router::nest`),
 /// with the layer applied inside routers nested under `/shop-a` and
@@ -332,44 +362,24 @@ async fn an_authority_and_a_host_that_differ_never_share_a_scope() {
 #[tokio::test]
 #[ignore = "known limit (README, Guarantees and their limits): behind Router::nest, routes match the nested path while scopes use the original one"]
 async fn a_required_full_path_route_is_covered_behind_nest() {
-    use axum::routing::post;
-    use axum::Router;
-    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering::SeqCst;
     use tower::ServiceExt;
-    use tower_idempotency::IdempotencyLayer;
 
     let routes = Routes::new()
         .route("/shop-a/orders", Policy::default().required(true))
         .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
-    let shop = Router::new()
-        .route(
-            "/orders",
-            post(move || {
-                let n = counted.fetch_add(1, SeqCst) + 1;
-                async move { (StatusCode::CREATED, format!("order {n}")) }
-            }),
-        )
-        .layer(IdempotencyLayer::new(engine.clone()));
-    let app = Router::new().nest("/shop-a", shop);
-    let order = |key: Option<&str>| {
-        let mut request = Request::post("/shop-a/orders");
-        if let Some(key) = key {
-            request = request.header("idempotency-key", key);
-        }
-        request.body(Body::empty()).unwrap()
-    };
-    let keyless = app.clone().oneshot(order(None)).await.unwrap();
+    let (app, calls) = nested_shop(routes);
+    let keyless = app.clone().oneshot(shop_order(None)).await.unwrap();
     assert_eq!(
         keyless.status(),
         StatusCode::BAD_REQUEST,
         "a keyless order ran on a required route"
     );
     for _ in 0..2 {
-        app.clone().oneshot(order(Some("k-nest"))).await.unwrap();
+        app.clone()
+            .oneshot(shop_order(Some("k-nest")))
+            .await
+            .unwrap();
     }
     assert!(
         calls.load(SeqCst) <= 1,
@@ -389,39 +399,16 @@ async fn a_required_full_path_route_is_covered_behind_nest() {
 /// checked. Now classifying and deciding match the same route.
 #[tokio::test]
 async fn behind_nest_the_decision_keeps_the_route_it_was_classified_under() {
-    use axum::routing::post;
-    use axum::Router;
-    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering::SeqCst;
     use tower::ServiceExt;
-    use tower_idempotency::IdempotencyLayer;
 
     let routes = Routes::new()
         .route("/orders", Policy::default().required(true))
         .unwrap()
         .route("/**", Policy::default())
         .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
-    let shop = Router::new()
-        .route(
-            "/orders",
-            post(move || {
-                let n = counted.fetch_add(1, SeqCst) + 1;
-                async move { (StatusCode::CREATED, format!("order {n}")) }
-            }),
-        )
-        .layer(IdempotencyLayer::new(engine.clone()));
-    let app = Router::new().nest("/shop-a", shop);
-    let order = |key: Option<&str>| {
-        let mut request = Request::post("/shop-a/orders");
-        if let Some(key) = key {
-            request = request.header("idempotency-key", key);
-        }
-        request.body(Body::empty()).unwrap()
-    };
-    let keyless = app.clone().oneshot(order(None)).await.unwrap();
+    let (app, calls) = nested_shop(routes);
+    let keyless = app.clone().oneshot(shop_order(None)).await.unwrap();
     assert_eq!(
         keyless.status(),
         StatusCode::BAD_REQUEST,
@@ -429,7 +416,11 @@ async fn behind_nest_the_decision_keeps_the_route_it_was_classified_under() {
     );
     assert_eq!(calls.load(SeqCst), 0);
     for _ in 0..3 {
-        let keyed = app.clone().oneshot(order(Some("k-nest"))).await.unwrap();
+        let keyed = app
+            .clone()
+            .oneshot(shop_order(Some("k-nest")))
+            .await
+            .unwrap();
         assert_eq!(keyed.status(), StatusCode::CREATED);
     }
     assert_eq!(calls.load(SeqCst), 1, "the keyed order ran more than once");

@@ -489,6 +489,31 @@ async fn a_conflict_that_never_ends_fails_closed() {
     }
 }
 
+/// A migrated store on a fresh schema whose connections carry the
+/// application name `store_{name}_{pid}` (so `pg_stat_activity` tells its
+/// sessions), at most `connections` of them, with `options` adjusted by
+/// `adjust`; and an admin connection on the schema. Returns the schema's
+/// options, the name, the store and the admin connection.
+async fn named_store(
+    name: &str,
+    connections: u32,
+    adjust: impl FnOnce(sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions,
+) -> (
+    sqlx::postgres::PgConnectOptions,
+    String,
+    PostgresStore,
+    sqlx::PgConnection,
+) {
+    use sqlx::Connection;
+    let options = fresh_schema().await;
+    let application = format!("store_{name}_{}", std::process::id());
+    let connect = adjust(options.clone().application_name(&application));
+    let store = PostgresStore::from_pool(pool(connect, connections).await);
+    store.migrate().await.unwrap();
+    let admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    (options, application, store, admin)
+}
+
 /// How many server backends run for `application`, read through `admin`.
 async fn backends(admin: &mut sqlx::PgConnection, application: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
@@ -506,12 +531,7 @@ async fn backends(admin: &mut sqlx::PgConnection, application: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_callers_share_at_most_the_pools_size_of_connections() {
     use sqlx::Connection;
-    let options = fresh_schema().await;
-    let application = format!("store_cap_{}", std::process::id());
-    let store =
-        PostgresStore::from_pool(pool(options.clone().application_name(&application), 3).await);
-    store.migrate().await.unwrap();
-    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let (options, application, store, mut admin) = named_store("cap", 3, |o| o).await;
 
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sampler = {
@@ -574,12 +594,7 @@ async fn fifty_callers_share_at_most_the_pools_size_of_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
     use sqlx::Connection;
-    let options = fresh_schema().await;
-    let application = format!("store_abandon_{}", std::process::id());
-    let store =
-        PostgresStore::from_pool(pool(options.clone().application_name(&application), 1).await);
-    store.migrate().await.unwrap();
-    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let (options, application, store, mut admin) = named_store("abandon", 1, |o| o).await;
 
     let locked = random_key();
     let owner = OwnerToken::random();
@@ -659,13 +674,7 @@ async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
 /// is not drawn again: the next call succeeds on a new session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_whose_session_ended_fails_one_call_only() {
-    use sqlx::Connection;
-    let options = fresh_schema().await;
-    let application = format!("store_fatal_{}", std::process::id());
-    let store =
-        PostgresStore::from_pool(pool(options.clone().application_name(&application), 1).await);
-    store.migrate().await.unwrap();
-    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let (_, application, store, mut admin) = named_store("fatal", 1, |o| o).await;
     for round in 0..3 {
         let key = random_key();
         let owner = OwnerToken::random();
@@ -759,20 +768,8 @@ async fn a_schema_set_by_the_pools_hook_is_the_stores_schema() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_the_server_cancelled_keeps_its_connection() {
     use sqlx::Connection;
-    let options = fresh_schema().await;
-    let application = format!("store_cancel_{}", std::process::id());
-    let store = PostgresStore::from_pool(
-        pool(
-            options
-                .clone()
-                .application_name(&application)
-                .options([("statement_timeout", "200")]),
-            1,
-        )
-        .await,
-    );
-    store.migrate().await.unwrap();
-    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    let (options, application, store, mut admin) =
+        named_store("cancel", 1, |o| o.options([("statement_timeout", "200")])).await;
     let session = || {
         sqlx::query_scalar::<_, i32>("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
             .bind(&application)

@@ -694,49 +694,80 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
     assert!(seen["headers"].get("x-dropped").is_none(), "{seen}");
 }
 
-/// A backend that reads one request (head, then a `Content-Length` body),
-/// counts it, writes `answer` as is and closes the connection: an answer
-/// framed by the close, as HTTP/1.0 servers (Python's `http.server`) and
-/// hand-written ones send. Returns its URL and the requests it answered.
-async fn closing_backend(answer: &'static [u8]) -> (String, Arc<AtomicUsize>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Reads one request from `conn` (its head, then a `Content-Length` body;
+/// bytes already in `buf` first) and drops it from `buf`; `false` when the
+/// connection ended first.
+async fn read_request(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut chunk = [0u8; 4096];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map_or(0, |value| value.trim().parse().unwrap_or(0));
+    while buf.len() < end + length {
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    buf.drain(..end + length);
+    true
+}
+
+/// A raw backend: every connection is served by `serve` (given the
+/// connection), and each accepted connection is counted. Returns its URL
+/// and the count.
+async fn raw_backend<F, Fut>(serve: F) -> (String, Arc<AtomicUsize>)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counter = calls.clone();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = accepted.clone();
     tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            let counter = counter.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                let end = loop {
-                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break i + 4;
-                    }
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                };
-                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|line| line.strip_prefix("content-length:"))
-                    .map_or(0, |value| value.trim().parse().unwrap_or(0));
-                while buf.len() < end + length {
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                counter.fetch_add(1, Ordering::SeqCst);
-                let _ = conn.write_all(answer).await;
-                let _ = conn.shutdown().await;
-            });
+        while let Ok((conn, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve(conn));
         }
     });
-    (url, calls)
+    (url, accepted)
+}
+
+/// A backend that reads one request, writes `answer` as is and closes the
+/// connection: an answer framed by the close, as HTTP/1.0 servers
+/// (Python's `http.server`) and hand-written ones send. Returns its URL
+/// and the requests it answered (one per connection).
+async fn closing_backend(answer: &'static [u8]) -> (String, Arc<AtomicUsize>) {
+    raw_backend(move |mut conn| async move {
+        use tokio::io::AsyncWriteExt;
+        if read_request(&mut conn, &mut Vec::new()).await {
+            let _ = conn.write_all(answer).await;
+            let _ = conn.shutdown().await;
+        }
+    })
+    .await
+}
+
+/// The proxy in front of `upstream` with one route, `POST /orders`, its
+/// key optional.
+async fn orders_proxy(upstream: String, name: &str) -> Proxy {
+    let dir = temp_dir(name);
+    let config = "[[route]]\npath = \"/orders\"\nmethods = [\"POST\"]\n";
+    Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir)
 }
 
 /// Scenario: an HTTP/1.0 backend (Python's `http.server`, which README
@@ -754,15 +785,7 @@ async fn an_http_1_0_answer_framed_by_its_close_reaches_the_client_whole() {
         b"HTTP/1.0 201 Created\r\nContent-Type: application/json\r\n\r\n{\"id\":1}",
     )
     .await;
-    let dir = temp_dir("breaks-http10");
-    let config = r#"
-[[route]]
-path = "/orders"
-methods = ["POST"]
-"#;
-    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
-        .await
-        .owning(dir);
+    let proxy = orders_proxy(upstream, "breaks-http10").await;
     let headers = [
         ("idempotency-key", "order-http10"),
         ("content-type", "application/json"),
@@ -792,15 +815,7 @@ async fn a_body_under_a_transfer_coding_is_never_replayed_without_it() {
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nConnection: close\r\n\r\n\x1f\x8b\x08\x00coded",
     )
     .await;
-    let dir = temp_dir("breaks-te-gzip");
-    let config = r#"
-[[route]]
-path = "/orders"
-methods = ["POST"]
-"#;
-    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
-        .await
-        .owning(dir);
+    let proxy = orders_proxy(upstream, "breaks-te-gzip").await;
     let headers = [
         ("idempotency-key", "order-gzip"),
         ("content-type", "application/json"),
@@ -840,57 +855,19 @@ methods = ["POST"]
 /// `timeout=2`, so a request 1.5 s later goes out on a new connection.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_connection_is_not_reused_past_the_idle_time_the_upstream_announces() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream = format!("http://{}", listener.local_addr().unwrap());
-    let connections = Arc::new(AtomicUsize::new(0));
-    let accepted = connections.clone();
-    tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            accepted.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    let end = loop {
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        match conn.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                    let length: usize = head
-                        .lines()
-                        .find_map(|line| line.strip_prefix("content-length:"))
-                        .map_or(0, |value| value.trim().parse().unwrap_or(0));
-                    while buf.len() < end + length {
-                        match conn.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    buf.drain(..end + length);
-                    let answer = b"HTTP/1.1 201 Created\r\nConnection: keep-alive\r\n\
-                        Keep-Alive: timeout=2\r\nContent-Length: 2\r\n\r\nok";
-                    if conn.write_all(answer).await.is_err() {
-                        return;
-                    }
-                }
-            });
+    let (upstream, connections) = raw_backend(|mut conn| async move {
+        use tokio::io::AsyncWriteExt;
+        let mut buf = Vec::new();
+        while read_request(&mut conn, &mut buf).await {
+            let answer = b"HTTP/1.1 201 Created\r\nConnection: keep-alive\r\n\
+                Keep-Alive: timeout=2\r\nContent-Length: 2\r\n\r\nok";
+            if conn.write_all(answer).await.is_err() {
+                return;
+            }
         }
-    });
-    let dir = temp_dir("breaks-keep-alive");
-    let config = r#"
-[[route]]
-path = "/orders"
-methods = ["POST"]
-"#;
-    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
-        .await
-        .owning(dir);
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-keep-alive").await;
     let order = |key: &'static str| {
         let proxy = &proxy;
         async move {
