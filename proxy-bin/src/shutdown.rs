@@ -115,46 +115,72 @@ impl Signals {
 
 #[async_trait]
 impl ShutdownSignalWatch for Signals {
+    /// SIGTERM (and SIGQUIT, which process managers also send to stop) is
+    /// a graceful stop, SIGINT a fast one; SIGHUP is ignored (its default
+    /// action would kill the proxy without a drain, and there is nothing to
+    /// reload).
     async fn recv(&self) -> ShutdownSignal {
         let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        let mut quit = signal(SignalKind::quit()).expect("SIGQUIT handler");
         let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-        tokio::select! {
-            _ = term.recv() => {
-                tracing::info!(in_flight = self.drain.active(), "SIGTERM: draining");
-                let deadline = Instant::now() + self.timeout;
-                // SIGINT while draining cuts the drain short, as it would
-                // have before SIGTERM (the handler installed above keeps
-                // its default action from ever running).
-                self.runtime.spawn(async {
-                    if let Ok(mut int) = signal(SignalKind::interrupt()) {
-                        int.recv().await;
-                        tracing::warn!("SIGINT while draining: exiting at once");
-                        crate::logs::flush();
-                        std::process::exit(130);
-                    }
-                });
-                let signals = Signals {
-                    drain: self.drain.clone(),
-                    engine: self.engine.clone(),
-                    outbox: self.outbox.clone(),
-                    runtime: self.runtime.clone(),
-                    timeout: self.timeout,
-                };
-                std::thread::spawn(move || {
-                    // Let Pingora stop its listeners first.
-                    std::thread::sleep(Duration::from_millis(100));
-                    let (requests, background) = signals.drain_until(deadline);
-                    if requests + background == 0 {
-                        tracing::info!("drained; exiting");
-                    } else {
-                        tracing::error!(requests, background, "shutdown_timeout passed; exiting with work abandoned");
-                    }
-                    crate::logs::flush();
-                    std::process::exit(0);
-                });
-                ShutdownSignal::GracefulTerminate
+        let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
+        loop {
+            tokio::select! {
+                _ = term.recv() => return self.drain("SIGTERM"),
+                _ = quit.recv() => return self.drain("SIGQUIT"),
+                _ = int.recv() => return ShutdownSignal::FastShutdown,
+                _ = hup.recv() => {
+                    tracing::info!("SIGHUP ignored: the proxy reloads nothing; SIGTERM drains and stops it");
+                }
             }
-            _ = int.recv() => ShutdownSignal::FastShutdown,
         }
+    }
+}
+
+impl Signals {
+    /// Starts the graceful stop `name` asked for: a thread that waits for
+    /// the work in flight (see [`Signals::drain_until`]) and exits, with
+    /// status 0 when nothing was abandoned and 1 otherwise; SIGINT during
+    /// it exits at once (130).
+    fn drain(&self, name: &str) -> ShutdownSignal {
+        tracing::info!(in_flight = self.drain.active(), "{name}: draining");
+        let deadline = Instant::now() + self.timeout;
+        // SIGINT while draining cuts the drain short, as it would have
+        // before (the handler installed above keeps its default action
+        // from ever running).
+        self.runtime.spawn(async {
+            if let Ok(mut int) = signal(SignalKind::interrupt()) {
+                int.recv().await;
+                tracing::warn!("SIGINT while draining: exiting at once");
+                crate::logs::flush();
+                std::process::exit(130);
+            }
+        });
+        let signals = Signals {
+            drain: self.drain.clone(),
+            engine: self.engine.clone(),
+            outbox: self.outbox.clone(),
+            runtime: self.runtime.clone(),
+            timeout: self.timeout,
+        };
+        std::thread::spawn(move || {
+            // Let Pingora stop its listeners first.
+            std::thread::sleep(Duration::from_millis(100));
+            let (requests, background) = signals.drain_until(deadline);
+            let status = if requests + background == 0 {
+                tracing::info!("drained; exiting");
+                0
+            } else {
+                tracing::error!(
+                    requests,
+                    background,
+                    "shutdown_timeout passed; exiting with work abandoned"
+                );
+                1
+            };
+            crate::logs::flush();
+            std::process::exit(status);
+        });
+        ShutdownSignal::GracefulTerminate
     }
 }

@@ -610,6 +610,47 @@ async fn sigint_during_the_drain_exits_at_once() {
     request.abort();
 }
 
+/// SIGHUP (a closed terminal, a process manager's "reload") is ignored:
+/// its default action killed the proxy without a drain, leaving keys in
+/// flight until their leases ran out. SIGQUIT drains like SIGTERM.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_is_ignored_and_sigquit_drains() {
+    let (backend, mut proxy) = start("sighup", FORMS).await;
+    let send = |signal: &str| {
+        let status = std::process::Command::new("kill")
+            .args([signal, &proxy.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    send("-HUP");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let key = uuid();
+    let reply = proxy
+        .send(
+            "POST",
+            "/slow?ms=1",
+            &[("idempotency-key", &key)],
+            "still here",
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.text());
+    // SIGQUIT: the request in flight finishes, then a clean exit.
+    let request = common::spawn_post(
+        proxy.addr,
+        "/slow?ms=gate",
+        &[("idempotency-key", &uuid())],
+        "ship it",
+    );
+    backend.held().await;
+    send("-QUIT");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    backend.open_gate();
+    let reply = request.await.unwrap();
+    assert_eq!((reply.status, reply.replayed()), (201, false));
+    assert!(proxy.wait_exit().await, "a clean exit after SIGQUIT");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn admin_serves_health_and_metrics() {
     let (_backend, proxy) = start("admin", FORMS).await;

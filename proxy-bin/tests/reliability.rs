@@ -976,7 +976,10 @@ async fn sigterm_logs_an_answer_it_could_not_store_in_time() {
     let reply = first.await.expect("an answer");
     assert_eq!(reply.status, 201, "{}", reply.text());
     proxy.terminate();
-    proxy.wait_exit().await;
+    assert!(
+        !proxy.wait_exit().await,
+        "work was abandoned: the exit status says so"
+    );
     let text = std::fs::read_to_string(&log).unwrap();
     let abandoned: Vec<&str> = text
         .lines()
