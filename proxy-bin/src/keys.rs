@@ -362,6 +362,18 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
         }
     }
     let (scope, route) = engine.scope_of(&head, query.key.as_bytes())?;
+    // Without the host, a host-scoped route's scope is one no request over
+    // HTTP/1.1 has: "absent" would be the answer for a record that lives.
+    let host_scoped = engine
+        .route_policy(&head)
+        .is_some_and(|policy| policy.scope_authority);
+    if host_scoped && query.host.is_none() {
+        return Err(Failure::Input(format!(
+            "host: the route covering {} {} scopes keys by host; give the host the client addressed (such as shop.example)",
+            method,
+            uri.path()
+        )));
+    }
     Ok((scope, Some(route.to_string())))
 }
 

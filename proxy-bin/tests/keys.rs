@@ -188,6 +188,13 @@ async fn every_key_route_needs_the_token_and_answers_json() {
             json!({ "key": key, "path": "/hold-first", "principal": "a" }),
             "does not scope keys by a principal",
         ),
+        // Without the host on a host-scoped route: a scope no request has.
+        (
+            "POST",
+            "/keys/lookup",
+            json!({ "key": key, "path": "/api/orders", "principal": "alice" }),
+            "host: the route",
+        ),
         // A JWT caller on a route whose principal is a header's value
         // names a scope no request has: refused, not "absent".
         (
