@@ -1270,3 +1270,36 @@ async fn a_slow_upload_does_not_hold_the_inner_services_readiness() {
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     upload.abort();
 }
+
+/// A caller that keeps one instance of the layered service (tower's
+/// `ready().await?.call(…)` on the same value, a `Buffer` worker) under a
+/// concurrency limit of one: the instance it polled ready must not keep
+/// the permit the request's own clone then waits for.
+#[tokio::test]
+async fn a_caller_keeping_one_service_instance_is_served_under_a_limit_of_one() {
+    use tower::limit::ConcurrencyLimitLayer;
+    use tower::Service;
+    let (engine, _store) = memory_engine(Policy::default());
+    let mut service = tower::ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(engine))
+        .layer(ConcurrencyLimitLayer::new(1))
+        .service(tower::service_fn(|_request: Request<_>| async {
+            Ok::<_, Infallible>(reply(StatusCode::CREATED, "done"))
+        }));
+    for key in ["first", "second", "third"] {
+        let request = Request::post("/orders")
+            .header("idempotency-key", key)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from("{}"))
+            .unwrap();
+        let ready = tokio::time::timeout(Duration::from_secs(5), service.ready())
+            .await
+            .expect("the service never got ready again")
+            .unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(5), ready.call(request))
+            .await
+            .expect("the request waits for a permit its own service holds")
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::CREATED);
+    }
+}

@@ -367,7 +367,7 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
     let host_scoped = engine
         .route_policy(&head)
         .is_some_and(|policy| policy.scope_authority);
-    if host_scoped && query.host.is_none() {
+    if host_scoped && !headers.contains_key(http::header::HOST) {
         return Err(Failure::Input(format!(
             "host: the route covering {} {} scopes keys by host; give the host the client addressed (such as shop.example)",
             method,

@@ -86,29 +86,39 @@ pub fn init() {
         .spawn(write_batches)
         .expect("the log writer thread starts");
     *WRITER.lock().unwrap_or_else(|e| e.into_inner()) = Some(writer);
-    tracing_subscriber::fmt()
+    use tracing_subscriber::layer::{Layer as _, SubscriberExt};
+    use tracing_subscriber::util::SubscriberInitExt;
+    let lines = tracing_subscriber::fmt::layer()
         .with_writer(|| Batched)
         .with_ansi(ansi)
-        .with_env_filter(filter(
+        .with_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| DEFAULT_FILTER.into()),
-        ))
+        );
+    tracing_subscriber::registry()
+        .with(caps())
+        .with(lines)
         .init();
 }
 
 /// Pingora's modules that print whole request and response heads at debug
 /// and trace (`Idempotency-Key`, `Authorization`, the operator's bearer
-/// token, `Set-Cookie`): capped at `info` whatever `RUST_LOG` asks, so no
-/// log line ever carries a key or a credential.
-const HEAD_PRINTING: [&str; 2] = ["pingora_core::protocols=info", "pingora_core::apps=info"];
+/// token, `Set-Cookie`).
+const HEAD_PRINTING: [&str; 3] = [
+    "pingora_core::protocols",
+    "pingora_core::apps",
+    "pingora_proxy",
+];
 
-/// `filter` with [`HEAD_PRINTING`]'s caps (more specific than any
-/// `pingora_core` or global level, so they win).
-fn filter(mut filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
-    for cap in HEAD_PRINTING {
-        filter = filter.add_directive(cap.parse().expect("a valid directive"));
-    }
-    filter
+/// A filter of its own beside `RUST_LOG`'s, so no directive there (however
+/// specific) loosens it: [`HEAD_PRINTING`] at `info` at most, so no log line
+/// ever carries a key or a credential; everything else as `RUST_LOG` says.
+fn caps() -> tracing_subscriber::filter::Targets {
+    HEAD_PRINTING.into_iter().fold(
+        tracing_subscriber::filter::Targets::new()
+            .with_default(tracing_subscriber::filter::LevelFilter::TRACE),
+        |caps, target| caps.with_target(target, tracing_subscriber::filter::LevelFilter::INFO),
+    )
 }
 
 /// The writer thread: every [`INTERVAL`] (or when woken), takes what has
@@ -155,23 +165,39 @@ pub fn flush() {
 mod tests {
     use tracing_subscriber::layer::SubscriberExt;
 
-    /// Even `RUST_LOG=trace` keeps Pingora's head-printing modules at info.
+    /// Even `RUST_LOG=trace`, or a directive naming the module itself,
+    /// keeps Pingora's head-printing modules at info.
     #[test]
     fn pingora_heads_are_never_logged_below_info() {
-        let filter = super::filter(tracing_subscriber::EnvFilter::new("trace"));
-        let subscriber = tracing_subscriber::registry().with(filter);
+        for directives in [
+            "trace",
+            "pingora_core::protocols::http=trace,pingora_proxy=trace",
+        ] {
+            let subscriber = tracing_subscriber::registry()
+                .with(super::caps())
+                .with(tracing_subscriber::EnvFilter::new(directives));
+            tracing::subscriber::with_default(subscriber, || {
+                assert!(
+                    !tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::DEBUG),
+                    "{directives}"
+                );
+                assert!(
+                    !tracing::enabled!(target: "pingora_core::apps::http_app", tracing::Level::TRACE),
+                    "{directives}"
+                );
+                assert!(
+                    !tracing::enabled!(target: "pingora_proxy::proxy_h1", tracing::Level::DEBUG),
+                    "{directives}"
+                );
+                assert!(
+                    tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::INFO)
+                );
+            });
+        }
+        let subscriber = tracing_subscriber::registry()
+            .with(super::caps())
+            .with(tracing_subscriber::EnvFilter::new("trace"));
         tracing::subscriber::with_default(subscriber, || {
-            let client = "pingora_core::protocols::http::v1::client";
-            assert!(
-                !tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::DEBUG),
-                "{client} at debug"
-            );
-            assert!(
-                !tracing::enabled!(target: "pingora_core::apps::http_app", tracing::Level::TRACE)
-            );
-            assert!(
-                tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::INFO)
-            );
             assert!(tracing::enabled!(target: "idempotency_proxy", tracing::Level::TRACE));
         });
     }

@@ -57,6 +57,19 @@ pub struct ExchangeError {
 impl Upstream {
     /// Parses `url` (`http://host:port`, no path) and resolves its host once.
     pub fn new(url: &str, timeouts: Timeouts) -> Result<Self, String> {
+        // Credentials are refused before any message repeats the URL: it
+        // would be logged at start and sent as `Host`.
+        let before_path = url.split_once("://").map_or(url, |(_, rest)| rest);
+        let authority_part = before_path
+            .split(['/', '?', '#'])
+            .next()
+            .unwrap_or_default();
+        if authority_part.contains('@') {
+            return Err(
+                "`--upstream` must not carry credentials (user:password@): the proxy sends no upstream authentication"
+                    .into(),
+            );
+        }
         let uri: Uri = url
             .parse()
             .map_err(|e| format!("`--upstream {url}` is not a URL: {e}"))?;
@@ -78,13 +91,6 @@ impl Upstream {
         let authority = uri
             .authority()
             .ok_or_else(|| format!("`--upstream {url}` has no host"))?;
-        if authority.as_str().contains('@') {
-            // It would be logged at start and sent as `Host`.
-            return Err(
-                "`--upstream` must not carry credentials (user:password@): the proxy sends no upstream authentication"
-                    .into(),
-            );
-        }
         let port = authority.port_u16().unwrap_or(80);
         let address: SocketAddr = (authority.host().trim_matches(['[', ']']), port)
             .to_socket_addrs()
@@ -540,6 +546,7 @@ mod tests {
     fn a_bad_upstream_url_is_refused_saying_why() {
         for (url, expected) in [
             ("http://user:secret@127.0.0.1:8081", "credentials"),
+            ("http://user:secret@127.0.0.1:8081/app", "credentials"),
             ("https://127.0.0.1:8081", "plain http://"),
             ("http://127.0.0.1:8081/app", "must not have a path"),
             ("127.0.0.1:8081", "must start with http://"),

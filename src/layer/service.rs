@@ -85,11 +85,14 @@ where
                 self.inner.call(request.map(RequestBody::streaming)),
             );
         };
-        // A clone, made ready only when it is called: the service polled
-        // ready stays here, so what its readiness holds (a concurrency
-        // limit's permit, a buffer's slot) is not held while the body is
-        // read and the engine decides, nor by a replay that never calls it.
+        // A clone, made ready only when it is called: the instance polled
+        // ready is dropped here (a fresh clone takes its place), so what its
+        // readiness holds (a concurrency limit's permit, a buffer's slot) is
+        // not held while the body is read and the engine decides, nor by a
+        // replay that never calls it, nor by a caller that keeps this
+        // service and would otherwise pin it.
         let inner = self.inner.clone();
+        drop(std::mem::replace(&mut self.inner, inner.clone()));
         let engine = self.engine.clone();
         ResponseFuture::engine(Box::pin(async move {
             let (parts, body) = request.into_parts();
@@ -140,7 +143,21 @@ where
                 // Runs in the caller's task; if the caller goes away, the
                 // `ResponseFuture` moves it to a task of its own.
                 Decision::Proceed(reservation) => {
-                    Step::Execute(Box::pin(execute(inner, request, reservation)))
+                    // Ready within the execution's time, or nothing runs:
+                    // the key is free again, and the caller gets 504.
+                    let timeout = reservation.policy().policy().execution_timeout;
+                    match tokio::time::timeout(timeout, ready(&mut inner)).await {
+                        Ok(Ok(())) => Step::Execute(Box::pin(execute(inner, request, reservation))),
+                        Ok(Err(error)) => {
+                            reservation.release().await;
+                            Step::Done(Err(error))
+                        }
+                        Err(_) => {
+                            reservation.release().await;
+                            let response = engine.upstream_failed(true, request.headers());
+                            Step::Done(Ok(response.map(ResponseBody::full)))
+                        }
+                    }
                 }
             }
         }))
@@ -226,11 +243,6 @@ where
     ResB: Body<Data = Bytes> + Unpin,
 {
     let deadline = tokio::time::Instant::now() + reservation.policy().policy().execution_timeout;
-    if let Err(error) = ready(&mut inner).await {
-        // Not called: nothing ran, the key is free again.
-        reservation.release().await;
-        return Err(error);
-    }
     // What the 504 is written for (HTML or JSON), kept before the request
     // goes to the inner service.
     let mut accept = http::HeaderMap::new();
