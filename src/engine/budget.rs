@@ -37,9 +37,9 @@ impl Engine {
     /// Takes room for a covered request's body before it is read: its
     /// `Content-Length` (the HTTP framing bounds the body to it; ignored
     /// beside a `Transfer-Encoding` or when repeated), or, for a body of
-    /// unknown length, the route's `max_body_bytes` (a declared
-    /// length over that is counted at that limit; the body is refused with
-    /// 413 anyway). When the bytes already held by other requests leave no
+    /// unknown length, [`Covered::max_body_bytes`] (the route's limit, at
+    /// most the whole budget; a declared length over it is counted at it,
+    /// and the body is refused with 413 anyway). When the bytes already held by other requests leave no
     /// room, the answer is 503 `overloaded` with `Retry-After`: send it
     /// without reading the body; nothing is reserved. The total held never
     /// exceeds `max_buffered_bytes`.

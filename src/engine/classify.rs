@@ -62,6 +62,8 @@ pub struct Covered {
     /// When the engine classified the request: its decision's log line
     /// counts its duration from here.
     arrived: std::time::Instant,
+    /// The engine's whole buffer budget (`max_buffered_bytes`).
+    budget: u64,
 }
 
 impl Covered {
@@ -76,9 +78,14 @@ impl Covered {
     }
 
     /// The request body limit in bytes: a larger body is answered with
-    /// [`Engine::body_too_large`].
+    /// [`Engine::body_too_large`]. The route's `max_body_bytes`, or the
+    /// engine's whole buffer budget (`max_buffered_bytes`) when that is
+    /// smaller: a body larger than the budget could never be buffered, and
+    /// is refused for good (413) rather than as overload (503, which
+    /// invites retries that cannot succeed).
     pub fn max_body_bytes(&self) -> usize {
-        self.policy.max_body_bytes()
+        let budget = usize::try_from(self.budget).unwrap_or(usize::MAX);
+        self.policy.max_body_bytes().min(budget)
     }
 
     /// When the engine classified the request (its head had arrived).
@@ -133,6 +140,7 @@ impl Engine {
             label: self.inner.labels.get(policy),
             policy: policy.clone(),
             arrived: std::time::Instant::now(),
+            budget: self.inner.config.max_buffered_bytes,
         })
     }
 }

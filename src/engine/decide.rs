@@ -422,8 +422,14 @@ impl Engine {
             )));
         }
         waiting.waited = true;
-        // Wake at the latest when the lease could be taken over.
-        let max = (waiting.deadline - now).min(lease_remaining + Duration::from_millis(1));
+        // Wake at the latest when the lease could be taken over, but not
+        // sooner than a backoff step: a lease that ran out under a record
+        // this request cannot take over (another fingerprint, waiting under
+        // `mismatch = "replay"`) would otherwise be polled every millisecond.
+        let max = (waiting.deadline - now).min(
+            (lease_remaining + Duration::from_millis(1))
+                .max(crate::store::backoff(waiting.attempt)),
+        );
         if let Err(error) = self.inner.store.wait(key, max, waiting.attempt).await {
             return Err(self.store_failed(policy, head, &error));
         }

@@ -26,7 +26,10 @@
 //! request's renewal on that runtime, and a duplicate would take a live
 //! lease over. On a multi-thread runtime, the renewer's task is also
 //! spawned from a thread of its own, so it starts in the runtime's shared
-//! queue, where any worker picks it up. Timer wake-ups happen on a worker
+//! queue, where any worker picks it up. What no task can escape: a
+//! current-thread runtime whose one thread a handler blocks, or a
+//! multi-thread one with every worker blocked, stops the renewer too
+//! (README's limit). Timer wake-ups happen on a worker
 //! between tasks, and renewal tasks it spawns end right after.
 
 use std::collections::HashMap;
