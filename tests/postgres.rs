@@ -514,6 +514,26 @@ async fn named_store(
     (options, application, store, admin)
 }
 
+/// `key`'s row locked (`SELECT … FOR UPDATE`) by a transaction on a
+/// connection of its own, until the transaction ends.
+async fn locked_row(
+    options: &sqlx::postgres::PgConnectOptions,
+    key: &tower_idempotency::store::ScopeKey,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.clone())
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
+        .bind(key.as_bytes().as_slice())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
 /// How many server backends run for `application`, read through `admin`.
 async fn backends(admin: &mut sqlx::PgConnection, application: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
@@ -593,7 +613,6 @@ async fn fifty_callers_share_at_most_the_pools_size_of_connections() {
 /// every later call correctly, and the abandoned one is closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
-    use sqlx::Connection;
     let (options, application, store, mut admin) = named_store("abandon", 1, |o| o).await;
 
     let locked = random_key();
@@ -602,13 +621,7 @@ async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
         .reserve(&locked, &fingerprint(1), &owner, LONG, LONG)
         .await;
     assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
-    let mut other = sqlx::PgConnection::connect_with(&options).await.unwrap();
-    let mut tx = other.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
-        .bind(locked.as_bytes().as_slice())
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = locked_row(&options, &locked).await;
     let completing = {
         let store = store.clone();
         tokio::spawn(async move { store.complete(&locked, &owner, &outcome(), LONG).await })
@@ -665,7 +678,6 @@ async fn a_statement_abandoned_halfway_leaves_the_next_ones_correct() {
         ));
     }
     assert!(backends(&mut admin, &application).await <= 1);
-    other.close().await.unwrap();
     store.close().await;
 }
 
@@ -767,7 +779,6 @@ async fn a_schema_set_by_the_pools_hook_is_the_stores_schema() {
 /// would deepen an overload).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_the_server_cancelled_keeps_its_connection() {
-    use sqlx::Connection;
     let (options, application, store, mut admin) =
         named_store("cancel", 1, |o| o.options([("statement_timeout", "200")])).await;
     let session = || {
@@ -782,13 +793,7 @@ async fn a_statement_the_server_cancelled_keeps_its_connection() {
     assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
     let before = session().fetch_one(&mut admin).await.unwrap();
 
-    let mut other = sqlx::PgConnection::connect_with(&options).await.unwrap();
-    let mut tx = other.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE")
-        .bind(key.as_bytes().as_slice())
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = locked_row(&options, &key).await;
     let cancelled = store.complete(&key, &owner, &outcome(), LONG).await;
     assert!(cancelled.is_err(), "the lock outlasted statement_timeout");
     tx.rollback().await.unwrap();
@@ -802,6 +807,5 @@ async fn a_statement_the_server_cancelled_keeps_its_connection() {
         before, after,
         "the cancelled statement's session was closed"
     );
-    other.close().await.unwrap();
     store.close().await;
 }

@@ -328,9 +328,8 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
     };
     // The proxy's principal is only ever the route's own: one given for a
     // route without a principal would name a scope no request has.
-    let unscoped = engine
-        .route_policy(&head)
-        .is_some_and(|policy| policy.principal.is_none());
+    let route_policy = engine.route_policy(&head);
+    let unscoped = route_policy.is_some_and(|policy| policy.principal.is_none());
     if principal.is_some() && unscoped {
         return Err(Failure::Input(format!(
             "principal: the route covering {} {} does not scope keys by a principal; leave it out",
@@ -341,9 +340,7 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
     // A principal in the form the route does not take names a scope no
     // request has: the answer would be "absent" (or "purged: 0") while the
     // record lives.
-    let route_principal = engine
-        .route_policy(&head)
-        .and_then(|policy| policy.principal.as_ref());
+    let route_principal = route_policy.and_then(|policy| policy.principal.as_ref());
     if let (Some(given), Some(route)) = (&query.principal, route_principal) {
         match given {
             PrincipalInput::Raw(_) if route.header.is_none() => {
@@ -364,9 +361,7 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
     let (scope, route) = engine.scope_of(&head, query.key.as_bytes())?;
     // Without the host, a host-scoped route's scope is one no request over
     // HTTP/1.1 has: "absent" would be the answer for a record that lives.
-    let host_scoped = engine
-        .route_policy(&head)
-        .is_some_and(|policy| policy.scope_authority);
+    let host_scoped = route_policy.is_some_and(|policy| policy.scope_authority);
     if host_scoped && !headers.contains_key(http::header::HOST) {
         return Err(Failure::Input(format!(
             "host: the route covering {} {} scopes keys by host; give the host the client addressed (such as shop.example)",

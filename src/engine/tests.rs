@@ -386,17 +386,20 @@ fn faulty() -> (Arc<FaultyStore<MemoryStore>>, Faults) {
     (Arc::new(store), faults)
 }
 
+/// An engine over [`faulty`]'s store with `policy` on every route; its
+/// faults, and the route covering `POST /orders`.
+fn faulty_engine(policy: Policy) -> (Engine, Faults, Covered) {
+    let (store, faults) = faulty();
+    let engine = Engine::with_config(store, Routes::all(policy).unwrap(), EngineConfig::default());
+    let covered = covered(&engine, "/orders");
+    (engine, faults, covered)
+}
+
 /// A waiter polls (this store has no wake-ups) with reads only: it
 /// tried to reserve once, on arrival, and replays the first answer.
 #[tokio::test(start_paused = true)]
 async fn a_waiter_polls_with_reads_not_reservations() {
-    let (store, faults) = faulty();
-    let engine = Engine::with_config(
-        store.clone(),
-        Routes::all(Policy::default()).unwrap(),
-        EngineConfig::default(),
-    );
-    let policy = covered(&engine, "/orders");
+    let (engine, faults, policy) = faulty_engine(Policy::default());
     let first = proceed(begin(&engine, &policy, "k").await);
     let waiter = tokio::spawn({
         let (engine, policy) = (engine.clone(), policy.clone());
@@ -422,19 +425,12 @@ async fn a_waiter_polls_with_reads_not_reservations() {
 /// renewals in a row do not let a live request's lease run out.
 #[tokio::test(start_paused = true)]
 async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
-    let (store, faults) = faulty();
-    faults.set_next(Op::Renew, Fault::Down, 3);
-    let policy = Policy {
+    let (engine, faults, policy) = faulty_engine(Policy {
         lease: Duration::from_millis(300),
         in_flight: InFlightPolicy::Reject,
         ..Policy::default()
-    };
-    let engine = Engine::with_config(
-        store.clone(),
-        Routes::all(policy).unwrap(),
-        EngineConfig::default(),
-    );
-    let policy = covered(&engine, "/orders");
+    });
+    faults.set_next(Op::Renew, Fault::Down, 3);
     let held = proceed(begin(&engine, &policy, "k").await);
     // A duplicate every 10 ms for 2 s: none may take the key over.
     for _ in 0..200 {
@@ -876,19 +872,12 @@ async fn a_response_the_store_keeps_refusing_still_keeps_the_key_executed() {
 /// `reserve` each time, for the whole `wait_timeout`).
 #[tokio::test(start_paused = true)]
 async fn a_waiter_that_cannot_take_over_polls_at_the_backoff() {
-    let (store, faults) = faulty();
-    let policy = Policy {
+    let (engine, faults, policy) = faulty_engine(Policy {
         lease: Duration::from_millis(300),
         wait_timeout: Duration::from_secs(2),
         mismatch: crate::policy::MismatchPolicy::Replay,
         ..Policy::default()
-    };
-    let engine = Engine::with_config(
-        store.clone(),
-        Routes::all(policy).unwrap(),
-        EngineConfig::default(),
-    );
-    let policy = covered(&engine, "/orders");
+    });
     let held = proceed(begin(&engine, &policy, "k").await);
     // The owner's heartbeat cannot reach the store from now on.
     faults.set(Op::Renew, Fault::Down);
