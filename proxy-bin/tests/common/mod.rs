@@ -172,7 +172,10 @@ async fn handle(State(state): State<Arc<BackendState>>, request: Request) -> Res
         let query = parts.uri.query().unwrap_or("");
         if query.contains("ms=gate") || (path == "/hold-first" && n == 1) {
             let opened = state.gate.notified();
-            state.arrived.notify_waiters();
+            // A permit, not a wake-up of waiters only: a request that
+            // arrives before the test awaits `held()` (a loaded machine) is
+            // not missed.
+            state.arrived.notify_one();
             opened.await;
         } else if let Some(ms) = query.strip_prefix("ms=").and_then(|v| v.parse().ok()) {
             tokio::time::sleep(Duration::from_millis(ms)).await;
