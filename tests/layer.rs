@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
+use futures::StreamExt;
 use http::{header, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
@@ -767,6 +768,42 @@ async fn a_panicking_inner_service_leaves_no_key_stuck() {
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(retry.text(), "order 2");
     assert_eq!(upstream.calls(), 2);
+}
+
+/// A response body that panics after its head (a lazy serializer, a stream
+/// that unwraps): the inner service has acted, so the key is not released.
+/// A duplicate already waiting and later retries get 409
+/// `response-incomplete`, never a second execution.
+#[tokio::test]
+async fn a_response_body_that_panics_midway_is_not_executed_again() {
+    let (engine, _store) = memory_engine(Policy::default());
+    let upstream = layered(&engine, |n, _| async move {
+        // Only the first execution's body panics.
+        let tail = (n > 1).then(String::new);
+        let chunks = futures::stream::iter([Some(format!("order {n}")), tail]).map(|chunk| {
+            Ok::<_, std::io::Error>(Bytes::from(chunk.expect("the serializer panics")))
+        });
+        reply(StatusCode::CREATED, Body::from_stream(chunks))
+    });
+    // Two at once: one executes (and panics), the other waits for it.
+    let both = [
+        tokio::spawn(upstream.send(order("k", "{}"))),
+        tokio::spawn(upstream.send(order("k", "{}"))),
+    ];
+    let mut panicked = 0;
+    for call in both {
+        match promptly(call).await {
+            Err(error) => {
+                assert!(error.is_panic());
+                panicked += 1;
+            }
+            Ok(waiting) => waiting.assert_problem(StatusCode::CONFLICT, "response-incomplete"),
+        }
+    }
+    assert_eq!(panicked, 1);
+    let retry = upstream.send(order("k", "{}")).await;
+    retry.assert_problem(StatusCode::CONFLICT, "response-incomplete");
+    assert_eq!(upstream.calls(), 1, "the inner service ran once");
 }
 
 /// A duplicate waiting for a first request whose answer is not stored (a

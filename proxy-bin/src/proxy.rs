@@ -189,6 +189,12 @@ impl ProxyHttp for IdempotencyProxy {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         let request = session.req_header();
+        if let Some(reason) = refused_target(request) {
+            // Not forwarded, and the body is not read.
+            session.set_keepalive(None);
+            write_response(session, bad_request(reason)).await?;
+            return Ok(true);
+        }
         let Coverage::Covered(covered) = self.engine.classify(&request_head(request)) else {
             // Not covered, or unprotected anyway: sent directly when it
             // is a plain HTTP/1.1 request with a small body, otherwise
@@ -312,6 +318,46 @@ impl ProxyHttp for IdempotencyProxy {
             }
         }
     }
+}
+
+/// Why the proxy refuses `request`'s target, if it does: every request is
+/// matched, scoped and fingerprinted by the path the upstream will read,
+/// so a target whose path the proxy reads otherwise is never forwarded.
+/// Pingora reads a target that is neither a path nor an `http(s)` URL
+/// (`x:/orders`) as `/` and forwards it as it came, where Rack, Django
+/// and Go read `/orders`; a target that is not UTF-8 it reads with its
+/// bytes replaced (so `/a/\xff` and `/a/\xfe` would share a scope); and an
+/// absolute-form target without `Host` names a host the scope never sees.
+fn refused_target(request: &RequestHeader) -> Option<&'static str> {
+    if !request.raw_path_is_utf8() {
+        return Some("The request target is not UTF-8: percent-encode it.");
+    }
+    let target = request.raw_path();
+    let absolute = [&b"http://"[..], b"https://"].iter().any(|scheme| {
+        target
+            .get(..scheme.len())
+            .is_some_and(|start| start.eq_ignore_ascii_case(scheme))
+    });
+    if target.first() == Some(&b'/') || target == b"*" {
+        None
+    } else if !absolute {
+        Some("The request target must be a path (/...) or an http(s) URL.")
+    } else if !request.headers.contains_key(header::HOST) {
+        Some("A request whose target is a URL must carry a Host header too.")
+    } else {
+        None
+    }
+}
+
+/// A plain 400 saying `reason`.
+fn bad_request(reason: &'static str) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::from_static(reason.as_bytes()));
+    *response.status_mut() = http::StatusCode::BAD_REQUEST;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
 }
 
 /// What the engine sees of a request. The proxy knows no principal of its

@@ -390,7 +390,10 @@ impl Upstream {
                 .map_err(|error| (false, error))?;
             // A HEAD may carry a body (its head says how long): it is
             // written too, or the upstream would read the next request as
-            // its rest; and the connection is not reused after it.
+            // its rest. The connection is never reused after a HEAD: an
+            // answer is read as bodiless whatever the upstream sends after
+            // its head, and bytes it sends late would be read as the next
+            // request's answer.
             let written = match body.is_empty() {
                 true => Ok(None),
                 false => session.write_body(body).await,
@@ -399,7 +402,7 @@ impl Upstream {
             return match read_head(&mut session).await {
                 Ok(()) => Ok(Sent {
                     session,
-                    reusable: finished.is_ok() && body.is_empty(),
+                    reusable: false,
                 }),
                 Err(error) => Err((true, finished.err().unwrap_or(error))),
             };
@@ -438,9 +441,9 @@ impl Upstream {
         match result {
             Ok(()) => read_head(&mut session)
                 .await
-                .map(|()| Sent {
-                    session,
-                    reusable: true,
+                .map(|()| {
+                    let reusable = framed_cleanly(&session, !body.is_empty());
+                    Sent { session, reusable }
                 })
                 .map_err(|error| (true, error)),
             Err(error) if !sent => Err((false, error)),
@@ -516,6 +519,36 @@ async fn write_request(
 
 /// Reads the response head, skipping interim responses (100 Continue, 103
 /// Early Hints; 101 cannot happen without an Upgrade header).
+/// Whether the answer just read leaves the connection at a clean request
+/// boundary once its body is read, so the next request's answer cannot
+/// begin with bytes of this one. Not when a bodiless status (1xx, 204,
+/// 304) declares a body anyway (a `Content-Length` other than 0, except on
+/// a 304, where it describes the representation; or `Transfer-Encoding`):
+/// it is read as bodiless, and the body the upstream may still send would
+/// be read as the next answer. Not after an
+/// error status to a request with a body: an upstream that refused early
+/// (401, 413) may not have read the body, and would read it as the next
+/// request.
+fn framed_cleanly(session: &HttpSession, had_body: bool) -> bool {
+    let Some(head) = session.resp_header() else {
+        return false;
+    };
+    let status = head.status;
+    if had_body && (status.is_client_error() || status.is_server_error()) {
+        return false;
+    }
+    let bodiless = status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED;
+    let declares_body = head.headers.contains_key(header::TRANSFER_ENCODING)
+        || (status != http::StatusCode::NOT_MODIFIED
+            && head
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .is_some_and(|length| length.as_bytes() != b"0"));
+    !(bodiless && declares_body)
+}
+
 async fn read_head(session: &mut HttpSession) -> Result<(), Box<Error>> {
     loop {
         session.read_response().await?;

@@ -899,3 +899,214 @@ async fn a_connection_is_not_reused_past_the_idle_time_the_upstream_announces() 
         "a connection past the announced idle time (less a second) was reused"
     );
 }
+
+/// Scenario: an upstream answers `GET /status` with a `204` that declares
+/// a body (`Content-Length: 49`, a framework bug or a hostile app) and
+/// sends those 49 bytes only later — here when the connection carries its
+/// next request. A 204 is read as bodiless, so the proxy pooled the
+/// connection, and the next client's covered `POST /orders` written on it
+/// read the late bytes (a whole `201 LEAKED` answer) as its own: the order
+/// got someone else's bytes, stored and replayed under its key, and its
+/// real answer was never read. Impact ("never leaks one"): a desynchronised
+/// pool. Fix: a connection is not pooled after an answer whose framing
+/// leaves bytes in doubt (a bodiless status declaring a body, a HEAD, an
+/// error answer to a request with a body).
+#[tokio::test(flavor = "multi_thread")]
+async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
+    use tokio::io::AsyncWriteExt;
+    let connections = Arc::new(AtomicUsize::new(0));
+    let (upstream, _) = raw_backend(move |mut conn| {
+        let first_connection = connections.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            let mut buf = Vec::new();
+            let mut answered = 0;
+            while read_request(&mut conn, &mut buf).await {
+                let answer: &[u8] = if first_connection && answered == 0 {
+                    b"HTTP/1.1 204 No Content\r\nContent-Length: 49\r\n\r\n"
+                } else if first_connection && answered == 1 {
+                    // The 49 bytes the 204 declared, then the answer.
+                    b"HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nLEAKED\
+                      HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
+                } else {
+                    b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
+                };
+                answered += 1;
+                if conn.write_all(answer).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-late-bytes").await;
+    let status = proxy.send("GET", "/status", &[], "").await;
+    assert_eq!(status.status, 204);
+    let order = proxy
+        .send(
+            "POST",
+            "/orders",
+            &[
+                ("idempotency-key", "order-after-204"),
+                ("content-type", "application/json"),
+            ],
+            "{}",
+        )
+        .await;
+    assert_eq!(
+        (order.status, order.text().as_str()),
+        (201, "order-done"),
+        "the order read another answer's late bytes"
+    );
+}
+
+/// Scenario: an upstream refuses `POST /admin` (401) as soon as it has
+/// read the head, without reading the body, and keeps the connection open
+/// (Python's `http.server` does, for a handler that never reads the body).
+/// A client's body there is another request: `GET /smuggled …`. The proxy
+/// had written the whole body, so it pooled the connection; the upstream
+/// then read the body as a request of its own, and its answer reached the
+/// next client on that connection. Impact ("never leaks one", request
+/// smuggling past the proxy's rules): one client chooses what the next one
+/// reads. Fix: a connection is not pooled after an error answer to a
+/// request with a body.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_an_upstream_refused_unread_never_answers_the_next_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (upstream, _) = raw_backend(|mut conn| async move {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                match conn.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+                continue;
+            };
+            let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+            let answer: &[u8] = if head.starts_with("POST /admin ") {
+                // Refused unread: only the head is consumed.
+                buf.drain(..end + 4);
+                b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 6\r\n\r\ndenied"
+            } else {
+                let mut rest = buf.split_off(end + 4);
+                buf.clear();
+                let length: usize = head
+                    .to_ascii_lowercase()
+                    .lines()
+                    .find_map(|line| line.strip_prefix("content-length:"))
+                    .map_or(0, |value| value.trim().parse().unwrap_or(0));
+                while rest.len() < length {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => rest.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                buf.extend_from_slice(&rest[length..]);
+                if head.starts_with("GET /smuggled ") {
+                    // A slow handler: it answers once the next request
+                    // is on the connection.
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nSMUGGLED!"
+                } else {
+                    b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
+                }
+            };
+            if conn.write_all(answer).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-refused-unread").await;
+    let smuggled = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
+    let refused = proxy.send("POST", "/admin", &[], smuggled).await;
+    assert_eq!(refused.status, 401);
+    for n in 0..3 {
+        let key = format!("order-after-401-{n}");
+        let order = proxy
+            .send(
+                "POST",
+                "/orders",
+                &[
+                    ("idempotency-key", key.as_str()),
+                    ("content-type", "application/json"),
+                ],
+                "{}",
+            )
+            .await;
+        assert_eq!(
+            (order.status, order.text().as_str()),
+            (201, "order-done"),
+            "the order got the answer to a request smuggled in a body"
+        );
+    }
+}
+
+/// Writes `request` to the proxy at `addr` and reads until it closes.
+async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(request).await.unwrap();
+    let mut received = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        conn.read_to_end(&mut received),
+    )
+    .await;
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+/// Scenario: request targets the proxy read differently from the
+/// backend. Pingora reads `POST x:/orders` (neither a path nor an
+/// `http(s)` URL) as `/` and forwards it as it came; Rack (Puma), Django
+/// (gunicorn) and Go read `/orders`, so the required route was skipped and
+/// every keyless retry ran. A target that is not UTF-8 was read with its
+/// bytes replaced, so `/orders/\xff` and `/orders/\xfe` shared one scope
+/// and fingerprint (a replay of another account's order). An absolute-form
+/// target without `Host` named a tenant the scope never saw. Impact ("at
+/// most one execution", "never leaks one"). Fix: such targets get 400 and
+/// are never forwarded.
+#[tokio::test(flavor = "multi_thread")]
+async fn request_targets_the_proxy_cannot_read_as_the_backend_does_are_refused() {
+    let (upstream, accepted) =
+        closing_backend(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok").await;
+    let dir = temp_dir("breaks-targets");
+    let config = "[[route]]\npath = \"/orders\"\nmethods = [\"POST\"]\nrequired = true\n";
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    for target in [
+        &b"x:/orders"[..],
+        b"orders",
+        b"/orders/\xff",
+        b"http://shop.example/orders",
+    ] {
+        let host: &[u8] = match target.starts_with(b"http:") {
+            true => b"",
+            false => b"Host: shop.example\r\n",
+        };
+        let request = [
+            &b"POST "[..],
+            target,
+            b" HTTP/1.1\r\n",
+            host,
+            b"Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+        ]
+        .concat();
+        let answer = raw_exchange(proxy.addr, &request).await;
+        let shown = String::from_utf8_lossy(target);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{shown}: {answer}");
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 0, "nothing was forwarded");
+    // The forms a backend reads as the proxy does still pass.
+    let answer = raw_exchange(
+        proxy.addr,
+        b"GET http://shop.example/status HTTP/1.1\r\nHost: shop.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+}

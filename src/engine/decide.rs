@@ -54,8 +54,13 @@ enum KeyRead {
 
 /// What [`Engine::claim`] found: the key is ours now, or its record.
 enum Claimed {
-    /// Reserved under `owner` (taking an expired lease over: `takeover`).
-    Acquired { owner: OwnerToken, takeover: bool },
+    /// Reserved under `owner` (taking an expired lease over: `takeover`)
+    /// by a call sent at `sent`: the lease runs from no earlier than that.
+    Acquired {
+        owner: OwnerToken,
+        takeover: bool,
+        sent: Instant,
+    },
     /// Another request's record.
     Existing(Record),
 }
@@ -208,7 +213,11 @@ impl Engine {
             let claimed = self.claim(policy, head, &key, &fingerprint, waiting.waited);
             let record = match claimed.await {
                 Err(error) => return self.store_failed(policy, head, &error),
-                Ok(Claimed::Acquired { owner, takeover }) => {
+                Ok(Claimed::Acquired {
+                    owner,
+                    takeover,
+                    sent,
+                }) => {
                     self.inner.metrics.record(Event::Executed);
                     tracing::debug!(takeover, "idempotency key reserved");
                     return Decision::Proceed(Reservation::new(
@@ -216,6 +225,7 @@ impl Engine {
                         policy.clone(),
                         key,
                         owner,
+                        sent,
                         head.uri.path(),
                     ));
                 }
@@ -277,11 +287,18 @@ impl Engine {
         let principal = head
             .principal
             .map(|principal| principal_hash(&self.inner.hasher, principal));
+        // The store starts the lease when it runs the call, which may be
+        // well before its answer arrives: renewals are timed from here.
+        let sent = Instant::now();
         let (owner, claim) = self
             .reserve(*key, *fingerprint, principal, settings.lease, settings.ttl)
             .await?;
         Ok(match claim {
-            Claim::Acquired { takeover } => Claimed::Acquired { owner, takeover },
+            Claim::Acquired { takeover } => Claimed::Acquired {
+                owner,
+                takeover,
+                sent,
+            },
             Claim::Existing(record) => Claimed::Existing(record),
         })
     }

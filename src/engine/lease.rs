@@ -98,7 +98,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Leases {
-    /// Keeps `key`'s lease alive (renewed every third of `lease`) until
+    /// Keeps `key`'s lease alive (renewed every third of `lease`, the
+    /// first time a third after `taken`: when the reservation was sent,
+    /// since the store's lease may have started that early) until
     /// [`Lease::forget`] or until the store says the lease was lost. Must
     /// be called from inside the Tokio runtime that drives the request.
     pub(super) fn hold(
@@ -107,6 +109,7 @@ impl Leases {
         key: ScopeKey,
         owner: OwnerToken,
         lease: Duration,
+        taken: Instant,
     ) -> Lease {
         let runtime = Handle::current().id();
         let renewer = {
@@ -134,7 +137,7 @@ impl Leases {
                 }
             }
         };
-        let id = renewer.hold(engine, key, owner, lease);
+        let id = renewer.hold(engine, key, owner, lease, taken);
         Lease { renewer, id }
     }
 
@@ -186,9 +189,10 @@ impl Renewer {
         key: ScopeKey,
         owner: OwnerToken,
         lease: Duration,
+        taken: Instant,
     ) -> u64 {
         let now = Instant::now();
-        let renew_at = now + lease / 3;
+        let renew_at = taken.min(now) + lease / 3;
         let mut state = lock(&self.state);
         let id = state.next_id;
         state.next_id += 1;

@@ -41,13 +41,15 @@ impl Reservation {
         policy: Arc<RoutePolicy>,
         key: ScopeKey,
         owner: OwnerToken,
+        sent: Instant,
         request_path: &str,
     ) -> Self {
         engine.inner.metrics.in_flight_add(1);
-        let lease = engine
-            .inner
-            .leases
-            .hold(&engine.inner, key, owner, policy.policy().lease);
+        let lease =
+            engine
+                .inner
+                .leases
+                .hold(&engine.inner, key, owner, policy.policy().lease, sent);
         // Kept only where a relative `Location` may need it.
         let request_path = (!policy.success_redirects.is_empty()).then(|| request_path.into());
         Reservation {

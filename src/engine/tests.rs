@@ -445,6 +445,35 @@ async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
     held.release().await;
 }
 
+/// The store starts a lease when it runs the reservation, which may be
+/// well before its answer arrives (a slow commit, a lock wait): renewals
+/// are timed from when the call was sent, so a slow answer does not let
+/// the lease run out under a live owner.
+#[tokio::test(start_paused = true)]
+async fn a_slow_reservation_answer_does_not_let_its_lease_run_out() {
+    let (engine, faults, policy) = faulty_engine(Policy {
+        lease: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    // Committed at once, answered 250 ms later: the lease has 50 ms left.
+    faults.set_next(
+        Op::Reserve,
+        Fault::CommitThenStall(Duration::from_millis(250)),
+        1,
+    );
+    let held = proceed(begin(&engine, &policy, "k").await);
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            problem_type(begin(&engine, &policy, "k").await).1,
+            "urn:tower-idempotency:in-flight",
+            "the lease was renewed, not taken over"
+        );
+    }
+    held.release().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
     let (store, faults) = faulty();

@@ -28,6 +28,10 @@ pub mod principal;
 use principal::PrincipalSource;
 pub use principal::{JwtPolicy, PrincipalPolicy};
 
+/// The longest duration a policy may name (100 years): every duration is
+/// added to a clock somewhere, and `Duration::MAX` would overflow it.
+const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// One mebibyte, the default request and response size cap.
 pub const MIB: usize = 1024 * 1024;
 
@@ -340,6 +344,17 @@ impl Policy {
         }
         if self.ttl < self.lease {
             return Err(invalid("ttl", "must be at least as long as the lease"));
+        }
+        // Added to clocks (the stores' expiries, a waiter's deadline): a
+        // "forever" such as `Duration::MAX` would overflow them.
+        for (field, duration) in [
+            ("ttl", self.ttl),
+            ("wait_timeout", self.wait_timeout),
+            ("execution_timeout", self.execution_timeout),
+        ] {
+            if duration > MAX_DURATION {
+                return Err(invalid(field, "must be at most 100 years"));
+            }
         }
         let mismatch_status = match self.mismatch_status {
             409 => StatusCode::CONFLICT,

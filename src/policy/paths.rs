@@ -127,6 +127,35 @@ fn has_escape_2x(path: &str, digit: u8) -> bool {
         .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&digit))
 }
 
+/// `path` with its percent-escapes decoded, but for `%2F` and `%2E` (read
+/// by readings of their own) and `%25` (decoding it would make new
+/// escapes), when it holds such an escape and the result is UTF-8.
+/// Laravel, Django and Go route by the decoded path: `/v1/orders%3Acancel`
+/// is `/v1/orders:cancel` to them, `/best%C3%A4tigen` is `/bestätigen`.
+pub(super) fn decode_escapes(path: &str) -> Option<String> {
+    let bytes = path.as_bytes();
+    let hex = |b: u8| (b as char).to_digit(16);
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut changed = false;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                let byte = (hi * 16 + lo) as u8;
+                if !matches!(byte, b'/' | b'.' | b'%') {
+                    decoded.push(byte);
+                    changed = true;
+                    i += 3;
+                    continue;
+                }
+            }
+        }
+        decoded.push(bytes[i]);
+        i += 1;
+    }
+    changed.then(|| String::from_utf8(decoded).ok()).flatten()
+}
+
 /// `path` with every `%2F` read as `/`.
 pub(super) fn decode_slashes(path: &str) -> String {
     path.replace("%2F", "/").replace("%2f", "/")

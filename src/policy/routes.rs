@@ -6,8 +6,8 @@ use std::sync::Arc;
 use http::Method;
 
 use super::paths::{
-    decode_slashes, has_encoded_dot, has_encoded_slash, normalize, strip_format_suffix,
-    strip_segment_parameters,
+    decode_escapes, decode_slashes, has_encoded_dot, has_encoded_slash, normalize,
+    strip_format_suffix, strip_segment_parameters,
 };
 use super::{invalid, Policy, PolicyError, RoutePolicy};
 
@@ -271,7 +271,8 @@ impl Routes {
     /// backends differ on it (some decode `%2e` and then remove dot
     /// segments, others take it as text): it is covered when either reading
     /// is, so neither kind of backend can be reached around a route. The
-    /// first reading (dots decoded) wins when both are covered.
+    /// first reading (dots decoded) wins when both are covered (but see
+    /// below for `required`).
     ///
     /// Likewise, a path with segment parameters (`/api/pay;x=1`, which
     /// servlet containers route as `/api/pay`) is also read without them,
@@ -279,35 +280,45 @@ impl Routes {
     /// read as `/`, and an encoded slash (`/api%2Fpay`, which WSGI and ASGI
     /// servers hand to Django decoded, and Laravel matches decoded) is also
     /// read as `/`. A last segment with a format suffix (`/contacts.json`,
-    /// which Rails routes as `/contacts`) is also read without it.
+    /// which Rails routes as `/contacts`) is also read without it. A path
+    /// with other escapes (`/v1/orders%3Acancel`, `/best%C3%A4tigen`) is
+    /// also read decoded, as Laravel, Django and Go route it.
+    ///
+    /// Of the readings, the first whose route is `required` decides, else
+    /// the first covered: a broader optional route (a catch-all `/`) that
+    /// matches one reading never hides the `required` route another
+    /// reading reaches, whichever reading the backend takes.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        let found = self.find_spelled(method, path);
-        if found.is_some() {
-            return found;
-        }
+        let mut found = self.find_spelled(method, path);
         if path.contains(';') {
-            let found = self.find_spelled(method, &strip_segment_parameters(path));
-            if found.is_some() {
-                return found;
-            }
+            found = prefer(found, || {
+                self.find_spelled(method, &strip_segment_parameters(path))
+            });
+        }
+        if path.contains('%') {
+            found = prefer(found, || {
+                decode_escapes(path).and_then(|decoded| self.find_spelled(method, &decoded))
+            });
         }
         if self.case_insensitive && path.contains('\\') {
-            return self.find(method, &path.replace('\\', "/"));
+            found = prefer(found, || self.find(method, &path.replace('\\', "/")));
         }
         if has_encoded_slash(path) {
-            return self.find(method, &decode_slashes(path));
+            found = prefer(found, || self.find(method, &decode_slashes(path)));
         }
-        None
+        found
     }
 
-    /// [`Routes::find`] for one spelling: dots decoded, else kept; each
+    /// [`Routes::find`] for one spelling: dots decoded, and kept; each
     /// also without a format suffix.
     fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         let decoded = self.decide_formatted(method, &normalize(path, self.case_insensitive, true));
-        if decoded.is_some() || !has_encoded_dot(path) {
+        if !has_encoded_dot(path) {
             return decoded;
         }
-        self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
+        prefer(decoded, || {
+            self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
+        })
     }
 
     /// [`Routes::decide`] for normalised `path`, and when no route matches
@@ -318,7 +329,7 @@ impl Routes {
     fn decide_formatted(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         let stripped = || self.decide(method, strip_format_suffix(path)?).covered();
         match self.decide(method, path) {
-            Decision::Covered(policy) => Some(policy),
+            Decision::Covered(policy) => prefer(Some(policy), stripped),
             // A route leaving the suffixed path alone but also matching it
             // without the suffix (`/v1` beside `/v1/charges`) is broader
             // than the route that matches first without it.
@@ -355,6 +366,21 @@ impl Routes {
     /// `_method`) and be covered as.
     pub fn methods(&self) -> &[Method] {
         &self.methods
+    }
+}
+
+/// Of two readings' routes, `found` unless it is not `required` and
+/// `other` (asked only then) is; else whichever is covered, `found` first.
+fn prefer<'a>(
+    found: Option<&'a Arc<RoutePolicy>>,
+    other: impl FnOnce() -> Option<&'a Arc<RoutePolicy>>,
+) -> Option<&'a Arc<RoutePolicy>> {
+    if found.is_some_and(|policy| policy.policy().required) {
+        return found;
+    }
+    match other() {
+        Some(other) if other.policy().required => Some(other),
+        other => found.or(other),
     }
 }
 

@@ -318,3 +318,101 @@ fn recipe_globs_stop_at_the_segment() {
         "a plain pattern is a prefix"
     );
 }
+
+/// A broader optional route (a catch-all `/` with a header key) matching
+/// one reading of a path never hides the `required` route another reading
+/// reaches: Rails runs `/orders.json` as `/orders`, Tomcat `/api/pay;x=1`
+/// as `/api/pay`, Django `/api%2Fpay` as `/api/pay`, so a keyless request
+/// spelled that way must still be refused, not passed through.
+#[test]
+fn a_required_route_wins_over_a_broader_optional_one_in_every_reading() {
+    let routes = Routes::new()
+        .route("/orders", Policy::default().required(true))
+        .unwrap()
+        .route("/api/pay", Policy::default().required(true))
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    for path in [
+        "/orders",
+        "/orders.json",
+        "/api/pay;x=1",
+        "/api%2Fpay",
+        "/api%2fpay.json",
+        "/api/pay/%2e%2e/pay",
+    ] {
+        let found = routes.find(&Method::POST, path).expect(path);
+        assert!(found.policy().required, "{path} escaped its required route");
+    }
+    // Paths no required route reaches keep the catch-all.
+    for path in ["/other", "/orders-archive", "/other.json"] {
+        let found = routes.find(&Method::POST, path).expect(path);
+        assert!(!found.policy().required, "{path}");
+    }
+}
+
+/// Escapes other than unreserved characters (`%3A`, UTF-8 bytes) are
+/// read decoded too, as Laravel, Django and Go route them: a required
+/// route written `/v1/orders:cancel` or `/bestellung/bestätigen` covers
+/// the spellings real clients send.
+#[test]
+fn escaped_reserved_and_non_ascii_characters_reach_their_route() {
+    let routes = Routes::new()
+        .route("/v1/orders:cancel", Policy::default().required(true))
+        .unwrap()
+        .route("/bestellung/bestätigen", Policy::default().required(true))
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    for path in [
+        "/v1/orders%3Acancel",
+        "/v1/orders%3acancel",
+        "/bestellung/best%C3%A4tigen",
+        "/bestellung/bestätigen",
+    ] {
+        let found = routes.find(&Method::POST, path).expect(path);
+        assert!(found.policy().required, "{path} escaped its required route");
+    }
+    // An escape that decodes to bytes that are not UTF-8 is no reading.
+    let found = routes
+        .find(&Method::POST, "/bestellung/best%E4tigen")
+        .unwrap();
+    assert!(!found.policy().required);
+}
+
+/// A "forever" (`Duration::MAX`) would overflow the clocks each duration
+/// is added to (the Redis cache's expiry panicked after the inner store
+/// had committed): it is refused at start, naming its field.
+#[test]
+fn durations_that_would_overflow_a_clock_are_refused() {
+    for (field, policy) in [
+        (
+            "ttl",
+            Policy {
+                ttl: Duration::MAX,
+                ..Policy::default()
+            },
+        ),
+        (
+            "wait_timeout",
+            Policy {
+                wait_timeout: Duration::MAX,
+                ..Policy::default()
+            },
+        ),
+        (
+            "execution_timeout",
+            Policy {
+                execution_timeout: Duration::MAX,
+                ..Policy::default()
+            },
+        ),
+    ] {
+        assert_eq!(policy.validate().unwrap_err().field, field);
+    }
+    let long = Policy {
+        ttl: Duration::from_secs(10 * 365 * 24 * 3600),
+        ..Policy::default()
+    };
+    assert!(long.validate().is_ok(), "ten years is fine");
+}
