@@ -98,7 +98,7 @@ impl Signals {
         // too. The engine logs each key it abandons.
         let left = deadline.saturating_duration_since(Instant::now());
         let report = self.runtime.block_on(self.engine.drain(left));
-        let mut abandoned = report.abandoned.len();
+        let mut abandoned = report.abandoned.len() + report.held;
         if let Some(workers) = workers {
             let left = deadline.saturating_duration_since(Instant::now());
             let stopped = self

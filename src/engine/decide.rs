@@ -342,7 +342,7 @@ impl Engine {
         // Until the call is answered, dropping this future (the caller went
         // away) hands the call to the guard, which releases what it wrote.
         let mut pending = Unanswered {
-            store: self.inner.store.clone(),
+            engine: self.clone(),
             key,
             owner,
             lease,
@@ -368,10 +368,13 @@ impl Engine {
             }
             Err(error) => error,
         };
-        // Released at once, and again when an abandoned call ends.
+        // Released at once, and again when an abandoned call ends; a
+        // graceful shutdown waits for both (`Engine::drain`).
         let store = self.inner.store.clone();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let task = self.background_task(key, "releasing a lost reservation");
             runtime.spawn(async move {
+                let _task = task;
                 let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
             });
         }
@@ -491,7 +494,7 @@ type PendingCall = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send
 /// is free for the retry instead of in flight for a whole lease, and no one
 /// else's record is touched.
 struct Unanswered {
-    store: Arc<dyn Store>,
+    engine: Engine,
     key: ScopeKey,
     owner: OwnerToken,
     lease: Duration,
@@ -508,9 +511,13 @@ impl Drop for Unanswered {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (store, key, owner) = (self.store.clone(), self.key, self.owner);
+        let (store, key, owner) = (self.engine.inner.store.clone(), self.key, self.owner);
         let (lease, limit) = (self.lease, self.limit);
+        let task = self
+            .engine
+            .background_task(key, "releasing a reservation without a caller");
         runtime.spawn(async move {
+            let _task = task;
             let _ = tokio::time::timeout(lease, call).await;
             let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
             tracing::debug!(key = %key.short(), "idempotency reservation without a caller released");

@@ -648,6 +648,37 @@ async fn fail_open_releases_the_lost_reservation_before_the_retry() {
     ));
 }
 
+/// A shutdown right after a reservation was lost (its call answered
+/// late, or its caller went away) waits for the release of what the store
+/// wrote: otherwise the process exits with the record in flight, and every
+/// retry meets 409 `in-flight` for a whole lease.
+#[tokio::test(start_paused = true)]
+async fn drain_waits_for_the_release_of_a_lost_reservation() {
+    for caller_leaves in [false, true] {
+        let (store, faults) = faulty();
+        let (engine, policy) = over(store.clone(), FailMode::Closed);
+        // Written at once, answered after `store_timeout` (5 s).
+        faults.set_next(
+            Op::Reserve,
+            Fault::CommitThenStall(Duration::from_secs(6)),
+            1,
+        );
+        if caller_leaves {
+            let begun =
+                tokio::time::timeout(Duration::from_millis(10), begin(&engine, &policy, "k"));
+            assert!(begun.await.is_err(), "the caller gave up first");
+        } else {
+            let (status, _) = problem_type(begin(&engine, &policy, "k").await);
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        }
+        assert!(!store.inner().is_empty(), "written, not released yet");
+        let report = engine.drain(Duration::from_secs(30)).await;
+        assert!(report.is_complete(), "{report:?}");
+        assert!(report.waited_for >= 1, "{report:?}");
+        assert!(store.inner().is_empty(), "released before the drain ended");
+    }
+}
+
 /// An engine over a fault injector with a long lease (so a failed
 /// completion is retried for a long time), and a reservation of key `k`.
 async fn reserved_over_faulty() -> (Engine, Faults, Covered, Reservation) {
