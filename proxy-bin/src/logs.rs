@@ -86,19 +86,32 @@ pub fn init() {
         .spawn(write_batches)
         .expect("the log writer thread starts");
     *WRITER.lock().unwrap_or_else(|e| e.into_inner()) = Some(writer);
-    use tracing_subscriber::layer::{Layer as _, SubscriberExt};
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| DEFAULT_FILTER.into());
     use tracing_subscriber::util::SubscriberInitExt;
+    subscriber(filter, || Batched, ansi).init();
+}
+
+/// Lines written by `writer`, filtered by `filter` (`RUST_LOG`'s
+/// directives) and the [`caps`] together, as one filter of the one layer:
+/// a layer without a filter of its own (the caps used to be one) makes the
+/// registry build every span any layer could want, so every request paid
+/// for `info` spans at `RUST_LOG=warn`.
+fn subscriber<W>(
+    filter: tracing_subscriber::EnvFilter,
+    writer: W,
+    ansi: bool,
+) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use tracing_subscriber::filter::FilterExt;
+    use tracing_subscriber::layer::{Layer as _, SubscriberExt};
     let lines = tracing_subscriber::fmt::layer()
-        .with_writer(|| Batched)
+        .with_writer(writer)
         .with_ansi(ansi)
-        .with_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| DEFAULT_FILTER.into()),
-        );
-    tracing_subscriber::registry()
-        .with(caps())
-        .with(lines)
-        .init();
+        .with_filter(filter.and(caps()));
+    tracing_subscriber::registry().with(lines)
 }
 
 /// Pingora's modules that print whole request and response heads at debug
@@ -163,7 +176,12 @@ pub fn flush() {
 
 #[cfg(test)]
 mod tests {
-    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::EnvFilter;
+
+    /// The proxy's own subscriber over `directives`, writing nowhere.
+    fn subscriber(directives: &str) -> impl tracing::Subscriber + Send + Sync {
+        super::subscriber(EnvFilter::new(directives), std::io::sink, false)
+    }
 
     /// Even `RUST_LOG=trace`, or a directive naming the module itself,
     /// keeps Pingora's head-printing modules at info.
@@ -173,10 +191,7 @@ mod tests {
             "trace",
             "pingora_core::protocols::http=trace,pingora_proxy=trace",
         ] {
-            let subscriber = tracing_subscriber::registry()
-                .with(super::caps())
-                .with(tracing_subscriber::EnvFilter::new(directives));
-            tracing::subscriber::with_default(subscriber, || {
+            tracing::subscriber::with_default(subscriber(directives), || {
                 assert!(
                     !tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::DEBUG),
                     "{directives}"
@@ -194,11 +209,23 @@ mod tests {
                 );
             });
         }
-        let subscriber = tracing_subscriber::registry()
-            .with(super::caps())
-            .with(tracing_subscriber::EnvFilter::new("trace"));
-        tracing::subscriber::with_default(subscriber, || {
+        tracing::subscriber::with_default(subscriber("trace"), || {
             assert!(tracing::enabled!(target: "idempotency_proxy", tracing::Level::TRACE));
+        });
+    }
+
+    /// At a quiet level, the spans each request opens (`info`) are not
+    /// built at all: a disabled span costs nothing to enter, an enabled
+    /// one a registry slot and a stack push on every poll.
+    #[test]
+    fn spans_below_the_level_are_disabled() {
+        tracing::subscriber::with_default(subscriber("warn"), || {
+            assert!(tracing::info_span!("request").is_disabled());
+            assert!(tracing::info_span!(target: "tower_idempotency", "idempotency").is_disabled());
+            assert!(!tracing::warn_span!("kept").is_disabled());
+        });
+        tracing::subscriber::with_default(subscriber("info"), || {
+            assert!(!tracing::info_span!("request").is_disabled());
         });
     }
 }

@@ -23,7 +23,7 @@ use crate::metrics::Event;
 use crate::policy::{FailMode, InFlightPolicy, KeySource, MismatchPolicy, RoutePolicy};
 use crate::problem::{Problem, ProblemKind};
 use crate::store::{
-    Claim, Fingerprint, Outcome, OwnerToken, PrincipalHash, Record, RecordState, ScopeKey, Store,
+    Claim, Fingerprint, Outcome, OwnerToken, PrincipalHash, Record, RecordState, ScopeKey,
     StoreError,
 };
 

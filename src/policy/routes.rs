@@ -125,7 +125,72 @@ pub(super) fn glob_tokens(pattern: &[u8]) -> Vec<GlobToken> {
 /// token, so a match costs O(path × pattern) steps whatever the input: no
 /// backtracking, however many `*` and `**` the pattern has.
 pub(super) fn glob_match(pattern: &[u8], path: &[u8]) -> bool {
-    glob_match_counting(pattern, path, &mut 0)
+    // The bytes before the first `*` must open the path: most paths a
+    // route table sees are told apart there, without the automaton.
+    let literal = pattern
+        .iter()
+        .position(|&b| b == b'*')
+        .unwrap_or(pattern.len());
+    if !path.starts_with(&pattern[..literal]) {
+        return false;
+    }
+    match glob_match_small(pattern, path) {
+        Some(matched) => matched,
+        None => glob_match_counting(pattern, path, &mut 0),
+    }
+}
+
+/// [`glob_match_counting`]'s automaton without allocating, for a pattern
+/// of fewer than 64 tokens: its positions are the bits of one word, and
+/// each byte visits only the positions set. `None` for a longer pattern.
+fn glob_match_small(pattern: &[u8], path: &[u8]) -> Option<bool> {
+    let mut tokens = [GlobToken::AnyStar; 63];
+    let mut m = 0;
+    let mut i = 0;
+    while i < pattern.len() {
+        let token = match pattern[i] {
+            b'*' if pattern.get(i + 1) == Some(&b'*') => {
+                i += 1;
+                GlobToken::AnyStar
+            }
+            b'*' => GlobToken::Star,
+            byte => GlobToken::Byte(byte),
+        };
+        *tokens.get_mut(m)? = token;
+        m += 1;
+        i += 1;
+    }
+    let tokens = &tokens[..m];
+    // Past any `*` or `**` without reading (they may match nothing); in
+    // order, so a run of stars closes in one pass.
+    let close = |mut states: u64| {
+        for (i, token) in tokens.iter().enumerate() {
+            if states & (1 << i) != 0 && !matches!(token, GlobToken::Byte(_)) {
+                states |= 1 << (i + 1);
+            }
+        }
+        states
+    };
+    let mut now = close(1);
+    for &byte in path {
+        let mut next = 0u64;
+        let mut live = now & !(1 << m);
+        while live != 0 {
+            let i = live.trailing_zeros() as usize;
+            live &= live - 1;
+            match tokens[i] {
+                GlobToken::Byte(expected) if expected == byte => next |= 1 << (i + 1),
+                GlobToken::Star if byte != b'/' => next |= 1 << i,
+                GlobToken::AnyStar => next |= 1 << i,
+                _ => {}
+            }
+        }
+        if next == 0 {
+            return Some(false);
+        }
+        now = close(next);
+    }
+    Some(now & (1 << m) != 0)
 }
 
 /// [`glob_match`], adding the steps it takes to `steps`.

@@ -416,3 +416,22 @@ fn durations_that_would_overflow_a_clock_are_refused() {
     };
     assert!(long.validate().is_ok(), "ten years is fine");
 }
+
+/// Patterns of 64 tokens or more take the general automaton; shorter ones
+/// the one-word one: both agree with the reference.
+#[test]
+fn long_and_short_globs_match_alike() {
+    for repeat in [10, 31, 32, 40] {
+        let pattern = format!("/{}*/**", "ab/".repeat(repeat));
+        let hit = format!("/{}x/y/z", "ab/".repeat(repeat));
+        let miss = format!("/{}x", "ab/".repeat(repeat));
+        for path in [&hit, &miss] {
+            assert_eq!(
+                glob_match(pattern.as_bytes(), path.as_bytes()),
+                reference_glob(pattern.as_bytes(), path.as_bytes()),
+                "{pattern} {path}"
+            );
+        }
+        assert!(glob_match(pattern.as_bytes(), hit.as_bytes()));
+    }
+}
