@@ -20,7 +20,11 @@
 //!   change the fingerprint: `{"a":1,"b":0,"a":2}` equals `{"b":0,"a":1,"a":2}`.
 //!   Keys are compared as a parser reads them, so differently escaped
 //!   spellings of one key are duplicates too: `{"amount":10,"\u0061mount":1000}`
-//!   and `{"\u0061mount":1000,"amount":10}` are different requests.
+//!   and `{"\u0061mount":1000,"amount":10}` are different requests. So are
+//!   keys equal but for case, which Go's `encoding/json` matches to one
+//!   field (last wins): members are sorted by their keys folded, stably,
+//!   so `{"amount":1000,"Amount":10}` and `{"Amount":10,"amount":1000}`
+//!   differ too.
 //!   Malformed JSON, or JSON nested deeper than [`MAX_JSON_DEPTH`], is hashed
 //!   as raw bytes — never an error, never unbounded recursion.
 //! * **Forms** (`application/x-www-form-urlencoded`, `multipart/form-data`):
@@ -59,6 +63,10 @@ pub struct Exclusions<'a> {
     pub form: &'a [String],
 }
 
+/// The header by which a `POST` names the method it is run as; always
+/// fingerprinted.
+const METHOD_OVERRIDE: HeaderName = HeaderName::from_static("x-http-method-override");
+
 /// Fingerprints a request.
 pub fn fingerprint(
     method: &Method,
@@ -94,6 +102,15 @@ pub fn fingerprint_view(
     for name in fingerprint_headers {
         for value in headers.get_all(name) {
             put(&mut hasher, name.as_str().as_bytes());
+            put(&mut hasher, value.as_bytes());
+        }
+    }
+    // The method a `POST` names in this header is the one backends run,
+    // whichever method the engine covers it as: a retry naming another
+    // (or none) is another request.
+    if !fingerprint_headers.contains(&METHOD_OVERRIDE) {
+        for value in headers.get_all(&METHOD_OVERRIDE) {
+            put(&mut hasher, METHOD_OVERRIDE.as_str().as_bytes());
             put(&mut hasher, value.as_bytes());
         }
     }

@@ -76,6 +76,84 @@ async fn escaped_duplicate_keys_are_a_different_request() {
     assert_eq!(again.body, first.body);
 }
 
+/// Go's `encoding/json` matches member names to struct fields whatever
+/// their case (and folds `ſ` to `s`, Kelvin's `K` to `k`), the last match
+/// winning: `{"amount":1000,"Amount":10}` charges 10, its reordering 1000.
+/// Sorted byte-wise, both had one canonical form, and the second got the
+/// first's answer.
+#[tokio::test]
+async fn keys_equal_but_for_case_are_a_different_request() {
+    let h = Harness::new(Policy::default());
+    for (n, (first, reordered)) in [
+        (
+            r#"{"amount":1000,"Amount":10}"#,
+            r#"{"Amount":10,"amount":1000}"#,
+        ),
+        (
+            r#"{"sku":"X","\u017fku":"Y"}"#,
+            r#"{"\u017fku":"Y","sku":"X"}"#,
+        ),
+        (
+            r#"{"kind":"a","\u212aind":"b"}"#,
+            r#"{"\u212aind":"b","kind":"a"}"#,
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("case-{n}");
+        let answer = h.send(post_json(key.as_bytes(), first)).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        h.send(post_json(key.as_bytes(), reordered))
+            .await
+            .assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-mismatch");
+    }
+    assert_eq!(h.calls(), 3);
+    // Keys that differ otherwise are still sorted: a reordered retry of
+    // distinct members is the same request.
+    let first = h
+        .send(post_json(b"order", r#"{"b":1,"A":2,"c":{"Z":1,"y":2}}"#))
+        .await;
+    let again = h
+        .send(post_json(b"order", r#"{"c":{"y":2,"Z":1},"A":2,"b":1}"#))
+        .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+}
+
+/// A `POST` naming another method in `X-HTTP-Method-Override` runs as
+/// that method at the backend (Laravel, Symfony, Express), even where the
+/// engine covers it as the `POST` (its own route required, the named one
+/// not covered): a retry naming another method, or none, under the same
+/// key is another request (422), never the first's answer.
+#[tokio::test]
+async fn a_named_method_is_part_of_the_request() {
+    let h = Harness::new(Policy {
+        required: true,
+        ..Policy::default()
+    });
+    let named = |method: Option<&'static str>| {
+        let mut request = post_json(b"pay-override", r#"{"amount":10}"#);
+        if let Some(method) = method {
+            let value = http::HeaderValue::from_static(method);
+            request
+                .headers_mut()
+                .insert("x-http-method-override", value);
+        }
+        request
+    };
+    let first = h.send(named(Some("PUT"))).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    for other in [None, Some("DELETE")] {
+        h.send(named(other))
+            .await
+            .assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-mismatch");
+    }
+    let again = h.send(named(Some("PUT"))).await;
+    assert!(again.replayed());
+    assert_eq!(h.calls(), 1);
+}
+
 mod oracle {
     //! The fingerprint against serde_json, not against another copy of the
     //! canonicaliser: two bodies a last-wins parser reads differently never

@@ -1151,6 +1151,16 @@ async fn every_method_override_spelling_is_covered_and_only_those() {
         ("/orders/7?_method=put", "application/json", "{}", None),
         ("/orders/7", multipart, named_put, None),
         ("/orders/7", form, "qty=1&_method=Put", None),
+        // Express: `method-override` takes an array's first element, from
+        // JSON or from an extended (`qs`) form.
+        (
+            "/orders/7",
+            "application/json",
+            r#"{"_method":["PUT"]}"#,
+            None,
+        ),
+        ("/orders/7", form, "qty=1&_method[]=PUT", None),
+        ("/orders/7", form, "qty=1&_method[0]=put", None),
     ] {
         let reply = app.send(post(uri, content_type, body, extra)).await;
         assert_eq!(

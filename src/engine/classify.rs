@@ -222,6 +222,8 @@ impl Engine {
 /// listed value.
 const OVERRIDE_FIELD: &str = "_method";
 const OVERRIDE_HEADER: &str = "x-http-method-override";
+/// Fields Express's extended forms read as an array `_method`.
+const OVERRIDE_ARRAY_FIELDS: [&str; 2] = ["_method[]", "_method[0]"];
 
 /// Every method a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
 /// upper-cased and distinct, in the order: the header's first listed
@@ -264,6 +266,12 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         let content_type = formats::content_type(head.headers);
         let fields = body.framework_fields(content_type, OVERRIDE_FIELD);
         named.first_and_last(fields.into_iter());
+        // Express's extended forms (`qs`) read `_method[]` and `_method[0]`
+        // as an array, whose first element `method-override` takes.
+        for name in OVERRIDE_ARRAY_FIELDS {
+            let fields = body.framework_fields(content_type, name);
+            named.first_and_last(fields.into_iter());
+        }
         if formats::spells_json(head.headers) {
             if let Some(name) = json_override(body.bytes) {
                 named.add(&name);
@@ -290,7 +298,12 @@ fn json_override(body: &[u8]) -> Option<Vec<u8>> {
     }
     match key::json::value_at(body, &[OVERRIDE_FIELD]) {
         key::json::Found::String(name) => Some(name),
-        _ => None,
+        // Express's `method-override` takes an array's first element.
+        key::json::Found::Other => match key::json::value_at(body, &[OVERRIDE_FIELD, "0"]) {
+            key::json::Found::String(name) => Some(name),
+            _ => None,
+        },
+        key::json::Found::Absent => None,
     }
 }
 

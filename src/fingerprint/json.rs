@@ -123,8 +123,9 @@ pub(super) struct Canonicalizer<'a, 'x> {
 
 /// A member written to the output.
 struct Member {
-    /// The first eight bytes of its decoded key, big-endian, zero-padded:
-    /// keys compare as their prefixes do, unless the prefixes are equal.
+    /// The first eight bytes of its decoded key as it sorts ([`Folded`]),
+    /// big-endian, zero-padded: keys compare as their prefixes do, unless
+    /// the prefixes are equal.
     prefix: u64,
     /// Its decoded key: the raw key in the input when it holds no escape
     /// (it is its own decoding then), else a range of `decoded`.
@@ -274,11 +275,16 @@ impl<'a> Canonicalizer<'a, '_> {
                     self.out.truncate(before_comma);
                 } else {
                     let key_bytes = if escaped { &self.decoded[..] } else { input };
-                    let prefix = key_prefix(key_bytes, sort_key.clone());
+                    let prefix = key_prefix(&key_bytes[sort_key.clone()]);
                     if self.members.len() > first {
                         let previous = &self.members[self.members.len() - 1];
-                        sorted &= (previous.prefix, self.key_of(previous))
-                            <= (prefix, &key_bytes[sort_key.clone()]);
+                        sorted &= previous
+                            .prefix
+                            .cmp(&prefix)
+                            .then_with(|| {
+                                fold_cmp(self.key_of(previous), &key_bytes[sort_key.clone()])
+                            })
+                            .is_le();
                     }
                     let out = member..self.out.len();
                     self.members.push(Member {
@@ -348,8 +354,8 @@ impl<'a> Canonicalizer<'a, '_> {
         hasher.update(b"}");
     }
 
-    /// Puts the members from `first` on in key order (stable: duplicate
-    /// keys keep their order).
+    /// Puts the members from `first` on in key order (see [`Folded`];
+    /// stable: keys equal but for case, and duplicates, keep their order).
     fn sort_members(&mut self, first: usize) {
         let (input, decoded) = (self.input, &self.decoded[..]);
         let key = |member: &Member| {
@@ -361,7 +367,11 @@ impl<'a> Canonicalizer<'a, '_> {
         };
         let members = &mut self.members[first..];
         // Whole keys are compared only when their prefixes tie.
-        members.sort_by(|a, b| a.prefix.cmp(&b.prefix).then_with(|| key(a).cmp(key(b))));
+        members.sort_by(|a, b| {
+            a.prefix
+                .cmp(&b.prefix)
+                .then_with(|| fold_cmp(key(a), key(b)))
+        });
     }
 
     /// Rewrites the members from `first` on, which were written from
@@ -634,26 +644,102 @@ fn push_code_point(code: u32, out: &mut Vec<u8>) {
     }
 }
 
-/// The first eight bytes of the key at `input[key]` as a big-endian
-/// number, zero-padded. When two prefixes differ they order their keys
-/// (a zero byte of padding sorts a key before the longer ones it starts).
-fn key_prefix(input: &[u8], key: Range<usize>) -> u64 {
-    let n = key.len();
-    match input.get(key.start..key.start + 8) {
-        // Eight bytes from the key on, the ones past its end masked off.
-        Some(bytes) => {
-            let word = u64::from_be_bytes(bytes.try_into().expect("eight bytes"));
-            if n >= 8 {
-                word
-            } else {
-                word & !(u64::MAX >> (8 * n))
-            }
+/// The first eight bytes of `key` as it sorts ([`Folded`]) as a
+/// big-endian number, zero-padded. When two prefixes differ they order
+/// their keys (a zero byte of padding sorts a key before the longer ones
+/// it starts).
+fn key_prefix(key: &[u8]) -> u64 {
+    let mut bytes = [0u8; 8];
+    let n = key.len().min(8);
+    bytes[..n].copy_from_slice(&key[..n]);
+    let word = u64::from_be_bytes(bytes);
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    if word & HIGH == 0 {
+        // ASCII: each of `A`..=`Z` gains 0x20 (no byte carries into the
+        // next: each is below 0x80 and gains less than 0x80).
+        let at_least_a = word + ONES * (0x80 - u64::from(b'A'));
+        let past_z = word + ONES * (0x80 - u64::from(b'Z') - 1);
+        let upper = at_least_a & !past_z & HIGH;
+        return word | (upper >> 2);
+    }
+    let mut bytes = [0u8; 8];
+    for (slot, byte) in bytes.iter_mut().zip(Folded::new(key)) {
+        *slot = byte;
+    }
+    u64::from_be_bytes(bytes)
+}
+
+/// Compares two keys as they sort: their [`Folded`] bytes.
+fn fold_cmp(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
+    Folded::new(a).cmp(Folded::new(b))
+}
+
+/// A key's bytes as members are sorted by: each character folded as Go's
+/// `encoding/json` matches member names to fields (`bytes.EqualFold`, last
+/// one wins): `Amount` as `amount`, `ſku` as `sku`, `K` (Kelvin) as `k`.
+/// Sorting by the folded key, stably, keeps members whose names differ
+/// only in case in their order, so `{"amount":1000,"Amount":10}` and its
+/// reordering, which Go reads as 10 and as 1000, never share a canonical
+/// form. A character folds to the lowercase of its (first) uppercase,
+/// which joins every case pair and may join more (`ß` with `s`): a looser
+/// fold only keeps more orders apart, never fewer.
+struct Folded<'a> {
+    rest: &'a [u8],
+    pending: [u8; 4],
+    at: u8,
+    len: u8,
+}
+
+impl<'a> Folded<'a> {
+    fn new(key: &'a [u8]) -> Self {
+        Folded {
+            rest: key,
+            pending: [0; 4],
+            at: 0,
+            len: 0,
         }
-        None => {
-            let mut bytes = [0; 8];
-            bytes[..n].copy_from_slice(&input[key]);
-            u64::from_be_bytes(bytes)
+    }
+}
+
+/// `c` folded (see [`Folded`]).
+fn fold_char(c: char) -> char {
+    let upper = c.to_uppercase().next().unwrap_or(c);
+    upper.to_lowercase().next().unwrap_or(upper)
+}
+
+impl Iterator for Folded<'_> {
+    type Item = u8;
+
+    fn next(&mut self) -> Option<u8> {
+        if self.at < self.len {
+            self.at += 1;
+            return Some(self.pending[usize::from(self.at - 1)]);
         }
+        let (&first, rest) = self.rest.split_first()?;
+        if first.is_ascii() {
+            self.rest = rest;
+            return Some(first.to_ascii_lowercase());
+        }
+        let width = match first {
+            0xf0.. => 4,
+            0xe0.. => 3,
+            _ => 2,
+        };
+        let character = self
+            .rest
+            .get(..width)
+            .and_then(|bytes| std::str::from_utf8(bytes).ok())
+            .and_then(|text| text.chars().next());
+        let Some(character) = character else {
+            // Not UTF-8 (never a key the canonicaliser accepts): as is.
+            self.rest = rest;
+            return Some(first);
+        };
+        self.rest = &self.rest[width..];
+        self.len = fold_char(character).encode_utf8(&mut self.pending).len() as u8;
+        self.at = 1;
+        Some(self.pending[0])
     }
 }
 

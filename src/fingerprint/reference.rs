@@ -176,7 +176,7 @@ impl<'a> Canonicalizer<'a, '_> {
                     self.out.truncate(before_comma);
                 } else {
                     if let Some(previous) = self.members[first..].last() {
-                        sorted &= previous.key <= key;
+                        sorted &= folded(&previous.key) <= folded(&key);
                     }
                     let out = member..self.out.len();
                     self.members.push(Member { key, out });
@@ -202,7 +202,7 @@ impl<'a> Canonicalizer<'a, '_> {
     /// `start`, in key order (stable: duplicate keys keep their order).
     fn sort_members(&mut self, first: usize, start: usize) {
         let members = &mut self.members[first..];
-        members.sort_by(|a, b| a.key.cmp(&b.key));
+        members.sort_by_key(|member| folded(&member.key));
         self.scratch.clear();
         self.scratch.extend_from_slice(&self.out[start..]);
         self.out.truncate(start);
@@ -715,4 +715,20 @@ mod differential {
             same(&document.as_bytes()[..end], &exclude);
         }
     }
+}
+
+/// `key` as members sort by: each character as the lowercase of its
+/// uppercase (the first of each), as Go's `encoding/json` matches names to
+/// fields whatever their case (`Amount` is `amount`, `ſ` is `s`, Kelvin's
+/// `K` is `k`).
+fn folded(key: &[u32]) -> Vec<u32> {
+    key.iter()
+        .map(|&code| match char::from_u32(code) {
+            Some(c) => {
+                let upper = c.to_uppercase().next().unwrap_or(c);
+                u32::from(upper.to_lowercase().next().unwrap_or(upper))
+            }
+            None => code,
+        })
+        .collect()
 }
