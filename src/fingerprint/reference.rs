@@ -381,6 +381,22 @@ fn is_excluded(exclude: &[Vec<String>], path: &[Segment]) -> bool {
 /// against the reference above, on valid JSON with varied whitespace, member order,
 /// duplicate keys, escapes and numbers, on nesting around
 /// [`MAX_JSON_DEPTH`], and on mutated, truncated and non-UTF-8 variants.
+/// `key` as members sort by: each character as the lowercase of its
+/// uppercase (the first of each), as Go's `encoding/json` matches names to
+/// fields whatever their case (`Amount` is `amount`, `ſ` is `s`, Kelvin's
+/// `K` is `k`).
+fn folded(key: &[u32]) -> Vec<u32> {
+    key.iter()
+        .map(|&code| match char::from_u32(code) {
+            Some(c) => {
+                let upper = c.to_uppercase().next().unwrap_or(c);
+                u32::from(upper.to_lowercase().next().unwrap_or(upper))
+            }
+            None => code,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod differential {
     use proptest::prelude::*;
@@ -715,20 +731,4 @@ mod differential {
             same(&document.as_bytes()[..end], &exclude);
         }
     }
-}
-
-/// `key` as members sort by: each character as the lowercase of its
-/// uppercase (the first of each), as Go's `encoding/json` matches names to
-/// fields whatever their case (`Amount` is `amount`, `ſ` is `s`, Kelvin's
-/// `K` is `k`).
-fn folded(key: &[u32]) -> Vec<u32> {
-    key.iter()
-        .map(|&code| match char::from_u32(code) {
-            Some(c) => {
-                let upper = c.to_uppercase().next().unwrap_or(c);
-                u32::from(upper.to_lowercase().next().unwrap_or(upper))
-            }
-            None => code,
-        })
-        .collect()
 }
