@@ -517,8 +517,6 @@ async fn write_request(
     stream.flush().await.map_err(failed)
 }
 
-/// Reads the response head, skipping interim responses (100 Continue, 103
-/// Early Hints; 101 cannot happen without an Upgrade header).
 /// Whether the answer just read leaves the connection at a clean request
 /// boundary once its body is read, so the next request's answer cannot
 /// begin with bytes of this one. Not when a bodiless status (1xx, 204,
@@ -549,6 +547,8 @@ fn framed_cleanly(session: &HttpSession, had_body: bool) -> bool {
     !(bodiless && declares_body)
 }
 
+/// Reads the response head, skipping interim responses (100 Continue, 103
+/// Early Hints; 101 cannot happen without an Upgrade header).
 async fn read_head(session: &mut HttpSession) -> Result<(), Box<Error>> {
     loop {
         session.read_response().await?;

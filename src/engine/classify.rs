@@ -222,8 +222,6 @@ impl Engine {
 /// listed value.
 const OVERRIDE_FIELD: &str = "_method";
 const OVERRIDE_HEADER: &str = "x-http-method-override";
-/// Fields Express's extended forms read as an array `_method`.
-const OVERRIDE_ARRAY_FIELDS: [&str; 2] = ["_method[]", "_method[0]"];
 
 /// Every method a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
 /// upper-cased and distinct, in the order: the header's first listed
@@ -266,11 +264,8 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         let content_type = formats::content_type(head.headers);
         let fields = body.framework_fields(content_type, OVERRIDE_FIELD);
         named.first_and_last(fields.into_iter());
-        // Express's extended forms (`qs`) read `_method[]` and `_method[0]`
-        // as an array, whose first element `method-override` takes.
-        for name in OVERRIDE_ARRAY_FIELDS {
-            let fields = body.framework_fields(content_type, name);
-            named.first_and_last(fields.into_iter());
+        for value in array_overrides(body, content_type) {
+            named.add(&value);
         }
         if formats::spells_json(head.headers) {
             if let Some(name) = json_override(body.bytes) {
@@ -285,6 +280,43 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         ));
     }
     named.0
+}
+
+/// The values of a form's array `_method`, whose first element Express's
+/// `method-override` takes from an extended (`qs`) form: fields named
+/// `_method[]` or `_method[i]` (`i` up to 20, which `qs` reads as an array
+/// index, compacting the array, so `_method[1]` alone is its first). Each
+/// is named: of the methods named, a required route's decides.
+fn array_overrides(body: &View<'_>, content_type: &str) -> Vec<Vec<u8>> {
+    fn is_array(name: &[u8]) -> bool {
+        let index = name
+            .strip_prefix(b"_method[")
+            .and_then(|rest| rest.strip_suffix(b"]"));
+        match index {
+            Some([]) => true,
+            Some(digits) if digits.len() <= 2 && digits.iter().all(u8::is_ascii_digit) => {
+                digits.iter().fold(0, |n, d| n * 10 + u32::from(d - b'0')) <= 20
+            }
+            _ => false,
+        }
+    }
+    match &body.kind {
+        formats::Kind::Form(pairs) => pairs
+            .iter()
+            .filter(|(name, _)| is_array(name))
+            .map(|(_, value)| value.clone())
+            .collect(),
+        formats::Kind::Multipart(parts) => parts
+            .iter()
+            .filter(|part| is_array(part.name))
+            .map(|part| part.data.to_vec())
+            .collect(),
+        _ if formats::rack_form(content_type) => formats::form_pairs(body.bytes)
+            .filter(|(name, _)| is_array(name))
+            .map(|(_, value)| value)
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// The top-level `_method` member of a JSON body, as Laravel reads it.

@@ -35,10 +35,10 @@ pub enum Flow {
 /// [`Reservation::record`].
 ///
 /// Dropped before [`end`](Recorder::end) or [`fail`](Recorder::fail) while
-/// still recording (a body that panicked, a cancelled task), it stores the
-/// marker "executed, response incomplete" in the background, as `fail`
-/// does: a head came, so the upstream acted, and the key is never freed
-/// for a second execution.
+/// still recording (a body that panicked, a task cancelled, even while the
+/// outcome was being stored), its reservation stores the marker "executed,
+/// response incomplete" in the background, as `fail` does: a head came, so
+/// the upstream acted, and the key is never freed for a second execution.
 #[derive(Debug)]
 pub struct Recorder {
     /// `None` once the outcome is settled (stored, marked or released).
@@ -177,22 +177,6 @@ impl Recorder {
                 "The request did not finish within the time allowed.",
             )
             .into_response_for(request),
-        }
-    }
-}
-
-impl Drop for Recorder {
-    fn drop(&mut self) {
-        let Some(reservation) = self.reservation.take() else {
-            return;
-        };
-        // Without a runtime the reservation's own drop cannot release
-        // either: the key stays in flight until its lease ends.
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let outcome = Outcome::Incomplete {
-                status: self.status,
-            };
-            handle.spawn(reservation.store(outcome));
         }
     }
 }

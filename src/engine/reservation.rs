@@ -19,8 +19,11 @@ use crate::store::{Outcome, OwnerToken, ScopeKey, StoreError};
 /// it), so a long upstream call is not taken over. It must end in
 /// [`record`](Reservation::record) (and its [`Recorder`]) or
 /// [`release`](Reservation::release); if it is dropped instead (a panic, a
-/// cancelled task), the key is released in the background, so no key is
-/// ever stuck for longer than its lease.
+/// cancelled task), it settles in the background: before the upstream's
+/// answer head was recorded, the key is released, so no key is ever stuck
+/// for longer than its lease; after it (a body that panicked, a task
+/// cancelled while storing), the upstream acted, so the marker "executed,
+/// response incomplete" is stored and the key never runs again.
 #[derive(Debug)]
 pub struct Reservation {
     engine: Engine,
@@ -30,6 +33,14 @@ pub struct Reservation {
     lease: Lease,
     started: Instant,
     settled: bool,
+    /// The status of an answer that consumes the key, once its head came
+    /// ([`Reservation::record`]): the upstream acted, so from then on an
+    /// abandoned reservation stores "executed, response incomplete"
+    /// instead of freeing the key.
+    executed: Option<StatusCode>,
+    /// Made by a dropped reservation to store its marker: dropped in turn
+    /// (its runtime shutting down), it makes no heir of its own.
+    heir: bool,
     /// The request's path, kept only where a relative `Location` may need
     /// it (routes with `success_redirects`).
     request_path: Option<Box<str>>,
@@ -60,6 +71,8 @@ impl Reservation {
             lease,
             started: Instant::now(),
             settled: false,
+            executed: None,
+            heir: false,
             request_path,
         }
     }
@@ -85,13 +98,14 @@ impl Reservation {
     /// corrected request can go through; the recorder then records nothing
     /// ([`Recorder::is_recording`] is `false`). The headers that are never
     /// stored (see [`headers::stored`]) are dropped here.
-    pub async fn record(self, status: StatusCode, headers: &HeaderMap) -> Recorder {
+    pub async fn record(mut self, status: StatusCode, headers: &HeaderMap) -> Recorder {
         let settings = self.policy.policy();
         let base = self.request_path.as_deref().unwrap_or("/");
         if !self.policy.consumes(status, headers, base) {
             self.release_as(status).await;
             return Recorder::settled(status);
         }
+        self.executed = Some(status);
         let kept = headers::stored(headers, settings.replay_set_cookie);
         // A body under a transfer coding other than chunked (`gzip`) is
         // relayed coded, and a replay could not say how: it is not stored
@@ -137,6 +151,9 @@ impl Reservation {
     /// request again.
     pub(super) async fn store(mut self, outcome: Outcome) {
         let status = outcome.status().unwrap_or(StatusCode::OK);
+        // Whatever is being stored (an answer, "outcome unknown"), the key
+        // is not to be freed any more: a drop from here on stores a marker.
+        self.executed.get_or_insert(status);
         // Only a full response falls back to a marker (a marker is small
         // already).
         let may_fall_back = matches!(outcome, Outcome::Stored(_));
@@ -209,6 +226,10 @@ impl Reservation {
                 engine.inner.metrics.record(Event::Stored);
                 tracing::info!(outcome = "executed", status = status.as_u16(), duration_us, key = %Short::of(&self.key), "idempotency");
             }
+            // The dropped reservation's own write got there first.
+            Ok(false) if self.heir => {
+                tracing::debug!(key = %Short::of(&self.key), "idempotency outcome already stored");
+            }
             Ok(false) => {
                 tracing::warn!(status = status.as_u16(), key = %Short::of(&self.key), "idempotency record no longer ours: its lease was taken over, or an earlier attempt that timed out stored it");
             }
@@ -244,6 +265,45 @@ impl Drop for Reservation {
         self.stop_renewing();
         if self.settled {
             self.engine.left_flight();
+            return;
+        }
+        if let Some(status) = self.executed {
+            let handle = match tokio::runtime::Handle::try_current() {
+                Ok(handle) if !self.heir => handle,
+                // An heir dropped unsettled (its runtime is shutting
+                // down), or no runtime: nothing can store the marker, and
+                // the key is never freed for a second run: it stays in
+                // flight until its lease ends.
+                _ => {
+                    self.engine.left_flight();
+                    return;
+                }
+            };
+            // An heir takes the key over, still renewed (at once: the last
+            // renewal may be a third of the lease old), and stores the
+            // marker; it counts as in flight in this one's place.
+            let lease = self.policy.policy().lease;
+            let now = Instant::now();
+            let renewed = now.checked_sub(lease / 3).unwrap_or(now);
+            let heir = Reservation {
+                engine: self.engine.clone(),
+                policy: self.policy.clone(),
+                key: self.key,
+                owner: self.owner,
+                lease: (self.engine.inner.leases).hold(
+                    &self.engine.inner,
+                    self.key,
+                    self.owner,
+                    lease,
+                    renewed,
+                ),
+                started: self.started,
+                settled: false,
+                executed: Some(status),
+                heir: true,
+                request_path: None,
+            };
+            handle.spawn(heir.store(Outcome::Incomplete { status }));
             return;
         }
         // Abandoned (panic or cancellation): free the key in the background.

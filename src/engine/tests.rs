@@ -445,6 +445,59 @@ async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
     held.release().await;
 }
 
+/// A task cancelled while the answer is being stored (a client gone
+/// while the layer awaits the store, the too-large marker's write): the
+/// head came, so the upstream acted, and the reservation dropped mid-store
+/// stores "executed, response incomplete" instead of freeing the key: the
+/// retry never runs the request again.
+#[tokio::test(start_paused = true)]
+async fn a_task_cancelled_while_storing_never_frees_the_key() {
+    let (engine, faults, policy) = faulty_engine(Policy::default());
+    let reservation = proceed(begin(&engine, &policy, "k").await);
+    let mut recorder = reservation
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await;
+    assert_eq!(
+        recorder.chunk(&Bytes::from_static(b"order 1")).await,
+        Flow::Record
+    );
+    faults.set_next(Op::Complete, Fault::Stall(Duration::from_secs(1)), 1);
+    let storing = tokio::time::timeout(Duration::from_millis(10), recorder.end());
+    assert!(storing.await.is_err(), "cancelled while storing");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        problem_type(begin(&engine, &policy, "k").await),
+        (
+            StatusCode::CONFLICT,
+            "urn:tower-idempotency:response-incomplete".to_owned()
+        )
+    );
+    assert_eq!(engine.metrics().in_flight(), 0, "the heir settled");
+}
+
+/// The same for "outcome unknown" (an execution that timed out, whose
+/// 504 is the key's outcome): cancelled while that is stored, the key is
+/// still never freed for a second run.
+#[tokio::test(start_paused = true)]
+async fn a_task_cancelled_while_storing_an_unknown_outcome_never_frees_the_key() {
+    let (engine, faults, policy) = faulty_engine(Policy::default());
+    let reservation = proceed(begin(&engine, &policy, "k").await);
+    faults.set_next(Op::Complete, Fault::Stall(Duration::from_secs(1)), 1);
+    let headers = HeaderMap::new();
+    let storing = tokio::time::timeout(
+        Duration::from_millis(10),
+        reservation.execution_timed_out(&headers),
+    );
+    assert!(storing.await.is_err(), "cancelled while storing");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let decision = begin(&engine, &policy, "k").await;
+    assert!(
+        !matches!(decision, Decision::Proceed(_)),
+        "the request ran again: {decision:?}"
+    );
+    assert_eq!(engine.metrics().in_flight(), 0, "the heir settled");
+}
+
 /// The store starts a lease when it runs the reservation, which may be
 /// well before its answer arrives (a slow commit, a lock wait): renewals
 /// are timed from when the call was sent, so a slow answer does not let

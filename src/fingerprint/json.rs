@@ -681,9 +681,8 @@ fn fold_cmp(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
 /// Sorting by the folded key, stably, keeps members whose names differ
 /// only in case in their order, so `{"amount":1000,"Amount":10}` and its
 /// reordering, which Go reads as 10 and as 1000, never share a canonical
-/// form. A character folds to the lowercase of its (first) uppercase,
-/// which joins every case pair and may join more (`ß` with `s`): a looser
-/// fold only keeps more orders apart, never fewer.
+/// form. See [`fold_char`] for a character beyond ASCII: a looser fold
+/// only keeps more orders apart, never fewer.
 struct Folded<'a> {
     rest: &'a [u8],
     pending: [u8; 4],
@@ -702,9 +701,14 @@ impl<'a> Folded<'a> {
     }
 }
 
-/// `c` folded (see [`Folded`]).
+/// `c` folded (see [`Folded`]): lowercase, uppercase, lowercase again,
+/// each time the first character of the mapping. Go folds a name as
+/// `ToUpper(ToLower(r))`; this joins every pair Go joins (`ẞ` and `ß`,
+/// `İ` and `i`), and more where a mapping has several characters (`ß`
+/// with `s`), which only keeps more orders apart.
 fn fold_char(c: char) -> char {
-    let upper = c.to_uppercase().next().unwrap_or(c);
+    let lower = c.to_lowercase().next().unwrap_or(c);
+    let upper = lower.to_uppercase().next().unwrap_or(lower);
     upper.to_lowercase().next().unwrap_or(upper)
 }
 

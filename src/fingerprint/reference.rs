@@ -381,16 +381,19 @@ fn is_excluded(exclude: &[Vec<String>], path: &[Segment]) -> bool {
 /// against the reference above, on valid JSON with varied whitespace, member order,
 /// duplicate keys, escapes and numbers, on nesting around
 /// [`MAX_JSON_DEPTH`], and on mutated, truncated and non-UTF-8 variants.
-/// `key` as members sort by: each character as the lowercase of its
-/// uppercase (the first of each), as Go's `encoding/json` matches names to
-/// fields whatever their case (`Amount` is `amount`, `ſ` is `s`, Kelvin's
-/// `K` is `k`).
+/// `key` as members sort by: each character lowercased, uppercased and
+/// lowercased again (the first character of each mapping), as Go's
+/// `encoding/json` matches names to fields whatever their case
+/// (`ToUpper(ToLower(r))`: `Amount` is `amount`, `ſ` is `s`, Kelvin's `K`
+/// is `k`, `ẞ` is `ß`).
 fn folded(key: &[u32]) -> Vec<u32> {
+    let first = |mapped: &mut dyn Iterator<Item = char>, c: char| mapped.next().unwrap_or(c);
     key.iter()
         .map(|&code| match char::from_u32(code) {
             Some(c) => {
-                let upper = c.to_uppercase().next().unwrap_or(c);
-                u32::from(upper.to_lowercase().next().unwrap_or(upper))
+                let lower = first(&mut c.to_lowercase(), c);
+                let upper = first(&mut lower.to_uppercase(), lower);
+                u32::from(first(&mut upper.to_lowercase(), upper))
             }
             None => code,
         })
