@@ -941,20 +941,9 @@ async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
     let proxy = orders_proxy(upstream, "breaks-late-bytes").await;
     let status = proxy.send("GET", "/status", &[], "").await;
     assert_eq!(status.status, 204);
-    let order = proxy
-        .send(
-            "POST",
-            "/orders",
-            &[
-                ("idempotency-key", "order-after-204"),
-                ("content-type", "application/json"),
-            ],
-            "{}",
-        )
-        .await;
     assert_eq!(
-        (order.status, order.text().as_str()),
-        (201, "order-done"),
+        json_order(&proxy, "order-after-204").await,
+        (201, "order-done".to_owned()),
         "the order read another answer's late bytes"
     );
 }
@@ -1027,23 +1016,23 @@ async fn a_body_an_upstream_refused_unread_never_answers_the_next_request() {
     assert_eq!(refused.status, 401);
     for n in 0..3 {
         let key = format!("order-after-401-{n}");
-        let order = proxy
-            .send(
-                "POST",
-                "/orders",
-                &[
-                    ("idempotency-key", key.as_str()),
-                    ("content-type", "application/json"),
-                ],
-                "{}",
-            )
-            .await;
         assert_eq!(
-            (order.status, order.text().as_str()),
-            (201, "order-done"),
+            json_order(&proxy, &key).await,
+            (201, "order-done".to_owned()),
             "the order got the answer to a request smuggled in a body"
         );
     }
+}
+
+/// A covered `POST /orders` with `key` and an empty JSON body, through
+/// `proxy`: its status and body.
+async fn json_order(proxy: &Proxy, key: &str) -> (u16, String) {
+    let headers = [
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+    ];
+    let order = proxy.send("POST", "/orders", &headers, "{}").await;
+    (order.status, order.text())
 }
 
 /// Writes `request` to the proxy at `addr` and reads until it closes.
