@@ -170,3 +170,63 @@ async fn a_reservation_whose_commit_fails_is_an_error_not_acquired() {
     }
     store.close().await;
 }
+
+/// One write SQLite refuses inside a group commit (here a trigger's
+/// `RAISE(ABORT)`; in production a response over the blob limit) undoes
+/// only its own statement: it fails alone, and the writes grouped with it
+/// commit. It used to roll the whole batch back, failing every request
+/// that shared it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
+    use sqlx::Connection;
+    use tower_idempotency::store::{Claim, OwnerToken};
+    use tower_idempotency::Store;
+
+    let path = fixtures::sqlite_path();
+    let path = path.to_str().unwrap();
+    let store = std::sync::Arc::new(SqliteStore::connect(path).await.unwrap());
+    let mut sabotage = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
+        .await
+        .unwrap();
+    // Reservations with fingerprint 9 are refused.
+    let trigger = format!(
+        "CREATE TRIGGER refuse BEFORE INSERT ON idempotency_records
+         WHEN NEW.fingerprint = X'{}' BEGIN SELECT RAISE(ABORT, 'refused'); END",
+        "09".repeat(32)
+    );
+    sqlx::query(&trigger).execute(&mut sabotage).await.unwrap();
+    sabotage.close().await.unwrap();
+
+    let lease = std::time::Duration::from_secs(60);
+    for round in 0..5 {
+        let tasks: Vec<_> = (0..40)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let refused = i % 10 == 0;
+                    let fingerprint = fixtures::fingerprint(if refused { 9 } else { 1 });
+                    let key = fixtures::random_key();
+                    let claim = store
+                        .reserve(&key, &fingerprint, &OwnerToken::random(), lease, lease)
+                        .await;
+                    (refused, claim)
+                })
+            })
+            .collect();
+        for task in tasks {
+            let (refused, claim) = task.await.unwrap();
+            if refused {
+                assert!(
+                    claim.is_err(),
+                    "round {round}: a refused write answered {claim:?}"
+                );
+            } else {
+                assert!(
+                    matches!(claim, Ok(Claim::Acquired { .. })),
+                    "round {round}: a write grouped with a refused one: {claim:?}"
+                );
+            }
+        }
+    }
+    store.close().await;
+}

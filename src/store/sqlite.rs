@@ -150,8 +150,10 @@ FROM idempotency_records";
 /// * **Group commit**: the writes of concurrent callers are run one after
 ///   another in one transaction (at most
 ///   [`MAX_BATCH`](SqliteStore::MAX_BATCH)), and each caller is answered
-///   only once that transaction is on disk; a failed statement or commit
-///   rolls the whole transaction back and fails every write in it. Each
+///   only once that transaction is on disk; a statement SQLite refuses by
+///   itself (a constraint, a value over its limits) fails alone, and any
+///   other failed statement or commit rolls the whole transaction back
+///   and fails every write in it. Each
 ///   write's outcome is the one it would have had alone in that order; one
 ///   disk sync serves many requests.
 /// * Time is SQLite's own clock (`unixepoch('subsec')`, millisecond

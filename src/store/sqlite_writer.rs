@@ -20,9 +20,12 @@
 //!   run alone in that order, and the atomicity of each statement (an
 //!   `INSERT … ON CONFLICT DO NOTHING`, an `UPDATE … WHERE owner = ?`) is
 //!   what it always was;
-//! * if a statement or the commit fails, the whole transaction is rolled
-//!   back and **every** job of it is answered with an error: no caller is
-//!   ever told of a write that is not on disk;
+//! * a statement SQLite refuses by itself (a constraint, a value over its
+//!   limits) undoes only itself: its job is answered with its error and
+//!   the others go on; if any other statement error or the commit fails,
+//!   the whole transaction is rolled back and **every** job of it is
+//!   answered with an error: no caller is ever told of a write that is not
+//!   on disk;
 //! * the writer runs on a thread of its own, so a caller that goes away
 //!   mid-call (a timeout) never leaves a transaction half done, and the
 //!   store works from any Tokio runtime.
@@ -81,6 +84,22 @@ fn batch_failed(why: &str) -> sqlx::Error {
     sqlx::Error::Protocol(format!(
         "the transaction this write was grouped in failed and was rolled back: {why}"
     ))
+}
+
+/// Whether `error` undid only its own statement and left the batch's
+/// transaction open: SQLite rolls back just the failing statement on a
+/// constraint violation (`CONSTRAINT`, also a trigger's `RAISE(ABORT)`),
+/// and refuses a value over its limits (`TOOBIG`, a response over the
+/// blob limit) or of the wrong type (`MISMATCH`) before writing it. Any
+/// other error (a full disk, I/O, `BUSY`, memory, an interrupt) may have
+/// rolled back the whole transaction, so the batch fails with it.
+fn statement_only(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(database) = error else {
+        return false;
+    };
+    let code = database.code().and_then(|code| code.parse::<i32>().ok());
+    // The primary result code is the extended code's low byte.
+    code.is_some_and(|code| matches!(code & 0xff, 18..=20))
 }
 
 fn closed() -> sqlx::Error {
@@ -229,6 +248,8 @@ async fn batch(
         match job {
             Job::Scalar(query, to) => match first_row(query, connection).await {
                 Ok(value) => answers.push(Answer::Scalar(value, to)),
+                // Undone alone: its caller is told, the batch goes on.
+                Err(error) if statement_only(&error) => drop(to.send(Err(error))),
                 Err(error) => {
                     let _ = to.send(Err(batch_failed(&error.to_string())));
                     failure = Some(error);
@@ -236,6 +257,7 @@ async fn batch(
             },
             Job::Execute(statement, to) => match statement.execute(&mut *connection).await {
                 Ok(done) => answers.push(Answer::Execute(done.rows_affected(), to)),
+                Err(error) if statement_only(&error) => drop(to.send(Err(error))),
                 Err(error) => {
                     let _ = to.send(Err(batch_failed(&error.to_string())));
                     failure = Some(error);
