@@ -268,6 +268,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 engine,
                 token: admin_token,
                 outbox: outbox.as_ref().map(|(outbox, _)| outbox.clone()),
+                health: admin::HealthCache::default(),
             },
         );
         admin.threads = Some(1);

@@ -33,6 +33,22 @@ pub struct Admin {
     /// The outbox this process runs workers for (`[outbox]`): its metrics
     /// join `/metrics`, its rows the operator API (`/outbox/…`).
     pub outbox: Option<Outbox>,
+    /// The last health check (when, and whether the store answered).
+    pub health: HealthCache,
+}
+
+/// `/healthz` answers without a token, so a flood of it must not become a
+/// flood of store calls (on SQLite they queue on the one writer, on
+/// PostgreSQL they hold pool connections): one check at a time, and its
+/// answer is shared for [`HealthCache::FRESH`].
+#[derive(Debug, Default)]
+pub struct HealthCache {
+    last: tokio::sync::Mutex<Option<(tokio::time::Instant, bool)>>,
+}
+
+impl HealthCache {
+    /// How long one check's answer serves.
+    pub const FRESH: std::time::Duration = std::time::Duration::from_secs(1);
 }
 
 /// An answer of the admin listener, before it is written.
@@ -103,14 +119,28 @@ impl ServeHttp for Admin {
 
 impl Admin {
     async fn health(&self) -> Answer {
-        match self.engine.health().await {
-            Ok(()) => Answer::text(StatusCode::OK, "ok\n"),
-            // The error (a database's user or host name) goes to the log,
-            // not to an unauthenticated caller.
-            Err(error) => {
-                tracing::warn!(%error, "health check: store unavailable");
-                Answer::text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+        // Callers arriving during a check wait for it and share its answer.
+        let mut last = self.health.last.lock().await;
+        let fresh = last.filter(|(at, _)| at.elapsed() < HealthCache::FRESH);
+        let up = match fresh {
+            Some((_, up)) => up,
+            None => {
+                let up = match self.engine.health().await {
+                    Ok(()) => true,
+                    // The error (a database's user or host name) goes to
+                    // the log, not to an unauthenticated caller.
+                    Err(error) => {
+                        tracing::warn!(%error, "health check: store unavailable");
+                        false
+                    }
+                };
+                *last = Some((tokio::time::Instant::now(), up));
+                up
             }
+        };
+        match up {
+            true => Answer::text(StatusCode::OK, "ok\n"),
+            false => Answer::text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n"),
         }
     }
 
@@ -133,5 +163,45 @@ impl Admin {
         }
         let path = session.req_header().uri.path().to_owned();
         Answer::text(StatusCode::NOT_FOUND, format!("no operator route {path}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tower_idempotency::store::{Fault, FaultyStore, Op};
+    use tower_idempotency::{Engine, MemoryStore, Policy, Routes};
+
+    use super::*;
+
+    /// A flood of `/healthz` makes one store call per [`HealthCache::FRESH`],
+    /// and a store that went down shows once the answer is stale.
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_health_checks_is_one_store_call() {
+        let store = FaultyStore::new(MemoryStore::new());
+        let faults = store.faults();
+        let engine = Engine::new(store, Routes::all(Policy::default()).unwrap());
+        let admin = Arc::new(Admin {
+            engine,
+            token: None,
+            outbox: None,
+            health: HealthCache::default(),
+        });
+        let checks: Vec<_> = (0..200)
+            .map(|_| {
+                let admin = admin.clone();
+                tokio::spawn(async move { admin.health().await.status })
+            })
+            .collect();
+        for check in checks {
+            assert_eq!(check.await.unwrap(), StatusCode::OK);
+        }
+        assert_eq!(faults.calls(Op::Ping), 1);
+        faults.set(Op::Ping, Fault::Down);
+        assert_eq!(admin.health().await.status, StatusCode::OK, "still fresh");
+        tokio::time::sleep(HealthCache::FRESH).await;
+        assert_eq!(admin.health().await.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(faults.calls(Op::Ping), 2);
     }
 }
