@@ -80,8 +80,12 @@ pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
     let from_header = headers.get(http::header::HOST).map(|value| {
         match http::uri::Authority::try_from(value.as_bytes()) {
             Ok(authority) => normal(authority.host()),
-            // Not a valid authority: the value itself, as it came.
-            Err(_) => normal(&String::from_utf8_lossy(value.as_bytes())),
+            // Not a valid authority: the value itself, with its spaces
+            // (and so its `%`) escaped, so that no value reads as the two
+            // hosts below.
+            Err(_) => normal(&String::from_utf8_lossy(value.as_bytes()))
+                .replace('%', "%25")
+                .replace(' ', "%20"),
         }
     });
     match (from_uri, from_header) {

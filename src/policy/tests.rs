@@ -435,3 +435,27 @@ fn long_and_short_globs_match_alike() {
         assert!(glob_match(pattern.as_bytes(), hit.as_bytes()));
     }
 }
+
+/// Two hosts are joined with a space, which no host name holds: a `Host`
+/// value that is no authority and holds a space is escaped, so it never
+/// reads as a target's host and another `Host`.
+#[test]
+fn a_host_value_with_a_space_never_reads_as_two_hosts() {
+    let headers = |host: &'static str| {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(http::header::HOST, http::HeaderValue::from_static(host));
+        headers
+    };
+    let two = scope_host(
+        &http::Uri::from_static("http://a.com/orders"),
+        &headers("b.com"),
+    );
+    let one = scope_host(&http::Uri::from_static("/orders"), &headers("a.com b.com"));
+    assert_eq!(two, "a.com b.com");
+    assert_ne!(one, two);
+    let escaped = scope_host(
+        &http::Uri::from_static("/orders"),
+        &headers("a.com%20b.com"),
+    );
+    assert_ne!(one, escaped);
+}
