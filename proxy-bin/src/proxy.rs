@@ -30,7 +30,7 @@ use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use tower_idempotency::engine::{headers, Coverage, Covered, Decision, Execution, RequestHead};
-use tower_idempotency::Engine;
+use tower_idempotency::{Engine, RoutePolicy};
 use tracing::Instrument;
 
 use crate::body::{discard_body, expects_continue, read_body, BodyFailure};
@@ -107,7 +107,7 @@ impl IdempotencyProxy {
             Decision::Forward => None,
             Decision::Proceed(reservation) => Some(reservation),
         };
-        let request = self.upstream_request(session, body.len());
+        let request = self.upstream_request(session, covered.policy(), body.len());
         let (frames, mut receiver) = exchange::channel();
         let exchange = Exchange {
             engine: self.engine.clone(),
@@ -156,10 +156,15 @@ impl IdempotencyProxy {
         Ok(true)
     }
 
-    /// The request head sent upstream for a buffered body.
-    fn upstream_request(&self, session: &Session, length: usize) -> RequestHeader {
+    /// The request head sent upstream for a buffered body `policy` covers.
+    fn upstream_request(
+        &self,
+        session: &Session,
+        policy: &RoutePolicy,
+        length: usize,
+    ) -> RequestHeader {
         let mut request = session.req_header().clone();
-        for name in headers::not_forwarded(&request.headers) {
+        for name in headers::not_forwarded_for(&request.headers, policy) {
             request.remove_header(&name);
         }
         request.set_version(http::Version::HTTP_11);

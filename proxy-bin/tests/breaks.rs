@@ -657,13 +657,14 @@ required = true
 async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_lists() {
     let backend = common::Backend::start().await;
     let dir = temp_dir("breaks-connection-listed");
-    let proxy = Proxy::start(ProxyArgs::new(
-        backend.url(),
-        "[[route]]\npath = \"/echo\"\n",
-        &dir,
-    ))
-    .await
-    .owning(dir);
+    // The route reads its callers by `x-user-id` (a gateway's) and by
+    // `x-tenant` (a scope header): the upstream must run the request as
+    // the identity the engine scoped it by.
+    let config = "[[route]]\npath = \"/echo\"\nscope_headers = [\"x-tenant\"]\n\
+                  principal = { header = \"x-user-id\" }\n";
+    let proxy = Proxy::start(ProxyArgs::new(backend.url(), config, &dir))
+        .await
+        .owning(dir);
     let reply = proxy
         .send(
             "POST",
@@ -673,10 +674,13 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
                 ("content-type", "application/x-www-form-urlencoded"),
                 ("content-encoding", "identity"),
                 ("x-http-method-override", "PATCH"),
+                ("x-user-id", "alice"),
+                ("x-tenant", "shop-a"),
                 ("x-dropped", "yes"),
                 (
                     "connection",
-                    "content-type, content-encoding, x-http-method-override, x-dropped",
+                    "content-type, content-encoding, x-http-method-override, \
+                     x-user-id, x-tenant, idempotency-key, x-dropped",
                 ),
             ],
             "amount=10",
@@ -690,6 +694,12 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
     );
     assert_eq!(seen["headers"]["content-encoding"], "identity", "{seen}");
     assert_eq!(seen["headers"]["x-http-method-override"], "PATCH", "{seen}");
+    assert_eq!(seen["headers"]["x-user-id"], "alice", "{seen}");
+    assert_eq!(seen["headers"]["x-tenant"], "shop-a", "{seen}");
+    assert_eq!(
+        seen["headers"]["idempotency-key"], "connection-listed-1",
+        "{seen}"
+    );
     // Other listed headers are still the client's connection's own.
     assert!(seen["headers"].get("x-dropped").is_none(), "{seen}");
 }

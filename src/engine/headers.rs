@@ -7,6 +7,8 @@
 
 use http::{header, HeaderMap, HeaderName, HeaderValue};
 
+use crate::policy::RoutePolicy;
+
 /// The headers that describe one connection rather than the message
 /// (RFC 9110, section 7.6.1): `Connection` and the legacy `Keep-Alive` and
 /// `Proxy-Connection`. Never relayed, never stored.
@@ -82,6 +84,24 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// otherwise have a form read as JSON here and as a form there, as Rack
 /// reads a body without a type). nginx forwards them likewise.
 pub fn not_forwarded(request: &HeaderMap) -> Vec<HeaderName> {
+    not_forwarded_unless(request, |_| false)
+}
+
+/// [`not_forwarded`] for a request `policy` covers: the headers its route
+/// reads requests by ([`RoutePolicy::reads_header`]: the key's, the
+/// principal's, the scope and fingerprint headers) are forwarded too,
+/// whatever `Connection` lists, so the upstream runs the request as the
+/// identity the engine scoped it by (a client listing `Connection:
+/// authorization` would otherwise have its order scoped as one user and
+/// run with no credential).
+pub fn not_forwarded_for(request: &HeaderMap, policy: &RoutePolicy) -> Vec<HeaderName> {
+    not_forwarded_unless(request, |name| policy.reads_header(name))
+}
+
+fn not_forwarded_unless(
+    request: &HeaderMap,
+    read: impl Fn(&HeaderName) -> bool,
+) -> Vec<HeaderName> {
     const READ_BY_THE_ENGINE: [HeaderName; 3] = [
         header::CONTENT_TYPE,
         header::CONTENT_ENCODING,
@@ -95,7 +115,8 @@ pub fn not_forwarded(request: &HeaderMap) -> Vec<HeaderName> {
     names.extend(
         connection_listed(request)
             .into_iter()
-            .filter(|name| !READ_BY_THE_ENGINE.contains(name)),
+            .filter(|name| !READ_BY_THE_ENGINE.contains(name) && !read(name))
+            .filter(|name| !CONNECTION_SCOPED.contains(name) && !HOP_FRAMING.contains(name)),
     );
     names
 }

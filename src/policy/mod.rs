@@ -449,6 +449,21 @@ impl RoutePolicy {
         &self.policy
     }
 
+    /// Whether the route reads requests by the header `name`: its key's
+    /// header, its principal's, a scope or a fingerprint header.
+    pub fn reads_header(&self, name: &HeaderName) -> bool {
+        let key = match &self.policy().key {
+            KeySource::Header(key) => name.as_str().eq_ignore_ascii_case(key),
+            _ => false,
+        };
+        key || self.scope_headers.contains(name)
+            || self.fingerprint_headers.contains(name)
+            || self
+                .principal
+                .as_ref()
+                .is_some_and(|principal| principal.header() == name)
+    }
+
     /// The request body limit in bytes.
     pub fn max_body_bytes(&self) -> usize {
         self.policy().max_body_bytes

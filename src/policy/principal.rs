@@ -199,6 +199,16 @@ struct JwtVerifier {
 }
 
 /// Secrets and keys are never printed.
+impl PrincipalSource {
+    /// The request header the principal is read from.
+    pub(crate) fn header(&self) -> &HeaderName {
+        match &self.kind {
+            SourceKind::Header(name) => name,
+            SourceKind::Jwt(verifier) => &verifier.header,
+        }
+    }
+}
+
 impl fmt::Debug for PrincipalSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut debug = f.debug_struct("PrincipalSource");
