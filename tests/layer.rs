@@ -1308,6 +1308,114 @@ async fn a_slow_upload_does_not_hold_the_inner_services_readiness() {
     upload.abort();
 }
 
+/// Bodies queued behind the inner service's readiness (a clone that must
+/// wait for a concurrency limit's permit or a buffer's slot) are buffered
+/// bodies too: they stay counted in `max_buffered_bytes` until the inner
+/// service is ready, so past the budget new orders get 503 `overloaded`
+/// instead of queueing without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_waiting_for_the_inner_service_count_in_the_budget() {
+    use std::task::{Context, Poll};
+    /// Ready at once as it is; its clones (the layer calls a clone) only
+    /// once `open` holds a permit.
+    struct Gated {
+        open: Arc<tokio::sync::Semaphore>,
+        clone: bool,
+    }
+    impl Clone for Gated {
+        fn clone(&self) -> Self {
+            Gated {
+                open: self.open.clone(),
+                clone: true,
+            }
+        }
+    }
+    impl tower::Service<Request<tower_idempotency::layer::RequestBody<Body>>> for Gated {
+        type Response = Response<Body>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            if !self.clone || self.open.available_permits() > 0 {
+                return Poll::Ready(Ok(()));
+            }
+            // Looked at again shortly (a test double: no waker list).
+            let waker = cx.waker().clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                waker.wake();
+            });
+            Poll::Pending
+        }
+        fn call(
+            &mut self,
+            _request: Request<tower_idempotency::layer::RequestBody<Body>>,
+        ) -> Self::Future {
+            std::future::ready(Ok(reply(StatusCode::CREATED, "done")))
+        }
+    }
+    const BODY: usize = 1000;
+    let config = EngineConfig {
+        max_buffered_bytes: 2 * BODY as u64,
+        ..EngineConfig::default()
+    };
+    let routes = Routes::all(Policy::default()).unwrap();
+    let engine = Engine::with_config(Arc::new(MemoryStore::new()), routes, config);
+    let open = Arc::new(tokio::sync::Semaphore::new(0));
+    let layer = IdempotencyLayer::new(engine.clone());
+    let json = format!(r#"{{"pad":"{}"}}"#, "x".repeat(BODY - 10));
+    let mut answers = Vec::new();
+    for n in 0..4 {
+        let order = Request::post("/orders")
+            .header("idempotency-key", format!("queued-{n}"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::CONTENT_LENGTH, json.len())
+            .body(Body::from(json.clone()))
+            .unwrap();
+        // A service of its own per order (the layer swaps the instance it
+        // calls for a clone, which would wait).
+        let gated = Gated {
+            open: open.clone(),
+            clone: false,
+        };
+        let mut service = tower::Layer::layer(&layer, gated);
+        let call = tower::Service::call(service.ready().await.unwrap(), order);
+        answers.push(tokio::spawn(call));
+        // Each order reads its body and waits for readiness (or is
+        // refused) before the next comes.
+        promptly(async {
+            while engine.metrics().in_flight() as u64 + engine.metrics().overloaded() <= n {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await;
+    }
+    assert_eq!(
+        engine.metrics().overloaded(),
+        2,
+        "two bodies fit the budget"
+    );
+    assert_eq!(engine.metrics().buffered_bytes(), 2 * BODY as u64);
+    open.add_permits(1);
+    let mut statuses = Vec::new();
+    for answer in answers {
+        statuses.push(promptly(answer).await.unwrap().unwrap().status());
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::CREATED,
+            StatusCode::CREATED,
+            StatusCode::SERVICE_UNAVAILABLE,
+            StatusCode::SERVICE_UNAVAILABLE
+        ]
+    );
+    assert_eq!(
+        engine.metrics().buffered_bytes(),
+        0,
+        "every permit given back"
+    );
+}
+
 /// A caller that keeps one instance of the layered service (tower's
 /// `ready().await?.call(…)` on the same value, a `Buffer` worker) under a
 /// concurrency limit of one: the instance it polled ready must not keep

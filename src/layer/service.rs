@@ -124,15 +124,18 @@ where
                 routed: Some(&parts.uri),
             };
             let decision = engine.begin(&covered, head, &body).await;
-            drop(permit);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
+            // The body stays counted in the budget until the inner service
+            // is ready for it: bodies queued behind a concurrency limit are
+            // buffered bodies too.
             match decision {
                 Decision::Respond(response) => Step::Done(Ok(response.map(ResponseBody::full))),
                 Decision::Forward => {
                     if let Err(error) = ready(&mut inner).await {
                         return Step::Done(Err(error));
                     }
+                    drop(permit);
                     Step::Done(
                         inner
                             .call(request)
