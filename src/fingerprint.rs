@@ -39,7 +39,7 @@
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::formats::{self, Kind, View};
+use crate::formats::{self, Kind, View, METHOD_OVERRIDE};
 use crate::store::Fingerprint;
 
 pub use crate::formats::parse_pointer;
@@ -62,10 +62,6 @@ pub struct Exclusions<'a> {
     /// Form field names.
     pub form: &'a [String],
 }
-
-/// The header by which a `POST` names the method it is run as; always
-/// fingerprinted.
-const METHOD_OVERRIDE: HeaderName = HeaderName::from_static("x-http-method-override");
 
 /// Fingerprints a request.
 pub fn fingerprint(

@@ -40,6 +40,12 @@ pub fn content_type(headers: &HeaderMap) -> &str {
     }
 }
 
+/// The header by which a `POST` names the method it is run as (Express,
+/// Symfony): read by the engine's classification, always fingerprinted,
+/// and always forwarded.
+pub(crate) const METHOD_OVERRIDE: http::HeaderName =
+    http::HeaderName::from_static("x-http-method-override");
+
 /// Whether Rack or PHP read a body of `content_type` as a form: they cut
 /// the media type at `;`, `,` or a space (PHP) and take an absent or empty
 /// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`

@@ -230,6 +230,20 @@ async fn response_trailers_reach_the_first_caller() {
     );
 }
 
+/// An app covering every path, that picks its tenant from the request
+/// header `tenant_header` and answers `201` with it in `x-tenant`.
+fn tenant_app(tenant_header: &'static str) -> support::Upstream {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    layered(&engine, move |_, request| async move {
+        let tenant = request.headers()[tenant_header].clone();
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("x-tenant", tenant)
+            .body(Body::empty())
+            .unwrap()
+    })
+}
+
 /// Scenario: the service behind a reverse proxy that sets `Host` to the
 /// upstream's own name (nginx's default `proxy_set_header Host
 /// $proxy_host`) and passes the tenant's host in `X-Forwarded-Host`, which
@@ -243,15 +257,7 @@ async fn response_trailers_reach_the_first_caller() {
 #[tokio::test]
 #[ignore = "known limit (README, Guarantees and their limits): tenants selected by X-Forwarded-Host share one scope (cross-tenant replay)"]
 async fn tenants_behind_a_host_rewriting_proxy_never_share_a_scope() {
-    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
-    let app = layered(&engine, |_, request| async move {
-        let tenant = request.headers()["x-forwarded-host"].clone();
-        Response::builder()
-            .status(StatusCode::CREATED)
-            .header("x-tenant", tenant)
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = tenant_app("x-forwarded-host");
     let order = |shop: &'static str| {
         app.send(
             Request::post("/api/orders")
@@ -285,15 +291,7 @@ async fn tenants_behind_a_host_rewriting_proxy_never_share_a_scope() {
 /// they differ.
 #[tokio::test]
 async fn an_authority_and_a_host_that_differ_never_share_a_scope() {
-    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
-    let app = layered(&engine, |_, request| async move {
-        let tenant = request.headers()[header::HOST].clone();
-        Response::builder()
-            .status(StatusCode::CREATED)
-            .header("x-tenant", tenant)
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = tenant_app("host");
     let order = |host: &'static str| {
         app.send(
             Request::post("http://shop-a.example/api/orders")

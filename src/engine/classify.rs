@@ -221,7 +221,6 @@ impl Engine {
 /// field, then the header; Express's `method-override` the header's first
 /// listed value.
 const OVERRIDE_FIELD: &str = "_method";
-const OVERRIDE_HEADER: &str = "x-http-method-override";
 
 /// Every method a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
 /// upper-cased and distinct, in the order: the header's first listed
@@ -241,7 +240,7 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     // Express reads the first listed value (of the header's lines, joined
     // as Node joins them); Symfony and Rack the whole value, which names a
     // method only when it lists one.
-    if let Some(value) = head.headers.get(OVERRIDE_HEADER) {
+    if let Some(value) = head.headers.get(formats::METHOD_OVERRIDE) {
         let first = value
             .as_bytes()
             .split(|&b| b == b',')

@@ -105,7 +105,7 @@ fn not_forwarded_unless(
     const READ_BY_THE_ENGINE: [HeaderName; 3] = [
         header::CONTENT_TYPE,
         header::CONTENT_ENCODING,
-        HeaderName::from_static("x-http-method-override"),
+        crate::formats::METHOD_OVERRIDE,
     ];
     let mut names: Vec<HeaderName> = CONNECTION_SCOPED
         .iter()

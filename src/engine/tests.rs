@@ -420,6 +420,24 @@ async fn a_waiter_polls_with_reads_not_reservations() {
     assert_eq!(faults.calls(Op::Reserve), 2);
 }
 
+/// A duplicate of `key` every 10 ms for `span` (on an `in_flight =
+/// "reject"` route): each finds it in flight, none takes it over.
+async fn duplicates_find_it_in_flight(
+    engine: &Engine,
+    policy: &Covered,
+    key: &str,
+    span: Duration,
+) {
+    for _ in 0..span.as_millis() / 10 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            problem_type(begin(engine, policy, key).await).1,
+            "urn:tower-idempotency:in-flight",
+            "the lease was renewed, not taken over"
+        );
+    }
+}
+
 /// Renewals that fail (a store restarting, broken pooled connections)
 /// are tried again soon, not a third of the lease later: three failed
 /// renewals in a row do not let a live request's lease run out.
@@ -432,15 +450,7 @@ async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
     });
     faults.set_next(Op::Renew, Fault::Down, 3);
     let held = proceed(begin(&engine, &policy, "k").await);
-    // A duplicate every 10 ms for 2 s: none may take the key over.
-    for _ in 0..200 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        assert_eq!(
-            problem_type(begin(&engine, &policy, "k").await).1,
-            "urn:tower-idempotency:in-flight",
-            "the lease was renewed, not taken over"
-        );
-    }
+    duplicates_find_it_in_flight(&engine, &policy, "k", Duration::from_secs(2)).await;
     assert_eq!(faults.remaining(Op::Renew), 0, "all failed");
     held.release().await;
 }
@@ -516,14 +526,7 @@ async fn a_slow_reservation_answer_does_not_let_its_lease_run_out() {
         1,
     );
     let held = proceed(begin(&engine, &policy, "k").await);
-    for _ in 0..100 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        assert_eq!(
-            problem_type(begin(&engine, &policy, "k").await).1,
-            "urn:tower-idempotency:in-flight",
-            "the lease was renewed, not taken over"
-        );
-    }
+    duplicates_find_it_in_flight(&engine, &policy, "k", Duration::from_secs(1)).await;
     held.release().await;
 }
 
