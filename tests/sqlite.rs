@@ -230,3 +230,45 @@ async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
     }
     store.close().await;
 }
+
+/// A completed record the store cannot decode (bytes altered on disk, or
+/// written by a newer version in a form this one does not know) proves the
+/// request ran: a fail-open route answers 503 for it, as for a record that
+/// cannot be opened, instead of forwarding the retry to run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_cannot_be_decoded_is_never_run_again_on_a_fail_open_route() {
+    use sqlx::Connection;
+    use tower_idempotency::policy::FailMode;
+
+    let path = fixtures::sqlite_path();
+    let path = path.to_str().unwrap();
+    let policy = Policy {
+        fail_mode: FailMode::Open,
+        ..Policy::default()
+    };
+    let store = SqliteStore::connect(path).await.unwrap();
+    let app =
+        Harness::new(policy.clone()).with_engine(Engine::new(store, Routes::all(policy).unwrap()));
+    let first = app.send(post_json(b"order-9", r#"{"amount": 5}"#)).await;
+    assert_eq!(first.status, http::StatusCode::CREATED);
+
+    let mut sabotage = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
+        .await
+        .unwrap();
+    let altered = sqlx::query("UPDATE idempotency_records SET headers = X'ffffffff'")
+        .execute(&mut sabotage)
+        .await
+        .unwrap();
+    assert_eq!(altered.rows_affected(), 1);
+    sabotage.close().await.unwrap();
+
+    for _ in 0..3 {
+        let retry = app.send(post_json(b"order-9", r#"{"amount": 5}"#)).await;
+        assert_eq!(retry.status, http::StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(
+        app.calls(),
+        1,
+        "a retry of a request that ran was run again"
+    );
+}

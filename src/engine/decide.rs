@@ -466,8 +466,8 @@ impl Engine {
         Ok(())
     }
 
-    /// A completed record that cannot be opened (its key is not configured,
-    /// or it fails authentication): 503 whatever the route's fail mode,
+    /// A record that cannot be opened (its key is not configured, it fails
+    /// authentication, or it cannot be decoded): 503 whatever the route's fail mode,
     /// because the record proves the request ran and forwarding would run
     /// it again.
     fn unreadable(&self, head: &RequestHead<'_>, error: &StoreError) -> Decision {
@@ -476,13 +476,19 @@ impl Engine {
         Decision::Respond(self.store_unavailable(head.headers))
     }
 
-    /// The store failed: forward unprotected (fail-open) or 503.
+    /// The store failed: forward unprotected (fail-open) or 503. A record
+    /// the store found but could not decode ([`StoreError::Corrupt`]) is
+    /// answered like one that cannot be opened: it proves the key was
+    /// used, so forwarding could run the request again.
     fn store_failed(
         &self,
         policy: &RoutePolicy,
         head: &RequestHead<'_>,
         error: &StoreError,
     ) -> Decision {
+        if matches!(error, StoreError::Corrupt(_) | StoreError::Unreadable(_)) {
+            return self.unreadable(head, error);
+        }
         self.inner.metrics.record(Event::StoreError);
         tracing::warn!(%error, path = head.uri.path(), "idempotency store failed");
         match policy.policy().fail_mode {
