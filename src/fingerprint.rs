@@ -36,7 +36,7 @@
 //! Every part is length-prefixed, so no two different inputs can be made to
 //! hash alike by moving bytes between parts.
 
-use http::{HeaderMap, HeaderName, Method, Uri};
+use http::{header, HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
 use crate::formats::{self, Kind, View, METHOD_OVERRIDE};
@@ -110,10 +110,20 @@ pub fn fingerprint_view(
             put(&mut hasher, value.as_bytes());
         }
     }
-    // A body whose type backends read more than one way is hashed raw.
-    let kind = match formats::read_more_than_one_way(headers) {
-        true => &Kind::Opaque,
-        false => &body.kind,
+    // A body sent encoded is another request than its bytes sent as they
+    // are: a backend that inflates it reads other content.
+    if !fingerprint_headers.contains(&header::CONTENT_ENCODING) {
+        for value in headers.get_all(header::CONTENT_ENCODING) {
+            put(&mut hasher, header::CONTENT_ENCODING.as_str().as_bytes());
+            put(&mut hasher, value.as_bytes());
+        }
+    }
+    // A body whose type backends read more than one way is hashed raw; so
+    // is a form whose fields they decode differently.
+    let kind = match &body.kind {
+        _ if formats::read_more_than_one_way(headers) => &Kind::Opaque,
+        Kind::Form(_) if !formats::form_read_one_way(body.bytes) => &Kind::Opaque,
+        kind => kind,
     };
     match kind {
         Kind::Json => match canonicalize(body.bytes, exclude.json, true, Buffers::take()) {
@@ -156,16 +166,24 @@ pub fn fingerprint_view(
 
 /// Sorts form fields by name, stably, where names PHP reads as one
 /// (`total.amount`, `total amount` and `total_amount` are all
-/// `$_POST['total_amount']`, the last one winning) sort as one, so their
-/// relative order — which decides what PHP reads — stays in the
-/// fingerprint. The raw names are what is hashed.
+/// `$_POST['total_amount']`, the last one winning) sort as one, and so do
+/// the fields of one array or object (`items[][sku]`, `items[][qty]`,
+/// `items`: PHP, Rack and `qs` build one value from them, in their order),
+/// so their relative order — which decides what the backend reads — stays
+/// in the fingerprint. The raw names are what is hashed.
 fn sort_as_php_reads<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
     let mangled = fields
         .iter()
         .any(|field| name(field).iter().any(|b| matches!(b, b' ' | b'.' | b'[')));
     match mangled {
         false => fields.sort_by(|a, b| name(a).cmp(name(b))),
-        true => fields.sort_by_cached_key(|field| crate::formats::php_name(name(field))),
+        true => fields.sort_by_cached_key(|field| {
+            let mut family = crate::formats::php_name(name(field));
+            if let Some(bracket) = family.iter().position(|&b| b == b'[') {
+                family.truncate(bracket);
+            }
+            family
+        }),
     }
 }
 

@@ -91,7 +91,9 @@ pub(crate) fn spells_json(headers: &HeaderMap) -> bool {
 ///   form to them and JSON by its ending);
 /// * a type Laravel reads as JSON ([`spells_json`]) that is not JSON by
 ///   its media type (`multipart/form-data; boundary=+JSON`, a form with a
-///   parameter `x=/json`).
+///   parameter `x=/json`);
+/// * a multipart type whose boundary PHP or Rack reads otherwise than
+///   [`multipart_boundary`] ([`boundary_read_one_way`]).
 pub fn read_more_than_one_way(headers: &HeaderMap) -> bool {
     let mut lines = headers.get_all(http::header::CONTENT_TYPE).iter();
     let Some(first) = lines.next() else {
@@ -101,7 +103,39 @@ pub fn read_more_than_one_way(headers: &HeaderMap) -> bool {
         return true;
     };
     let media_type = text.split(';').next().unwrap_or_default();
-    lines.next().is_some() || media_type.contains(',') || (spells_json(headers) && !is_json(text))
+    lines.next().is_some()
+        || media_type.contains(',')
+        || (spells_json(headers) && !is_json(text))
+        || (is_media_type(text, "multipart/form-data") && !boundary_read_one_way(text))
+}
+
+/// Whether PHP and Rack read the same boundary from a multipart content
+/// type as [`multipart_boundary`] does. PHP takes the first substring
+/// `boundary` (case-sensitive, else in any case) and the value after the
+/// next `=`, up to a closing quote or the first `,` or `;`; Rack the last
+/// `boundary=` in any case (its pattern is greedy), up to `"`, `;` or `,`.
+/// With a second `boundary` parameter (`xboundary=A; boundary=B`) or a
+/// space around the value they read another one, and each reads other
+/// parts from the same body.
+fn boundary_read_one_way(content_type: &str) -> bool {
+    let Some(ours) = multipart_boundary(content_type) else {
+        return true;
+    };
+    let lower = content_type.to_ascii_lowercase();
+    let php = content_type
+        .find("boundary")
+        .or_else(|| lower.find("boundary"))
+        .and_then(|at| content_type[at..].split_once('='))
+        .and_then(|(_, value)| match value.strip_prefix('"') {
+            Some(quoted) => quoted.split_once('"').map(|(value, _)| value),
+            None => value.split([',', ';']).next(),
+        });
+    let rack = lower.rfind("boundary=").map(|at| {
+        let value = &content_type[at + "boundary=".len()..];
+        let value = value.strip_prefix('"').unwrap_or(value);
+        value.split(['"', ';', ',']).next().unwrap_or_default()
+    });
+    php == Some(ours) && rack == Some(ours)
 }
 
 /// Whether `content_type` is `expected`, ignoring parameters and case.
@@ -291,6 +325,21 @@ pub fn form_value(body: &[u8], name: &str) -> Option<Vec<u8>> {
         .map(|(_, v)| v)
 }
 
+/// Whether every reader decodes the urlencoded `body` alike: each field
+/// has an `=` (Rack reads `gift` as `nil`, `gift=` as `""`) and each `%`
+/// starts a valid escape (Go drops a field with a bad one; PHP and this
+/// reader keep it literally, so `%zz` and `%25zz` decode alike).
+pub(crate) fn form_read_one_way(body: &[u8]) -> bool {
+    let escapes = memchr::memchr_iter(b'%', body).all(|at| {
+        body.get(at + 1..at + 3)
+            .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+    });
+    escapes
+        && body
+            .split(|&b| b == b'&')
+            .all(|field| field.is_empty() || field.contains(&b'='))
+}
+
 fn percent_decode(input: &[u8]) -> Vec<u8> {
     let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
     let mut out = Vec::with_capacity(input.len());
@@ -334,7 +383,10 @@ pub fn multipart_boundary(content_type: &str) -> Option<&str> {
     })
 }
 
-/// Splits a multipart body into its parts. `None` if it is malformed.
+/// Splits a multipart body into its parts. `None` if it is malformed, or
+/// if it holds bytes other readers may read as parts where this one reads
+/// none: before its first delimiter (a preamble, which PHP searches line by
+/// line) or after its closing one (an epilogue), line breaks aside.
 /// Linear in the body's length: each byte is searched once per delimiter
 /// search, with a substring search that does not backtrack.
 pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a>>> {
@@ -343,10 +395,15 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
     let next = memmem::Finder::new(&next_delimiter);
     let header_end = memmem::Finder::new(b"\r\n\r\n");
     let mut parts = Vec::new();
-    let mut rest = &body[memmem::find(body, &delimiter)? + delimiter.len()..];
+    let start = body
+        .iter()
+        .take_while(|&&b| matches!(b, b'\r' | b'\n'))
+        .count();
+    let mut rest = body[start..].strip_prefix(&delimiter[..])?;
     loop {
-        if rest.starts_with(b"--") {
-            return Some(parts);
+        if let Some(epilogue) = rest.strip_prefix(b"--") {
+            let ends = epilogue.iter().all(|b| matches!(b, b'\r' | b'\n'));
+            return ends.then_some(parts);
         }
         rest = rest.strip_prefix(b"\r\n")?;
         let header_end = header_end.find(rest)?;
@@ -362,26 +419,34 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
     }
 }
 
+/// The part's name: its `Content-Disposition`'s one `name` parameter,
+/// plain or in double quotes. `None` (the body is malformed) where readers
+/// differ on it: two `name` parameters (PHP takes the last, this reader
+/// took the first), a name in single quotes (PHP strips them), or a quote
+/// left open.
 fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
     const PREFIX: &[u8] = b"content-disposition:";
     let line = headers.split(|&b| b == b'\n').find(|line| {
         line.len() > PREFIX.len() && line[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
     })?;
-    line[PREFIX.len()..]
+    let mut names = line[PREFIX.len()..]
         .split(|&b| b == b';')
         .map(|param| param.trim_ascii())
-        .find_map(|param| {
-            let value = param
+        .filter_map(|param| {
+            param
                 .get(..5)
                 .filter(|name| name.eq_ignore_ascii_case(b"name="))
-                .map(|_| &param[5..])?;
-            Some(
-                value
-                    .strip_prefix(b"\"")
-                    .and_then(|v| v.strip_suffix(b"\""))
-                    .unwrap_or(value),
-            )
-        })
+                .map(|_| &param[5..])
+        });
+    let (value, None) = (names.next()?, names.next()) else {
+        return None;
+    };
+    match value.strip_prefix(b"\"") {
+        Some(quoted) => quoted
+            .strip_suffix(b"\"")
+            .filter(|name| !name.contains(&b'"')),
+        None => (!value.starts_with(b"'")).then_some(value),
+    }
 }
 
 /// Splits a JSON pointer (RFC 6901, `/a/b~1c`) into unescaped tokens
@@ -418,6 +483,39 @@ pub fn pointer_get<'v>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn boundaries_every_reader_agrees_on_are_read_one_way() {
+        for content_type in [
+            "multipart/form-data; boundary=----WebKitFormBoundary7MA4YWxkTrZu0gW",
+            "multipart/form-data; boundary=---------------------------9051914041544843365972754266",
+            "multipart/form-data; boundary=\"a quoted one\"",
+            "Multipart/Form-Data; BOUNDARY=X",
+            "multipart/form-data;boundary=X; charset=utf-8",
+        ] {
+            assert!(boundary_read_one_way(content_type), "{content_type}");
+        }
+        for content_type in [
+            "multipart/form-data; xboundary=A; boundary=B",
+            "multipart/form-data; boundary=A; boundary=B",
+            "multipart/form-data; boundaryx=A; boundary=B",
+            "multipart/form-data; boundary = B",
+            "multipart/form-data; boundary=B ; x=y",
+            "multipart/form-data; BOUNDARY=A; boundary=B",
+            "multipart/form-data; boundary=\"a;b\"",
+        ] {
+            assert!(!boundary_read_one_way(content_type), "{content_type}");
+        }
+    }
+
+    #[test]
+    fn a_preamble_or_epilogue_makes_a_multipart_body_malformed() {
+        let body = "--B\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--B--";
+        assert!(multipart_parts(body.as_bytes(), "B").is_some());
+        assert!(multipart_parts(format!("\r\n{body}\r\n").as_bytes(), "B").is_some());
+        assert!(multipart_parts(format!("x\r\n{body}").as_bytes(), "B").is_none());
+        assert!(multipart_parts(format!("{body}\r\nx").as_bytes(), "B").is_none());
+    }
 
     #[test]
     fn json_media_types() {

@@ -1974,3 +1974,123 @@ async fn a_required_route_wins_over_every_reading_that_disagrees() {
     }
     assert_eq!(app.calls(), 0);
 }
+
+/// Bodies the backend reads as two different requests that the fingerprint
+/// read as one, from a review of the fingerprint: the second is answered
+/// with the first's response (its change silently dropped) where it must
+/// be refused. Each pair below is sent under one key; the backend reads
+/// the second differently from the first:
+///
+/// * a multipart content type with a second `boundary` parameter
+///   (`xboundary=A; boundary=B`): PHP takes the first `boundary` substring
+///   (`A`), Rack the last; the engine read `B`, and nothing after `--B--`;
+/// * bytes after a multipart body's closing delimiter (its epilogue), which
+///   a parser reading another boundary, or continuing past the close,
+///   reads as parts;
+/// * two parts named `amount`, one in single quotes (`name='amount'`, which
+///   PHP reads as `amount`) or one with two `name=` parameters (PHP takes
+///   the last), in the other order: the order decides PHP's value, and the
+///   engine sorted them apart;
+/// * form fields of one array (`items[][sku]`, `items[][qty]`) in another
+///   order: Rack and `qs` build other objects from them, and the engine
+///   sorted them by full name;
+/// * `%zz` (an invalid escape, which Go drops with its pair) and `%25zz`
+///   (the literal `%zz`); a field without `=` (Rack: `nil`) and with one
+///   (`""`);
+/// * the same bytes with and without `Content-Encoding: gzip` (a backend
+///   that inflates the second stores other content).
+#[tokio::test]
+async fn a_changed_form_is_refused_not_given_the_first_response() {
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let app = layered(&engine, |_, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Body::empty())
+            .unwrap()
+    });
+    let form = "application/x-www-form-urlencoded";
+    let part = |name: &str, value: &str| {
+        format!("--B\r\nContent-Disposition: form-data; name={name}\r\n\r\n{value}\r\n")
+    };
+    let double = part("\"amount\"", "10");
+    let single = part("'amount'", "1000");
+    let hidden = |amount: &str| {
+        format!(
+            "{}--B--\r\n--A\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n\
+             {amount}\r\n--A--\r\n",
+            part("\"n\"", "x")
+        )
+    };
+    let cases: Vec<(&str, String, String, Option<&str>)> = vec![
+        (
+            "multipart/form-data; xboundary=A; boundary=B",
+            hidden("10"),
+            hidden("1000"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            hidden("10"),
+            hidden("1000"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            format!("{double}{single}--B--\r\n"),
+            format!("{single}{double}--B--\r\n"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            format!(
+                "{}{}--B--\r\n",
+                part("\"zzz\"; name=\"amount\"", "10"),
+                part("\"amount\"", "1000")
+            ),
+            format!(
+                "{}{}--B--\r\n",
+                part("\"amount\"", "1000"),
+                part("\"zzz\"; name=\"amount\"", "10")
+            ),
+            None,
+        ),
+        (
+            form,
+            "items[][sku]=A&items[][qty]=1&items[][sku]=B&items[][qty]=2".into(),
+            "items[][sku]=A&items[][sku]=B&items[][qty]=1&items[][qty]=2".into(),
+            None,
+        ),
+        (form, "a=1&a[x]=2".into(), "a[x]=2&a=1".into(), None),
+        (form, "note=%zz".into(), "note=%25zz".into(), None),
+        (form, "amount=5&gift".into(), "amount=5&gift=".into(), None),
+        (
+            "application/octet-stream",
+            "\u{1f}\u{8b}same bytes".into(),
+            "\u{1f}\u{8b}same bytes".into(),
+            Some("gzip"),
+        ),
+    ];
+    let mut replayed = Vec::new();
+    for (n, (content_type, first, second, encoding)) in cases.into_iter().enumerate() {
+        let key = format!("changed-{n}");
+        let send = |body: String, encoding: Option<&str>| {
+            let mut request =
+                support::post(key.as_bytes()).header(header::CONTENT_TYPE, content_type);
+            if let Some(encoding) = encoding {
+                request = request.header(header::CONTENT_ENCODING, encoding);
+            }
+            app.send(request.body(Full::new(Bytes::from(body))).unwrap())
+        };
+        let reply = send(first, None).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "case {n}");
+        let reply = send(second, encoding).await;
+        if reply.status != StatusCode::UNPROCESSABLE_ENTITY {
+            replayed.push(format!("case {n} ({content_type}): {}", reply.status));
+        }
+    }
+    assert!(
+        replayed.is_empty(),
+        "changed requests answered with the first response: {replayed:#?}"
+    );
+}
