@@ -38,6 +38,7 @@ use std::sync::Arc;
 use clap::Parser;
 use pingora_core::server::configuration::ServerConf;
 use pingora_core::server::{RunArgs, Server};
+use tower_idempotency::policy::PathPattern;
 use tower_idempotency::{Engine, EngineConfig};
 
 use crate::config::{Config, ProxySettings};
@@ -297,6 +298,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         encryption_key = %encryption_key,
         "idempotency-proxy started"
     );
+    warn_of_shared_scopes(&config.routes);
     let signals = Signals {
         drain,
         engine: engine_for_shutdown,
@@ -314,4 +316,30 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 /// The store's kind, for the log: never the URL (it may hold a password).
 fn store_kind(spec: &str) -> &str {
     spec.split(':').next().unwrap_or(spec)
+}
+
+/// Warns, once at start, of covered routes that scope keys by host and path
+/// alone (no `principal`, no `scope_headers`): every caller of such a route
+/// shares one key space, so a caller that sends another's key is answered
+/// with the other's response. Right for a single-tenant backend; a warning
+/// so that no one runs it by oversight in front of several users.
+fn warn_of_shared_scopes(routes: &tower_idempotency::Routes) {
+    let shared: Vec<String> = routes
+        .iter()
+        .filter_map(|route| {
+            let policy = route.policy.as_ref()?.policy();
+            let shared = policy.principal.is_none() && policy.scope_headers.is_empty();
+            shared.then(|| match &route.path {
+                PathPattern::Prefix(path) | PathPattern::Glob(path) => path.clone(),
+            })
+        })
+        .collect();
+    if !shared.is_empty() {
+        tracing::warn!(
+            routes = %shared.join(" "),
+            "covered routes without `principal` or `scope_headers`: all their callers share \
+             one key space, and a caller sending another's key gets the other's response; \
+             set `principal` (or `scope_headers`) unless the backend serves one tenant"
+        );
+    }
 }

@@ -797,6 +797,55 @@ async fn replays_come_from_a_redis_cluster_front_cache() {
     assert_eq!(counter("idempotency_redis_errors_total "), 0, "{metrics}");
 }
 
+/// A covered route that neither names a `principal` nor lists
+/// `scope_headers` shares one key space among all its callers: a caller
+/// sending another's key is answered with the other's response. The proxy
+/// says so at start, naming those routes (and only those), at the quiet
+/// level too.
+#[tokio::test(flavor = "multi_thread")]
+async fn routes_whose_callers_share_one_key_space_are_named_at_start() {
+    let config = "[[route]]\npath = \"/shared\"\n\n\
+                  [[route]]\npath = \"/scoped\"\nscope_headers = [\"authorization\"]\n\n\
+                  [[route]]\npath = \"/plain\"\nenabled = false\n";
+    let backend = Backend::start().await;
+    let dir = temp_dir("shared-scopes");
+    let log = dir.join("proxy.log");
+    let mut proxy = Proxy::start_logged(ProxyArgs::new(backend.url(), config, &dir), &log, "warn")
+        .await
+        .owning(dir);
+    // What the warning is about: one caller's key answers another caller.
+    let key = uuid();
+    let alice = [
+        ("idempotency-key", key.as_str()),
+        ("authorization", "Bearer alice"),
+    ];
+    let mallory = [
+        ("idempotency-key", key.as_str()),
+        ("authorization", "Bearer mallory"),
+    ];
+    assert!(!proxy.send("POST", "/shared", &alice, "{}").await.replayed());
+    assert!(proxy
+        .send("POST", "/shared", &mallory, "{}")
+        .await
+        .replayed());
+    assert!(!proxy.send("POST", "/scoped", &alice, "{}").await.replayed());
+    assert!(!proxy
+        .send("POST", "/scoped", &mallory, "{}")
+        .await
+        .replayed());
+    assert_eq!(backend.total(), 3);
+    proxy.stop().await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let warning = text
+        .lines()
+        .find(|line| line.contains("share one key space"))
+        .unwrap_or_else(|| panic!("no warning of shared key spaces in:\n{text}"));
+    assert!(warning.contains("WARN"), "{warning}");
+    assert!(warning.contains("/shared"), "{warning}");
+    assert!(!warning.contains("/scoped"), "{warning}");
+    assert!(!warning.contains("/plain"), "{warning}");
+}
+
 /// Every decision is one log line with its outcome, the status the client
 /// was sent, the duration, and the key's 8-character hash once the key was
 /// read — refusals included, and a released key after an upstream timeout
