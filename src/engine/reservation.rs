@@ -142,9 +142,9 @@ impl Reservation {
     /// Stores `outcome` (replayed from now on). Never fails and never holds
     /// the caller up for long: when storing fails, it is retried in the
     /// background (the renewer still renewing the lease) for up to the
-    /// route's lease, so a store outage shorter than the lease never leads
-    /// to a second execution; after that it is logged and the key can be
-    /// taken over. In the lease's last quarter, an attempt that fails is
+    /// route's lease, so an outage that ends before the lease last renewed
+    /// runs out never leads to a second execution; after that it is logged
+    /// and the key can be taken over. In the lease's last quarter, an attempt that fails is
     /// followed by one storing the small marker "executed, response not
     /// stored": a response the store keeps refusing (too large for it,
     /// say) while it renews the lease still keeps the key from running the
