@@ -1516,6 +1516,54 @@ async fn a_content_type_read_two_ways_does_not_skip_a_required_route() {
     );
 }
 
+/// A multipart body PHP reads as naming `PUT` where the engine read no
+/// `_method` part (from a review of the fingerprint's multipart reading):
+/// a part with two `name` parameters (PHP takes the last), a name in
+/// single quotes, a second `boundary` parameter (PHP takes the first
+/// substring `boundary`), a part after the closing delimiter. The engine
+/// cannot read such a body one way; when it spells `method`, it is taken
+/// to name every method a route covers, so the required route's key is
+/// asked for instead of the body passing as a keyless `POST`.
+#[tokio::test]
+async fn a_multipart_body_read_two_ways_does_not_skip_a_required_route() {
+    let engine = required_put_engine();
+    let app = answering(&engine, StatusCode::OK);
+    let part = |boundary: &str, name: &str| {
+        format!("--{boundary}\r\nContent-Disposition: form-data; name={name}\r\n\r\nPUT\r\n")
+    };
+    let cases: Vec<(&str, Vec<&[u8]>, String)> = vec![
+        (
+            "php, the last of two names",
+            vec![b"multipart/form-data; boundary=B"],
+            format!("{}--B--\r\n", part("B", "\"x\"; name=\"_method\"")),
+        ),
+        (
+            "php, a name in single quotes",
+            vec![b"multipart/form-data; boundary=B"],
+            format!("{}--B--\r\n", part("B", "'_method'")),
+        ),
+        (
+            "php, the first boundary substring",
+            vec![b"multipart/form-data; xboundary=A; boundary=B"],
+            format!("{}--A--\r\n", part("A", "\"_method\"")),
+        ),
+        (
+            "a part after the closing delimiter",
+            vec![b"multipart/form-data; boundary=B"],
+            format!(
+                "{}--B--\r\n{}--B--\r\n",
+                part("B", "\"n\""),
+                part("B", "\"_method\"")
+            ),
+        ),
+    ];
+    let skipped = keyless_posts_not_refused(&app, cases).await;
+    assert!(
+        skipped.is_empty(),
+        "keyless updates the backend runs as PUT reached it: {skipped:?}"
+    );
+}
+
 /// Scenario: a route taking an optional key from the form field
 /// `submission_token` (the seed's form recipe, `required = false` for API
 /// clients that may send none), and a client that sends the same request

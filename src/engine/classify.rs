@@ -192,12 +192,14 @@ impl Engine {
         body: &View<'_>,
     ) -> Option<(Option<Method>, &'r Arc<RoutePolicy>)> {
         let path = head.route_path();
-        let named = overrides(head, Some(body))
-            .into_iter()
-            .filter_map(|method| {
-                let route = self.inner.routes.find(&method, path)?;
-                Some((Some(method), route))
-            });
+        let mut named = overrides(head, Some(body));
+        if names_unreadably(head, body) {
+            named.extend_from_slice(self.inner.routes.methods());
+        }
+        let named = named.into_iter().filter_map(|method| {
+            let route = self.inner.routes.find(&method, path)?;
+            Some((Some(method), route))
+        });
         let own = self
             .route_of(head)
             .or_else(|| covered.applies_to(head.method).then_some(covered));
@@ -363,6 +365,19 @@ impl Named {
             self.add(&last);
         }
     }
+}
+
+/// Whether a `POST`'s multipart body may name a method where no reading
+/// here can see it: a body malformed to this reader, or under a boundary
+/// PHP or Rack read otherwise, that spells `method` somewhere (a part PHP
+/// reads as `_method` by its last `name`, say). It is taken to name every
+/// method a route covers, so a required route's key is asked for.
+fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
+    is_post(head.method)
+        && formats::is_media_type(formats::content_type(head.headers), "multipart/form-data")
+        && (matches!(body.kind, formats::Kind::BadMultipart)
+            || formats::read_more_than_one_way(head.headers))
+        && memchr::memmem::find(body.bytes, b"method").is_some()
 }
 
 /// Whether `method` is `POST`, in any case (see [`RoutePolicy::applies_to`]).
