@@ -1236,6 +1236,52 @@ async fn the_plain_sql_insert_of_the_docs_enqueues_from_any_language() {
     assert_eq!(db.outbox.counts().await.unwrap().total(), 1);
 }
 
+/// SQLite does not enforce a column's type: an application whose ids are
+/// binary (a 16-byte UUID blob, common on SQLite) stored its `source` as a
+/// BLOB through the documented plain-SQL insert. Such a row could not be
+/// read back, so every claim of the batch it was in failed after claiming
+/// it: the row and its batch-mates went from lease to lease until `dead`,
+/// never sent, and the dead list failed to load (from a review of the
+/// outbox). The insert is refused instead, in the application's own
+/// transaction, and the rows beside it are claimed.
+#[tokio::test]
+async fn an_sqlite_row_that_could_not_be_read_back_is_refused_at_insert() {
+    let db = TestDb::sqlite().await;
+    let Pool::Lite(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    let insert = "INSERT INTO outbox_messages (topic, source, payload)
+                  VALUES (?1, ?2, CAST(?3 AS BLOB))";
+    for n in 0..4 {
+        sqlx::query(insert)
+            .bind("crm")
+            .bind(format!("sub-{n}"))
+            .bind("{}")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    let binary_id = [
+        0xc3u8, 0x28, 0xa0, 0xa1, 0xe2, 0x28, 0xa1, 0xf0, 0x28, 0x8c, 0xbc, 0xf0, 0x90, 0x28, 0x8c,
+        0x28,
+    ];
+    let refused = sqlx::query(insert)
+        .bind("crm")
+        .bind(&binary_id[..])
+        .bind("{}")
+        .execute(pool)
+        .await;
+    let error = refused.expect_err("a BLOB source was stored");
+    assert!(error.to_string().contains("text"), "{error}");
+    let claimed = db
+        .outbox
+        .claim(16, Duration::from_secs(5), None)
+        .await
+        .expect("the claim of the rows beside it");
+    assert_eq!(claimed.len(), 4);
+    assert!(db.outbox.dead(10).await.unwrap().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_notifying_commit_wakes_an_idle_postgres_worker() {
     let db = TestDb::postgres().await;
