@@ -164,26 +164,27 @@ pub fn fingerprint_view(
     Fingerprint(hasher.finalize().into())
 }
 
-/// Sorts form fields by name, stably, where names PHP reads as one
-/// (`total.amount`, `total amount` and `total_amount` are all
-/// `$_POST['total_amount']`, the last one winning) sort as one, and so do
-/// the fields of one array or object (`items[][sku]`, `items[][qty]`,
-/// `items`: PHP, Rack and `qs` build one value from them, in their order),
-/// so their relative order — which decides what the backend reads — stays
-/// in the fingerprint. The raw names are what is hashed.
+/// Sorts form fields by name (ASCII case ignored, stably: ASP.NET reads
+/// `Amount` and `amount` as one field), or keeps them in the order sent
+/// when any name holds a space, `.`, `[`, `]` or NUL. Such names are read
+/// as one field, or as parts of one value, in ways that differ between
+/// backends (PHP reads `a.b`, `a b` and `a_b` as one, and cuts a name at
+/// NUL; Rack reads `[a]`, `a]` and `a` as one; PHP, Rack and `qs` build one
+/// array from `items[][sku]` and `items[][qty]`), and there the order of
+/// the fields decides what the backend reads (the last one wins, or the
+/// array's shape): any reordering is another request. The raw names are
+/// what is hashed.
 fn sort_as_php_reads<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
-    let mangled = fields
-        .iter()
-        .any(|field| name(field).iter().any(|b| matches!(b, b' ' | b'.' | b'[')));
-    match mangled {
-        false => fields.sort_by(|a, b| name(a).cmp(name(b))),
-        true => fields.sort_by_cached_key(|field| {
-            let mut family = crate::formats::php_name(name(field));
-            if let Some(bracket) = family.iter().position(|&b| b == b'[') {
-                family.truncate(bracket);
-            }
-            family
-        }),
+    let mangled = fields.iter().any(|field| {
+        name(field)
+            .iter()
+            .any(|b| matches!(b, b' ' | b'.' | b'[' | b']' | b'\0'))
+    });
+    if !mangled {
+        fields.sort_by(|a, b| {
+            let folded = |field| name(field).iter().map(u8::to_ascii_lowercase);
+            folded(a).cmp(folded(b))
+        });
     }
 }
 
@@ -361,13 +362,18 @@ mod tests {
         assert_eq!(fp("a=1&b=2&_token=x"), fp("_token=y&b=2&a=1"));
         assert_ne!(fp("a=1&b=2"), fp("a=1&b=3"));
         assert_ne!(fp("t=1&t=2"), fp("t=2&t=1"));
-        // Names PHP reads as one keep their order, whatever their spelling.
+        // Names PHP or Rack read as one keep their order, whatever their
+        // spelling; so does every field of a form that holds such a name.
         assert_ne!(fp("a.b=1&a_b=2"), fp("a_b=2&a.b=1"));
         assert_ne!(fp("a%20b=1&a_b=2"), fp("a_b=2&a%20b=1"));
         assert_ne!(fp("a[b=1&a_b=2"), fp("a_b=2&a[b=1"));
-        // Other names still sort.
-        assert_eq!(fp("a.b=1&c=2"), fp("c=2&a.b=1"));
-        assert_eq!(fp("x[]=1&a=2"), fp("a=2&x[]=1"));
+        assert_ne!(fp("a]=1&a=2"), fp("a=2&a]=1"));
+        assert_ne!(fp("[a]=1&a=2"), fp("a=2&[a]=1"));
+        assert_ne!(fp("a%00x=1&a=2"), fp("a=2&a%00x=1"));
+        assert_ne!(fp("x[]=1&a=2"), fp("a=2&x[]=1"));
+        // Names equal but for case keep their order; other names sort.
+        assert_ne!(fp("Amount=1&amount=2"), fp("amount=2&Amount=1"));
+        assert_eq!(fp("b=1&Amount=2&c=3"), fp("c=3&b=1&Amount=2"));
     }
 
     #[test]

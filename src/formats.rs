@@ -419,34 +419,66 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
     }
 }
 
-/// The part's name: its `Content-Disposition`'s one `name` parameter,
-/// plain or in double quotes. `None` (the body is malformed) where readers
-/// differ on it: two `name` parameters (PHP takes the last, this reader
-/// took the first), a name in single quotes (PHP strips them), or a quote
-/// left open.
+/// The part's name: its `Content-Disposition`'s one `name` parameter, a
+/// token or in double quotes. `None` (the body is malformed) where readers
+/// differ on it:
+///
+/// * a header line continued on the next (starting with a space or tab) or
+///   without `:`, which PHP joins to the line before, or two
+///   `Content-Disposition` lines;
+/// * `name=` twice after a space or `;` anywhere in the line, quoted
+///   values included (PHP takes the last parameter, Rack's pattern the
+///   last ` name=` of the line, so `filename="a; name=b"` names `b`);
+/// * a quoted name holding `\` (an escape to some readers only) or
+///   followed by anything but `;`, or an unquoted one that is not a plain
+///   token (PHP cuts it at a space, Rack at `[`, and PHP strips `'`).
 fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
     const PREFIX: &[u8] = b"content-disposition:";
-    let line = headers.split(|&b| b == b'\n').find(|line| {
-        line.len() > PREFIX.len() && line[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
-    })?;
-    let mut names = line[PREFIX.len()..]
-        .split(|&b| b == b';')
-        .map(|param| param.trim_ascii())
-        .filter_map(|param| {
-            param
-                .get(..5)
-                .filter(|name| name.eq_ignore_ascii_case(b"name="))
-                .map(|_| &param[5..])
-        });
-    let (value, None) = (names.next()?, names.next()) else {
+    let lines = headers
+        .split(|&b| b == b'\n')
+        .map(|line| line.strip_suffix(b"\r").unwrap_or(line));
+    let mut disposition = None;
+    for line in lines {
+        if line.first().is_none_or(|b| matches!(b, b' ' | b'\t')) || !line.contains(&b':') {
+            return None;
+        }
+        if line.len() > PREFIX.len()
+            && line[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
+            && disposition.replace(&line[PREFIX.len()..]).is_some()
+        {
+            return None;
+        }
+    }
+    let line = disposition?;
+    let mut names = (1..line.len().saturating_sub(4)).filter(|&at| {
+        matches!(line[at - 1], b' ' | b'\t' | b';')
+            && line[at..at + 5].eq_ignore_ascii_case(b"name=")
+    });
+    let (Some(at), None) = (names.next(), names.next()) else {
         return None;
     };
-    match value.strip_prefix(b"\"") {
-        Some(quoted) => quoted
-            .strip_suffix(b"\"")
-            .filter(|name| !name.contains(&b'"')),
-        None => (!value.starts_with(b"'")).then_some(value),
-    }
+    let value = &line[at + 5..];
+    let (name, rest) = match value.strip_prefix(b"\"") {
+        Some(quoted) => {
+            let end = memchr::memchr(b'"', quoted)?;
+            (&quoted[..end], &quoted[end + 1..])
+        }
+        None => {
+            let end = value
+                .iter()
+                .position(|&b| matches!(b, b';' | b' ' | b'\t'))
+                .unwrap_or(value.len());
+            let token = &value[..end];
+            let plain = |b: &u8| b.is_ascii_alphanumeric() || b"!#$%&*+-.^_`|~".contains(b);
+            if token.is_empty() || !token.iter().all(plain) {
+                return None;
+            }
+            (token, &value[end..])
+        }
+    };
+    let rest = rest.trim_ascii_start();
+    let ends = rest.is_empty() || rest.starts_with(b";");
+    (ends && !name.contains(&b'\\')).then_some(name)
 }
 
 /// Splits a JSON pointer (RFC 6901, `/a/b~1c`) into unescaped tokens

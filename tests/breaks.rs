@@ -1548,6 +1548,16 @@ async fn a_multipart_body_read_two_ways_does_not_skip_a_required_route() {
             format!("{}--A--\r\n", part("A", "\"_method\"")),
         ),
         (
+            "php, a name on a continued header line",
+            vec![b"multipart/form-data; boundary=B"],
+            format!("{}--B--\r\n", part("B", "\"z\"\r\n; name=\"_method\"")),
+        ),
+        (
+            "php, an unquoted name cut at a space",
+            vec![b"multipart/form-data; boundary=B"],
+            format!("{}--B--\r\n", part("B", "_method x")),
+        ),
+        (
             "a part after the closing delimiter",
             vec![b"multipart/form-data; boundary=B"],
             format!(
@@ -2036,9 +2046,14 @@ async fn a_required_route_wins_over_every_reading_that_disagrees() {
 ///   a parser reading another boundary, or continuing past the close,
 ///   reads as parts;
 /// * two parts named `amount`, one in single quotes (`name='amount'`, which
-///   PHP reads as `amount`) or one with two `name=` parameters (PHP takes
-///   the last), in the other order: the order decides PHP's value, and the
+///   PHP reads as `amount`), with two `name=` parameters (PHP takes the
+///   last), with a second `name=` on a continued header line (PHP joins
+///   it), or unquoted with a space (`name=amount x`, which PHP cuts at the
+///   space), in the other order: the order decides PHP's value, and the
 ///   engine sorted them apart;
+/// * form fields Rack reads as one (`amount]`, `[amount]` and `amount`),
+///   PHP reads as one (`amount%00x`, cut at NUL, and `amount`), or ASP.NET
+///   reads as one (`Amount` and `amount`), in the other order;
 /// * form fields of one array (`items[][sku]`, `items[][qty]`) in another
 ///   order: Rack and `qs` build other objects from them, and the engine
 ///   sorted them by full name;
@@ -2063,6 +2078,10 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
     };
     let double = part("\"amount\"", "10");
     let single = part("'amount'", "1000");
+    // PHP joins a header line starting with `;` to the one before, and
+    // cuts an unquoted name at a space.
+    let folded = part("\"z\"\r\n; name=\"amount\"", "1000");
+    let spaced = part("amount x", "1000");
     let hidden = |amount: &str| {
         format!(
             "{}--B--\r\n--A\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n\
@@ -2110,6 +2129,42 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
             None,
         ),
         (form, "a=1&a[x]=2".into(), "a[x]=2&a=1".into(), None),
+        (
+            "multipart/form-data; boundary=B",
+            format!("{folded}{double}--B--\r\n"),
+            format!("{double}{folded}--B--\r\n"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            format!("{spaced}{double}--B--\r\n"),
+            format!("{double}{spaced}--B--\r\n"),
+            None,
+        ),
+        (
+            form,
+            "amount]=1000&amount=10".into(),
+            "amount=10&amount]=1000".into(),
+            None,
+        ),
+        (
+            form,
+            "[amount]=1000&amount=10".into(),
+            "amount=10&[amount]=1000".into(),
+            None,
+        ),
+        (
+            form,
+            "amount%00x=1000&amount=10".into(),
+            "amount=10&amount%00x=1000".into(),
+            None,
+        ),
+        (
+            form,
+            "Amount=1000&amount=10".into(),
+            "amount=10&Amount=1000".into(),
+            None,
+        ),
         (form, "note=%zz".into(), "note=%25zz".into(), None),
         (form, "amount=5&gift".into(), "amount=5&gift=".into(), None),
         (

@@ -404,11 +404,13 @@ pub(super) use on_connection;
 pub(super) fn store_error(error: sqlx::Error) -> StoreError {
     match error {
         sqlx::Error::PoolTimedOut => StoreError::Timeout,
-        sqlx::Error::Decode(_)
-        | sqlx::Error::ColumnDecode { .. }
-        | sqlx::Error::ColumnNotFound(_)
-        | sqlx::Error::ColumnIndexOutOfBounds { .. }
-        | sqlx::Error::TypeNotFound { .. } => StoreError::Corrupt(error.to_string()),
+        // A row was read and one of its values does not decode: a record
+        // exists, and the engine never treats it as a miss.
+        sqlx::Error::Decode(_) | sqlx::Error::ColumnDecode { .. } => {
+            StoreError::Corrupt(error.to_string())
+        }
+        // A missing column or type is the schema's (a migration not run),
+        // not a record's: the store is unavailable, as the fail mode says.
         other => StoreError::Unavailable(Box::new(other)),
     }
 }
