@@ -171,7 +171,7 @@ impl Exchange {
         let mut session = match self.upstream.send(&request, &body).await {
             Ok(session) => session,
             Err(failure) => {
-                tracing::warn!(error = %failure.error, timed_out = failure.timed_out, sent = failure.sent, "upstream failed");
+                tracing::warn!(error = %crate::logs::Redacted(&failure.error), timed_out = failure.timed_out, sent = failure.sent, "upstream failed");
                 let (timed_out, headers) = (failure.timed_out, &request.headers);
                 // The engine releases the key only if the upstream cannot
                 // have acted; otherwise it keeps "outcome unknown".
@@ -222,7 +222,7 @@ impl Exchange {
                 Err(error) => {
                     // The upstream answered, so it acted: the recorder
                     // keeps the key as "executed, response incomplete".
-                    tracing::warn!(%error, "upstream broke off its response");
+                    tracing::warn!(error = %crate::logs::Redacted(&error), "upstream broke off its response");
                     if let Some(recording) = recorder {
                         recording.fail().await;
                     }

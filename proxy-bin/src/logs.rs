@@ -123,15 +123,64 @@ const HEAD_PRINTING: [&str; 3] = [
     "pingora_proxy",
 ];
 
+/// Pingora's HTTP server application (the admin listener's), which logs a
+/// head it could not parse at `error`, raw bytes and all: an operator's
+/// bearer token, a key and a principal in a `/keys` request's body.
+const ERROR_PRINTING: &str = "pingora_core::apps::http_app";
+
 /// A filter of its own beside `RUST_LOG`'s, so no directive there (however
-/// specific) loosens it: [`HEAD_PRINTING`] at `info` at most, so no log line
-/// ever carries a key or a credential; everything else as `RUST_LOG` says.
+/// specific) loosens it: [`HEAD_PRINTING`] at `info` at most and
+/// [`ERROR_PRINTING`] off, so no log line ever carries a key or a
+/// credential; everything else as `RUST_LOG` says.
 fn caps() -> tracing_subscriber::filter::Targets {
-    HEAD_PRINTING.into_iter().fold(
-        tracing_subscriber::filter::Targets::new()
-            .with_default(tracing_subscriber::filter::LevelFilter::TRACE),
-        |caps, target| caps.with_target(target, tracing_subscriber::filter::LevelFilter::INFO),
-    )
+    use tracing_subscriber::filter::LevelFilter;
+    HEAD_PRINTING
+        .into_iter()
+        .fold(
+            tracing_subscriber::filter::Targets::new().with_default(LevelFilter::TRACE),
+            |caps, target| caps.with_target(target, LevelFilter::INFO),
+        )
+        .with_target(ERROR_PRINTING, LevelFilter::OFF)
+}
+
+/// A Pingora error as a log line may show it. Pingora puts the raw bytes of
+/// a head it could not parse in the error's context (`buf: …`): a client's
+/// `Authorization`, an upstream's `Set-Cookie`, a key, the start of a body.
+/// Those bytes are left out; the error's kind, source and the rest of its
+/// chain are kept.
+pub struct Redacted<'a>(pub &'a pingora_error::Error);
+
+impl std::fmt::Display for Redacted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut previous: Option<&pingora_error::Error> = None;
+        let mut error = self.0;
+        loop {
+            if previous.is_none_or(|p| p.esource != error.esource) {
+                write!(f, "{}", error.esource.as_str())?;
+            }
+            if previous.is_none_or(|p| p.etype != error.etype) {
+                write!(f, " {}", error.etype.as_str())?;
+            }
+            if let Some(context) = &error.context {
+                let context = context.as_str();
+                match context.find("buf:") {
+                    Some(at) => write!(f, " context: {}buf: (left out)", &context[..at])?,
+                    None => write!(f, " context: {context}")?,
+                }
+            }
+            let Some(cause) = &error.cause else {
+                return Ok(());
+            };
+            match cause.downcast_ref::<pingora_error::BError>() {
+                Some(inner) => {
+                    write!(f, " cause: ")?;
+                    previous = Some(error);
+                    error = inner;
+                }
+                None => return write!(f, " cause: {cause}"),
+            }
+        }
+    }
 }
 
 /// The writer thread: every [`INTERVAL`] (or when woken), takes what has

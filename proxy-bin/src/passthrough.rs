@@ -89,7 +89,7 @@ pub async fn forward(
     let mut exchange = match upstream.send(&request, &body).await {
         Ok(exchange) => exchange,
         Err(failure) => {
-            tracing::warn!(error = %failure.error, timed_out = failure.timed_out, "upstream failed");
+            tracing::warn!(error = %crate::logs::Redacted(&failure.error), timed_out = failure.timed_out, "upstream failed");
             session.set_keepalive(None);
             let problem = engine.upstream_failed(failure.timed_out, &request.headers);
             write_response(session, problem).await?;
@@ -105,7 +105,7 @@ pub async fn forward(
             // The upstream's idle clock for the connection starts here.
             Ok(None) => break std::time::Instant::now(),
             Err(error) => {
-                tracing::warn!(%error, "upstream broke off its response");
+                tracing::warn!(error = %crate::logs::Redacted(&error), "upstream broke off its response");
                 return Err(error.into_up());
             }
         }

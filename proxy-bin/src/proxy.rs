@@ -28,7 +28,7 @@ use pingora_core::modules::http::HttpModules;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
-use pingora_proxy::{FailToProxy, ProxyHttp, Session};
+use pingora_proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 use tower_idempotency::engine::{headers, Coverage, Covered, Decision, Execution, RequestHead};
 use tower_idempotency::{Engine, RoutePolicy};
 use tracing::Instrument;
@@ -310,16 +310,42 @@ impl ProxyHttp for IdempotencyProxy {
         format!("{} {}", request.method, request.uri.path())
     }
 
+    /// Pingora's own error lines print the error whole, with the raw bytes
+    /// of a head it could not parse (an upstream's `Set-Cookie`, a
+    /// client's `Authorization`); [`logging`](Self::logging) writes the
+    /// line instead, with those bytes left out.
+    fn suppress_error_log(&self, _session: &Session, _ctx: &RequestCtx, _error: &Error) -> bool {
+        true
+    }
+
+    /// As [`suppress_error_log`](Self::suppress_error_log), for the lines
+    /// of retried attempts.
+    fn suppress_proxy_warn_log(
+        &self,
+        _session: &Session,
+        _ctx: &RequestCtx,
+        _error: &Error,
+        _context: ProxyWarnLogContext,
+    ) -> bool {
+        true
+    }
+
     async fn logging(&self, session: &mut Session, error: Option<&Error>, ctx: &mut RequestCtx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let request = session.req_header();
         let duration_us = ctx.started.elapsed().as_micros() as u64;
-        match &ctx.covered {
-            Some(covered) => {
-                tracing::debug!(method = %request.method, route = covered.label(), status, duration_us, error = error.map(tracing::field::display), "request done")
+        let route = ctx.covered.as_ref().map(|covered| covered.label());
+        let path = request.uri.path();
+        match error {
+            // A client that went away is its own business.
+            Some(error) if *error.esource() != ErrorSource::Downstream => {
+                let error = crate::logs::Redacted(error);
+                tracing::warn!(method = %request.method, path, route, status, duration_us, %error, "request failed")
             }
-            None => {
-                tracing::debug!(method = %request.method, status, duration_us, error = error.map(tracing::field::display), "passthrough done")
+            error => {
+                let error =
+                    error.map(|error| tracing::field::display(crate::logs::Redacted(error)));
+                tracing::debug!(method = %request.method, route, status, duration_us, error, "request done")
             }
         }
     }
