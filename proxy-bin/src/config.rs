@@ -189,8 +189,12 @@ impl Resolved {
     /// Refuses settings the proxy cannot run with: a zero `store_timeout`
     /// fails every store call (503 everywhere), a zero `sweep_interval`
     /// stops the sweeper for good, zero upstream or body timeouts fail
-    /// every exchange.
+    /// every exchange, a zero `shutdown_timeout` abandons every request in
+    /// flight at SIGTERM; and any duration over 100 years, which overflows
+    /// the clock it is added to (a SIGTERM panicked on a huge
+    /// `shutdown_timeout`, with no drain).
     pub fn check(&self) -> Result<(), String> {
+        const MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
         let durations = [
             ("store_timeout", self.store_timeout),
             ("sweep_interval", self.sweep_interval),
@@ -198,10 +202,18 @@ impl Resolved {
             ("read_timeout", self.read_timeout),
             ("write_timeout", self.write_timeout),
             ("body_timeout", self.body_timeout),
+            ("shutdown_timeout", self.shutdown_timeout),
         ];
-        match durations.iter().find(|(_, value)| value.is_zero()) {
-            Some((name, _)) => Err(format!(
+        if let Some((name, _)) = durations.iter().find(|(_, value)| value.is_zero()) {
+            return Err(format!(
                 "`{name}` (in [proxy] or its flag) must be longer than zero, e.g. \"5s\""
+            ));
+        }
+        let idle = [("idle_timeout", self.idle_timeout)];
+        let mut bounded = durations.iter().chain(&idle);
+        match bounded.find(|(_, value)| *value > MAX) {
+            Some((name, _)) => Err(format!(
+                "`{name}` (in [proxy] or its flag) must be at most 100 years"
             )),
             None => Ok(()),
         }
@@ -462,6 +474,34 @@ mod tests {
         assert!(message.contains("`store_timeout`"), "{message}");
         let config = Config::parse("[proxy]\nupstream = \"http://a:1\"\n").unwrap();
         assert_eq!(config.proxy.clone().resolve().check(), Ok(()));
+    }
+
+    /// A SIGTERM used to panic (the deadline overflowed the clock) under a
+    /// huge `shutdown_timeout`, and a zero one abandoned every request in
+    /// flight: both are refused at start.
+    #[test]
+    fn a_zero_or_huge_shutdown_timeout_is_refused() {
+        for (value, says) in [
+            ("0s", "longer than zero"),
+            ("500000000000y", "at most 100 years"),
+        ] {
+            let text =
+                format!("[proxy]\nupstream = \"http://a:1\"\nshutdown_timeout = \"{value}\"\n");
+            let config = Config::parse(&text).unwrap();
+            let message = config.proxy.clone().resolve().check().unwrap_err();
+            assert!(
+                message.contains("`shutdown_timeout`") && message.contains(says),
+                "{message}"
+            );
+        }
+        let text = "[proxy]\nupstream = \"http://a:1\"\nidle_timeout = \"500000000000y\"\n";
+        let message = Config::parse(text)
+            .unwrap()
+            .proxy
+            .resolve()
+            .check()
+            .unwrap_err();
+        assert!(message.contains("`idle_timeout`"), "{message}");
     }
 
     #[test]

@@ -277,6 +277,15 @@ impl OutboxFile {
                 max: entry.backoff_max.unwrap_or(Backoff::default().max),
                 ..Backoff::default()
             };
+            // No wait between attempts spends `max_attempts` on one
+            // outage in milliseconds.
+            if backoff.base.is_zero() {
+                return Err(refuse(
+                    None,
+                    "backoff_base",
+                    "must be longer than zero (e.g. \"1s\")",
+                ));
+            }
             if backoff.base > backoff.max {
                 return Err(refuse(
                     None,
@@ -456,6 +465,14 @@ mod tests {
         assert!(line.is_some() && message.contains("outbox"), "{message}");
         let (_, message) = Config::parse("[outbox]\nlease = \"30s\"\n").unwrap_err();
         assert!(message.contains("[[outbox.destination]]"), "{message}");
+    }
+
+    #[test]
+    fn a_zero_backoff_is_refused() {
+        let text = "[outbox]\n[[outbox.destination]]\ntopic = \"t\"\nurl = \"http://a/h\"\n\
+                    backoff_base = \"0s\"\n";
+        let (_, message) = Config::parse(text).unwrap_err();
+        assert!(message.contains("`backoff_base`"), "{message}");
     }
 
     #[test]
