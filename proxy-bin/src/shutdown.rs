@@ -128,7 +128,12 @@ impl ShutdownSignalWatch for Signals {
             tokio::select! {
                 _ = term.recv() => return self.drain("SIGTERM"),
                 _ = quit.recv() => return self.drain("SIGQUIT"),
-                _ = int.recv() => return ShutdownSignal::FastShutdown,
+                _ = int.recv() => {
+                    // At once, as during a drain: no drain, status 130.
+                    tracing::warn!(in_flight = self.drain.active(), "SIGINT: exiting at once");
+                    crate::logs::flush();
+                    std::process::exit(130);
+                }
                 _ = hup.recv() => {
                     tracing::info!("SIGHUP ignored: the proxy reloads nothing; SIGTERM drains and stops it");
                 }

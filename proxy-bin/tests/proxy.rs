@@ -603,11 +603,26 @@ async fn sigint_during_the_drain_exits_at_once() {
         .unwrap();
     assert!(status.success());
     // Exits while the request is still held (the gate never opens here).
-    assert!(
-        !proxy.wait_exit().await,
+    assert_eq!(
+        proxy.exit_code().await,
+        Some(130),
         "an interrupted drain is no clean exit"
     );
     request.abort();
+}
+
+/// SIGINT outside a drain exits at once with status 130, as documented
+/// (it exited 0, which a process manager's `Restart=on-failure` takes for
+/// a deliberate stop).
+#[tokio::test(flavor = "multi_thread")]
+async fn sigint_exits_at_once_with_status_130() {
+    let (_backend, mut proxy) = start("sigint-idle", FORMS).await;
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &proxy.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(proxy.exit_code().await, Some(130));
 }
 
 /// SIGHUP (a closed terminal, a process manager's "reload") is ignored:

@@ -469,9 +469,15 @@ impl Proxy {
 
     /// Waits (at most 20 s) for the process to exit; its success.
     pub async fn wait_exit(&mut self) -> bool {
+        self.exit_code().await == Some(0)
+    }
+
+    /// Waits for the process to exit: its exit status (`None` if a signal
+    /// ended it).
+    pub async fn exit_code(&mut self) -> Option<i32> {
         for _ in 0..1000 {
             if let Some(status) = self.child.try_wait().unwrap() {
-                return status.success();
+                return status.code();
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
