@@ -809,3 +809,45 @@ async fn a_statement_the_server_cancelled_keeps_its_connection() {
     );
     store.close().await;
 }
+
+/// The health check (`Store::ping`, the proxy's `/healthz`) says whether
+/// the store can write its records, not only whether the database
+/// answers: a database that answers but cannot take a reservation (a hot
+/// standby or read-only endpoint, or a schema the migrations never
+/// reached because the role may not create tables) used to report
+/// healthy while every covered request got 503 (from a review of
+/// operations).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_cannot_take_a_reservation_is_not_healthy() {
+    let options = fixtures::fresh_schema().await;
+    // The schema exists, the migrations were not applied.
+    let unmigrated = PostgresStore::from_pool(fixtures::pool(options.clone(), 2).await);
+    let error = unmigrated
+        .ping()
+        .await
+        .expect_err("an unmigrated schema is healthy");
+    assert!(error.to_string().contains("migrations"), "{error}");
+
+    let migrated = PostgresStore::from_pool(fixtures::pool(options.clone(), 2).await);
+    migrated.migrate().await.unwrap();
+    migrated.ping().await.expect("a migrated, writable store");
+
+    // The same schema, read-only (as a standby answers).
+    let read_only = options.options([("default_transaction_read_only", "on")]);
+    let standby = PostgresStore::from_pool(fixtures::pool(read_only, 2).await);
+    let error = standby
+        .ping()
+        .await
+        .expect_err("a read-only database is healthy");
+    assert!(error.to_string().contains("read-only"), "{error}");
+    let reserve = standby
+        .reserve(
+            &fixtures::random_key(),
+            &fixtures::fingerprint(1),
+            &OwnerToken::random(),
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        )
+        .await;
+    assert!(reserve.is_err(), "the check agrees with a reservation");
+}

@@ -16,8 +16,9 @@ use tower_idempotency::{
 ///
 /// An SQLite file that cannot be opened is an error. An unreachable
 /// PostgreSQL is not: the proxy starts, answers 503 (fail closed) and
-/// reports unhealthy until the database answers, then applies the
-/// migrations — so a sidecar may start before its database.
+/// reports unhealthy until the database answers and the migrations are
+/// applied (which it retries every second) — so a sidecar may start before
+/// its database.
 ///
 /// Must run inside the Tokio runtime that stays alive for the whole process
 /// (connection pools are bound to it). Errors never repeat a URL (it may

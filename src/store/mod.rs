@@ -503,8 +503,10 @@ pub trait Store: fmt::Debug + Send + Sync + 'static {
         Ok(())
     }
 
-    /// Checks that the backend answers (for health checks). The default
-    /// reads a key nobody uses with [`get`](Store::get).
+    /// Checks that the backend answers and can take a reservation, for
+    /// health checks (the SQL stores check that they can write; PostgreSQL
+    /// also that it is not read-only and is migrated). The default reads a
+    /// key nobody uses with [`get`](Store::get).
     async fn ping(&self) -> Result<(), StoreError> {
         self.get(&ScopeKey([0; 32])).await.map(drop)
     }

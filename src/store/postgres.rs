@@ -245,6 +245,19 @@ pub struct PostgresStore {
     retry: Duration,
 }
 
+/// What keeps the store from writing its records, or NULL
+/// ([`PostgresStore::ping`]). `CASE` tests in order, so the privilege is
+/// asked only of a table that exists.
+const WRITABLE: &str = "
+SELECT CASE
+    WHEN current_setting('transaction_read_only') = 'on'
+        THEN 'the database is read-only (a standby, or default_transaction_read_only)'
+    WHEN to_regclass('idempotency_records') IS NULL
+        THEN 'idempotency_records does not exist: the migrations were not applied'
+    WHEN NOT has_table_privilege('idempotency_records', 'INSERT, UPDATE, DELETE')
+        THEN 'the role may not write idempotency_records'
+END";
+
 impl PostgresStore {
     /// The schema migrations (`migrations/*.sql`), for teams that apply them
     /// separately. It tolerates other migrations recorded in the same
@@ -358,12 +371,20 @@ impl PostgresStore {
         self.connections.acquire().await
     }
 
-    /// Whether statements go through: a `SELECT 1` on one of the store's
-    /// connections.
+    /// Whether the store can take a reservation, on one of its
+    /// connections: the database answers, is not read-only (a hot standby,
+    /// `default_transaction_read_only`), holds the records' table (the
+    /// migrations were applied) and lets the role write it. A database that
+    /// only answered `SELECT 1` passed while every reservation failed.
     async fn writable(&self) -> Result<(), sqlx::Error> {
-        sql::on_connection!(self, |executor| sqlx::query("SELECT 1").execute(executor))
-            .await
-            .map(drop)
+        let problem: Option<String> = sql::on_connection!(self, |executor| {
+            sqlx::query_scalar(WRITABLE).fetch_one(executor)
+        })
+        .await?;
+        match problem {
+            None => Ok(()),
+            Some(problem) => Err(sqlx::Error::Configuration(problem.into())),
+        }
     }
 
     /// A record write that returns whether it wrote: its own transaction.
