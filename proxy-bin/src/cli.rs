@@ -266,7 +266,25 @@ fn run_keys(args: &KeysArgs) -> Result<serde_json::Value, Failure> {
                 .into(),
         ));
     }
+    // The proxy creates its SQLite file; the command line would create an
+    // empty one wherever it is run (a relative path is read against the
+    // operator's directory) and answer from it as if from the proxy's.
+    if let Some(path) = sqlite_file(store) {
+        if !std::path::Path::new(path).exists() {
+            return Err(Failure::Input(format!(
+                "no SQLite store at `{path}` (a relative path is read against the current \
+                 directory): give the path of the proxy's own file"
+            )));
+        }
+    }
     let redis = args.redis.as_ref().or(settings.redis.as_ref());
+    if redis.is_none() && matches!(op, keys::Op::Purge(_) | keys::Op::PurgePrincipal(_)) {
+        eprintln!(
+            "note: no Redis given (--redis, or `redis` in [proxy] of --config): if the proxy \
+             runs with a Redis cache, purge with it too, or the cached copy is replayed until \
+             its ttl"
+        );
+    }
     let prefix = args
         .redis_prefix
         .as_ref()
@@ -299,6 +317,15 @@ fn run_keys(args: &KeysArgs) -> Result<serde_json::Value, Failure> {
         );
         keys::run(&engine, op).await
     })
+}
+
+/// The file an `sqlite:` store URL (`sqlite://PATH`, `sqlite:PATH`, with
+/// `?options`) names; `None` for other stores and in-memory databases.
+fn sqlite_file(store: &str) -> Option<&str> {
+    let rest = store.strip_prefix("sqlite:")?;
+    let rest = rest.strip_prefix("//").unwrap_or(rest);
+    let path = rest.split('?').next().unwrap_or_default();
+    (!path.is_empty() && path != ":memory:").then_some(path)
 }
 
 #[cfg(test)]

@@ -296,6 +296,35 @@ async fn an_operator_frees_a_stuck_key_and_the_first_answer_is_not_stored() {
     drop(proxy);
 }
 
+/// The command line against the wrong store, from the operator's side: an
+/// SQLite path that is not the proxy's file (a relative path read against
+/// another directory) used to create an empty store there and answer
+/// "absent" or "purged: false" with exit 0; it is refused, and no file is
+/// made. A purge without Redis says that a proxy's Redis copy would stay
+/// (from a review of operations).
+#[tokio::test]
+async fn the_command_line_refuses_a_store_that_is_not_there() {
+    let dir = temp_dir("cli-missing-store");
+    let missing = dir.join("records.db");
+    let url = format!("sqlite://{}", missing.display());
+    let (code, _, log) = cli(&["counts", "--store", &url]);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("no SQLite store"), "{log}");
+    assert!(!missing.exists(), "the command line made a store");
+
+    let existing = dir.join("proxy.db");
+    tower_idempotency::SqliteStore::connect(existing.to_str().unwrap())
+        .await
+        .unwrap()
+        .close()
+        .await;
+    let url = format!("sqlite://{}", existing.display());
+    let scope = "ab".repeat(32);
+    let (code, purged, log) = cli(&["purge", "--scope", &scope, "--store", &url]);
+    assert_eq!((code, &purged["purged"]), (0, &json!(false)), "{log}");
+    assert!(log.contains("no Redis given"), "{log}");
+}
+
 /// Runs `idempotency-proxy keys <args>`; its exit code, stdout as JSON
 /// (null when not JSON) and stderr.
 fn cli(args: &[&str]) -> (i32, Value, String) {
