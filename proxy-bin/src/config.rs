@@ -301,11 +301,14 @@ impl Config {
         if file.route.is_empty() {
             routes = Routes::all(default_policy).map_err(|e| (None, defaults_message(&e)))?;
         }
+        // Earlier routes that leave their paths alone: (pattern, line).
+        let mut exclusions: Vec<(String, usize)> = Vec::new();
         for route in &file.route {
             let route_span = route.span();
             let mut entries = base.clone();
             let mut path: Option<Spanned<String>> = None;
             let mut enabled = true;
+            let mut switch: Option<&str> = None;
             for (key, value) in route.get_ref() {
                 match key.get_ref().as_str() {
                     "path" => match value.get_ref() {
@@ -314,8 +317,19 @@ impl Config {
                         }
                         _ => return Err(at(&value.span(), "`path` must be a string".into())),
                     },
-                    "enabled" | "idempotency" => match value.get_ref() {
-                        toml::Value::Boolean(b) => enabled = *b,
+                    name @ ("enabled" | "idempotency") => match value.get_ref() {
+                        // One switch under two names: given both, which
+                        // one won was the file's key order.
+                        _ if switch.is_some() => {
+                            return Err(at(
+                                &value.span(),
+                                "`enabled` and `idempotency` are one switch: give one".into(),
+                            ))
+                        }
+                        toml::Value::Boolean(b) => {
+                            enabled = *b;
+                            switch = Some(name);
+                        }
                         _ => {
                             return Err(at(
                                 &value.span(),
@@ -331,6 +345,20 @@ impl Config {
             let Some(path) = path else {
                 return Err(at(&route_span, "a [[route]] needs a `path`".into()));
             };
+            if let Some((earlier, line)) = shadowing(&exclusions, path.get_ref()) {
+                return Err(at(
+                    &path.span(),
+                    format!(
+                        "route `{}` can never apply: the route `{earlier}` (line {line}) before \
+                         it leaves every path under it alone; list `{}` first",
+                        path.get_ref(),
+                        path.get_ref()
+                    ),
+                ));
+            }
+            if !enabled {
+                exclusions.push((path.get_ref().clone(), line_of(text, path.span().start)));
+            }
             let policy = policy_of(&entries).map_err(|(span, msg)| at(&span, msg))?;
             let result = if enabled {
                 routes.route(path.get_ref(), policy)
@@ -352,6 +380,24 @@ impl Config {
             outbox,
         })
     }
+}
+
+/// The earlier exclusion (pattern, line) that leaves every path `pattern`
+/// matches alone, if one does: a prefix `p` shadows `p` itself and what is
+/// under it (`/` shadows everything), and a glob whose literal beginning
+/// lies under `p` (`/api/*/submit` under `/api`). Matched as written, so
+/// this finds the plain mistakes, not every one.
+fn shadowing<'e>(exclusions: &'e [(String, usize)], pattern: &str) -> Option<&'e (String, usize)> {
+    let literal = &pattern[..pattern.find('*').unwrap_or(pattern.len())];
+    let glob = literal.len() < pattern.len();
+    exclusions.iter().find(|(earlier, _)| {
+        let under = |path: &str| {
+            path.strip_prefix(earlier.as_str())
+                .is_some_and(|rest| rest.starts_with('/') || earlier == "/")
+        };
+        !earlier.contains('*')
+            && (earlier == "/" || under(literal) || (!glob && pattern == earlier))
+    })
 }
 
 fn defaults_message(error: &PolicyError) -> String {
@@ -474,6 +520,34 @@ mod tests {
         assert!(message.contains("`store_timeout`"), "{message}");
         let config = Config::parse("[proxy]\nupstream = \"http://a:1\"\n").unwrap();
         assert_eq!(config.proxy.clone().resolve().check(), Ok(()));
+    }
+
+    /// A route no request can reach (every path it matches left alone by
+    /// an earlier `enabled = false` route) and a route giving its one
+    /// switch under both names are refused, naming the line: both loaded
+    /// without a word, the first leaving a `required` route unprotected.
+    #[test]
+    fn a_route_that_can_never_apply_or_switches_twice_is_refused() {
+        let plain = "[[route]]\npath = \"/api\"\nenabled = false\n\n";
+        for later in ["/api/orders", "/api", "/api/*/submit"] {
+            let text = format!("{plain}[[route]]\npath = \"{later}\"\nrequired = true\n");
+            let (line, message) = error(&text);
+            assert_eq!(line, Some(6), "{later}: {message}");
+            assert!(
+                message.contains("can never apply") && message.contains("line 2"),
+                "{message}"
+            );
+        }
+        for later in ["/apis", "/api*", "/other"] {
+            let text = format!("{plain}[[route]]\npath = \"{later}\"\n");
+            assert!(Config::parse(&text).is_ok(), "{later}");
+        }
+        let (line, message) =
+            error("[[route]]\npath = \"/pay\"\nenabled = true\nidempotency = false\n");
+        assert!(
+            line.is_some() && message.contains("one switch"),
+            "{message}"
+        );
     }
 
     /// A SIGTERM used to panic (the deadline overflowed the clock) under a
