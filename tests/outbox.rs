@@ -208,6 +208,9 @@ struct Log {
     /// Requests whose signature, id or key did not check out.
     bad: Vec<String>,
     requests_seen: u64,
+    /// Requests whose sender went away before the answer (the handler was
+    /// dropped while it held the answer).
+    abandoned: u64,
 }
 
 /// An HTTP receiver standing in for a CRM.
@@ -273,6 +276,10 @@ impl Receiver {
     fn bad(&self) -> Vec<String> {
         self.log.lock().unwrap().bad.clone()
     }
+
+    fn abandoned(&self) -> u64 {
+        self.log.lock().unwrap().abandoned
+    }
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
@@ -316,7 +323,18 @@ async fn receive(
         log.requests.push((key.clone(), answer.status));
         answer
     };
+    // Counts the request as abandoned if the sender drops it while held.
+    struct Held(Option<Arc<Mutex<Log>>>);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            if let Some(log) = self.0.take() {
+                log.lock().unwrap().abandoned += 1;
+            }
+        }
+    }
+    let mut held = Held(Some(log.clone()));
     tokio::time::sleep(answer.delay).await;
+    held.0 = None;
     if (200..300).contains(&answer.status) {
         *log.lock().unwrap().effects.entry(key.clone()).or_default() += 1;
     }
@@ -1280,6 +1298,61 @@ async fn an_sqlite_row_that_could_not_be_read_back_is_refused_at_insert() {
         .expect("the claim of the rows beside it");
     assert_eq!(claimed.len(), 4);
     assert!(db.outbox.dead(10).await.unwrap().is_empty());
+}
+
+/// A worker that cannot renew its lease (its renewals cannot reach the
+/// row: here a lock holds them, as a cut link or a stalled database would)
+/// stops delivering when the lease it last renewed runs out, instead of
+/// delivering on while the rescuer of any worker that still reaches the
+/// database re-queues the row for a second delivery at the same moment
+/// (from a review of the outbox). The receiver sees the first delivery
+/// abandoned; the row is rescued once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_renew_stops_delivering_when_its_lease_runs_out() {
+    let db = TestDb::postgres().await;
+    let Pool::Pg(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    let receiver = Receiver::start().await;
+    let key = Message::derived_key("crm", "sub-1");
+    receiver.script(
+        &key,
+        vec![Answer {
+            delay: Duration::from_secs(3600),
+            ..Answer::status(201)
+        }],
+    );
+    db.submit("sub-1", &["crm"], true).await;
+    let config = WorkerConfig {
+        lease: Duration::from_millis(600),
+        rescue_interval: Duration::from_secs(3600),
+        ..fast()
+    };
+    // Only the lease may end the delivery: its timeout is an hour.
+    let deliverer = WebhookDeliverer::new().destination(
+        "crm",
+        receiver.destination().timeout(Duration::from_secs(3600)),
+    );
+    let worker = Worker::new(db.another_outbox().await, deliverer)
+        .config(config)
+        .spawn();
+    eventually("the delivery reached the receiver", || async {
+        receiver.log.lock().unwrap().requests_seen == 1
+    })
+    .await;
+    // Renewals of the row now wait for this transaction.
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM outbox_messages FOR UPDATE")
+        .fetch_all(&mut *lock)
+        .await
+        .unwrap();
+    eventually("the delivery was given up", || async {
+        receiver.abandoned() == 1
+    })
+    .await;
+    lock.rollback().await.unwrap();
+    worker.shutdown().await;
+    assert_eq!(receiver.effects().get(&key), None, "no effect yet");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

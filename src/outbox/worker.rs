@@ -251,6 +251,8 @@ impl<D: Deliverer> Worker<D> {
             let free = concurrency.saturating_sub(tasks.len());
             let mut queue_drained = true;
             if free > 0 {
+                // The leases run from no earlier than the claim was sent.
+                let sent = Instant::now();
                 match outbox.claim(free, config.lease, topics.as_deref()).await {
                     Ok(deliveries) => {
                         queue_drained = deliveries.len() < free;
@@ -259,7 +261,10 @@ impl<D: Deliverer> Worker<D> {
                                 outbox.clone(),
                                 deliverer.clone(),
                                 delivery,
-                                config.lease,
+                                Lease {
+                                    length: config.lease,
+                                    sent,
+                                },
                                 config.backoff,
                                 cancelled.clone(),
                             ));
@@ -386,23 +391,54 @@ fn log_panic(result: Result<(), tokio::task::JoinError>) {
 /// the row is left to the rescuer.
 const RECORD_TRIES: u32 = 4;
 
-/// One delivery: deliver while renewing the lease; record the outcome.
+/// A claimed row's lease as its worker knows it.
+#[derive(Clone, Copy)]
+struct Lease {
+    length: Duration,
+    /// When the claim was sent: the database's lease began no earlier.
+    sent: Instant,
+}
+
+/// How a delivery's lease was lost.
+enum Lost {
+    /// A renewal found the row taken over.
+    TakenOver,
+    /// No renewal got through before the lease last renewed ran out.
+    RanOut,
+}
+
+/// One delivery: deliver while renewing the lease; record the outcome. The
+/// delivery is dropped once the lease is lost: taken over, or run out by
+/// this worker's clock because no renewal got through (the database
+/// unreachable from here while the rescuer of a worker that reaches it
+/// re-queues the row), so two workers never deliver the row at once.
 async fn deliver<D: Deliverer>(
     outbox: Outbox,
     deliverer: Arc<D>,
     delivery: Delivery,
-    lease: Duration,
+    lease: Lease,
     backoff: Backoff,
     mut cancelled: watch::Receiver<bool>,
 ) {
     let renew = async {
-        let period = (lease / 3).max(Duration::from_millis(1));
+        let period = (lease.length / 3).max(Duration::from_millis(1));
+        // The database's lease ends no earlier than this.
+        let mut held_until = lease.sent + lease.length;
         loop {
-            tokio::time::sleep(period).await;
-            match outbox.renew(&delivery, lease).await {
-                Ok(true) => {}
-                Ok(false) => return,
-                Err(error) => tracing::warn!(%error, id = delivery.id, "outbox: renewal failed"),
+            tokio::time::sleep_until((Instant::now() + period).min(held_until)).await;
+            let asked = Instant::now();
+            if asked >= held_until {
+                return Lost::RanOut;
+            }
+            let renewal =
+                tokio::time::timeout_at(held_until, outbox.renew(&delivery, lease.length));
+            match renewal.await {
+                Ok(Ok(true)) => held_until = asked + lease.length,
+                Ok(Ok(false)) => return Lost::TakenOver,
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, id = delivery.id, "outbox: renewal failed")
+                }
+                Err(_) => return Lost::RanOut,
             }
         }
     };
@@ -412,12 +448,16 @@ async fn deliver<D: Deliverer>(
             outbox.metrics().delivery_latency.observe(started.elapsed());
             result
         }
-        () = renew => {
+        lost = renew => {
+            let why = match lost {
+                Lost::TakenOver => "outbox: lease taken over during delivery; dropped",
+                Lost::RanOut => "outbox: lease ran out during delivery (no renewal got through); dropped",
+            };
             tracing::warn!(
                 id = delivery.id,
                 topic = %delivery.topic,
                 attempt = delivery.attempt,
-                "outbox: lease taken over during delivery; dropped",
+                "{why}",
             );
             outbox.metrics().lost_leases.inc();
             return;
