@@ -832,6 +832,37 @@ async fn a_database_that_cannot_take_a_reservation_is_not_healthy() {
     migrated.migrate().await.unwrap();
     migrated.ping().await.expect("a migrated, writable store");
 
+    // A role that may insert but not update: one privilege of several
+    // passed a check that listed them in one call.
+    let admin = fixtures::pool(options.clone(), 1).await;
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    let role = format!("{schema}_insert_only");
+    for statement in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA {schema} TO {role}"),
+        format!("GRANT SELECT, INSERT ON {schema}.idempotency_records TO {role}"),
+    ] {
+        sqlx::query(&statement).execute(&admin).await.unwrap();
+    }
+    let limited =
+        PostgresStore::from_pool(fixtures::pool(options.clone().username(&role), 2).await);
+    let error = limited
+        .ping()
+        .await
+        .expect_err("a role that may not update is healthy");
+    assert!(error.to_string().contains("may not"), "{error}");
+    sqlx::query(&format!("DROP OWNED BY {role}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!("DROP ROLE {role}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+
     // The same schema, read-only (as a standby answers).
     let read_only = options.options([("default_transaction_read_only", "on")]);
     let standby = PostgresStore::from_pool(fixtures::pool(read_only, 2).await);

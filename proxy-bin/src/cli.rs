@@ -270,10 +270,11 @@ fn run_keys(args: &KeysArgs) -> Result<serde_json::Value, Failure> {
     // empty one wherever it is run (a relative path is read against the
     // operator's directory) and answer from it as if from the proxy's.
     if let Some(path) = sqlite_file(store) {
-        if !std::path::Path::new(path).exists() {
+        if !path.exists() {
             return Err(Failure::Input(format!(
-                "no SQLite store at `{path}` (a relative path is read against the current \
-                 directory): give the path of the proxy's own file"
+                "no SQLite store at `{}` (a relative path is read against the current \
+                 directory): give the path of the proxy's own file",
+                path.display()
             )));
         }
     }
@@ -319,18 +320,31 @@ fn run_keys(args: &KeysArgs) -> Result<serde_json::Value, Failure> {
     })
 }
 
-/// The file an `sqlite:` store URL (`sqlite://PATH`, `sqlite:PATH`, with
-/// `?options`) names; `None` for other stores and in-memory databases.
-fn sqlite_file(store: &str) -> Option<&str> {
-    let rest = store.strip_prefix("sqlite:")?;
-    let rest = rest.strip_prefix("//").unwrap_or(rest);
-    let path = rest.split('?').next().unwrap_or_default();
-    (!path.is_empty() && path != ":memory:").then_some(path)
+/// The file an `sqlite:` store URL names, as the store opens it; `None`
+/// for other stores and in-memory databases.
+fn sqlite_file(store: &str) -> Option<std::path::PathBuf> {
+    store
+        .starts_with("sqlite:")
+        .then(|| tower_idempotency::SqliteStore::file_of(store))
+        .flatten()
 }
 
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
+
+    #[test]
+    fn sqlite_urls_name_the_file_the_store_opens() {
+        let file = |url| super::sqlite_file(url).map(|p| p.display().to_string());
+        assert_eq!(
+            file("sqlite:///var/x%20y.db").as_deref(),
+            Some("/var/x y.db")
+        );
+        assert_eq!(file("sqlite://rel.db?mode=rwc").as_deref(), Some("rel.db"));
+        assert_eq!(file("sqlite::memory:"), None);
+        assert_eq!(file("sqlite://x?mode=memory"), None);
+        assert_eq!(file("postgres://db/app"), None);
+    }
 
     #[test]
     fn the_command_line_is_well_formed() {

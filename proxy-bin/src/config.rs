@@ -345,7 +345,8 @@ impl Config {
             let Some(path) = path else {
                 return Err(at(&route_span, "a [[route]] needs a `path`".into()));
             };
-            if let Some((earlier, line)) = shadowing(&exclusions, path.get_ref()) {
+            let unreachable = enabled.then(|| shadowing(&exclusions, path.get_ref()));
+            if let Some(Some((earlier, line))) = unreachable {
                 return Err(at(
                     &path.span(),
                     format!(
@@ -542,6 +543,9 @@ mod tests {
             let text = format!("{plain}[[route]]\npath = \"{later}\"\n");
             assert!(Config::parse(&text).is_ok(), "{later}");
         }
+        // A redundant exclusion is harmless.
+        let text = format!("{plain}[[route]]\npath = \"/api/health\"\nenabled = false\n");
+        assert!(Config::parse(&text).is_ok());
         let (line, message) =
             error("[[route]]\npath = \"/pay\"\nenabled = true\nidempotency = false\n");
         assert!(

@@ -128,12 +128,7 @@ impl ShutdownSignalWatch for Signals {
             tokio::select! {
                 _ = term.recv() => return self.drain("SIGTERM"),
                 _ = quit.recv() => return self.drain("SIGQUIT"),
-                _ = int.recv() => {
-                    // At once, as during a drain: no drain, status 130.
-                    tracing::warn!(in_flight = self.drain.active(), "SIGINT: exiting at once");
-                    crate::logs::flush();
-                    std::process::exit(130);
-                }
+                _ = int.recv() => interrupted(self.drain.active(), "SIGINT: exiting at once"),
                 _ = hup.recv() => {
                     tracing::info!("SIGHUP ignored: the proxy reloads nothing; SIGTERM drains and stops it");
                 }
@@ -153,12 +148,11 @@ impl Signals {
         // SIGINT while draining cuts the drain short, as it would have
         // before (the handler installed above keeps its default action
         // from ever running).
-        self.runtime.spawn(async {
+        let drain = self.drain.clone();
+        self.runtime.spawn(async move {
             if let Ok(mut int) = signal(SignalKind::interrupt()) {
                 int.recv().await;
-                tracing::warn!("SIGINT while draining: exiting at once");
-                crate::logs::flush();
-                std::process::exit(130);
+                interrupted(drain.active(), "SIGINT while draining: exiting at once");
             }
         });
         let signals = Signals {
@@ -188,4 +182,12 @@ impl Signals {
         });
         ShutdownSignal::GracefulTerminate
     }
+}
+
+/// SIGINT, in a drain or not: exits at once with status 130, what is in
+/// flight (`in_flight` requests) abandoned, the log written first.
+fn interrupted(in_flight: usize, message: &str) -> ! {
+    tracing::warn!(in_flight, "{message}");
+    crate::logs::flush();
+    std::process::exit(130)
 }

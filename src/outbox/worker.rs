@@ -422,21 +422,34 @@ async fn deliver<D: Deliverer>(
 ) {
     let renew = async {
         let period = (lease.length / 3).max(Duration::from_millis(1));
-        // The database's lease ends no earlier than this.
-        let mut held_until = lease.sent + lease.length;
+        // After a failed renewal, sooner (as the engine's renewer does).
+        let retry = (lease.length / 10).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        // The database's lease ends no earlier than this (a lease too long
+        // for the clock never runs out here).
+        let ends = |from: Instant| from.checked_add(lease.length);
+        let mut held_until = ends(lease.sent);
+        let mut wait = period;
         loop {
-            tokio::time::sleep_until((Instant::now() + period).min(held_until)).await;
+            let next = Instant::now() + wait;
+            tokio::time::sleep_until(held_until.map_or(next, |until| next.min(until))).await;
             let asked = Instant::now();
-            if asked >= held_until {
+            if held_until.is_some_and(|until| asked >= until) {
                 return Lost::RanOut;
             }
-            let renewal =
-                tokio::time::timeout_at(held_until, outbox.renew(&delivery, lease.length));
-            match renewal.await {
-                Ok(Ok(true)) => held_until = asked + lease.length,
+            let renewal = outbox.renew(&delivery, lease.length);
+            let renewal = match held_until {
+                Some(until) => tokio::time::timeout_at(until, renewal).await,
+                None => Ok(renewal.await),
+            };
+            match renewal {
+                Ok(Ok(true)) => {
+                    held_until = ends(asked);
+                    wait = period;
+                }
                 Ok(Ok(false)) => return Lost::TakenOver,
                 Ok(Err(error)) => {
-                    tracing::warn!(%error, id = delivery.id, "outbox: renewal failed")
+                    tracing::warn!(%error, id = delivery.id, "outbox: renewal failed");
+                    wait = retry;
                 }
                 Err(_) => return Lost::RanOut,
             }

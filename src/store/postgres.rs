@@ -246,16 +246,20 @@ pub struct PostgresStore {
 }
 
 /// What keeps the store from writing its records, or NULL
-/// ([`PostgresStore::ping`]). `CASE` tests in order, so the privilege is
-/// asked only of a table that exists.
+/// ([`PostgresStore::ping`]). `CASE` tests in order, so the privileges are
+/// asked only of a table that exists; each on its own, since one call
+/// listing several is true when any one is held.
 const WRITABLE: &str = "
 SELECT CASE
     WHEN current_setting('transaction_read_only') = 'on'
         THEN 'the database is read-only (a standby, or default_transaction_read_only)'
     WHEN to_regclass('idempotency_records') IS NULL
         THEN 'idempotency_records does not exist: the migrations were not applied'
-    WHEN NOT has_table_privilege('idempotency_records', 'INSERT, UPDATE, DELETE')
-        THEN 'the role may not write idempotency_records'
+    WHEN NOT (has_table_privilege('idempotency_records', 'SELECT')
+              AND has_table_privilege('idempotency_records', 'INSERT')
+              AND has_table_privilege('idempotency_records', 'UPDATE')
+              AND has_table_privilege('idempotency_records', 'DELETE'))
+        THEN 'the role may not read and write idempotency_records'
 END";
 
 impl PostgresStore {

@@ -188,15 +188,34 @@ impl SqliteStore {
     /// The most writes one group commit holds.
     pub const MAX_BATCH: usize = sqlite_writer::MAX_BATCH;
 
+    /// The file [`connect`](Self::connect) opens for `path_or_url`, read as
+    /// it reads it (an `sqlite:` URL percent-decoded, its options apart);
+    /// `None` for an in-memory database or a malformed URL.
+    pub fn file_of(path_or_url: &str) -> Option<std::path::PathBuf> {
+        let options = Self::options_of(path_or_url).ok()?;
+        let path = options.get_filename();
+        let name = path.to_string_lossy();
+        // sqlx names an in-memory database `file:sqlx-in-memory-N`.
+        let memory = name.is_empty()
+            || name.contains(":memory:")
+            || name.starts_with("file:sqlx-in-memory")
+            || path_or_url.contains("mode=memory");
+        (!memory).then(|| path.to_owned())
+    }
+
+    fn options_of(path_or_url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
+        Ok(if path_or_url.starts_with("sqlite:") {
+            SqliteConnectOptions::from_str(path_or_url)?
+        } else {
+            SqliteConnectOptions::new().filename(path_or_url)
+        })
+    }
+
     /// Opens (creating it if missing) the database at `path_or_url` — a file
     /// path such as `idempotency.db`, or a `sqlite://` URL — and applies the
     /// migrations.
     pub async fn connect(path_or_url: &str) -> Result<Self, StoreError> {
-        let options = if path_or_url.starts_with("sqlite:") {
-            SqliteConnectOptions::from_str(path_or_url).map_err(store_error)?
-        } else {
-            SqliteConnectOptions::new().filename(path_or_url)
-        };
+        let options = Self::options_of(path_or_url).map_err(store_error)?;
         let store = Self::connect_with(options).await?;
         store.migrate().await?;
         Ok(store)
