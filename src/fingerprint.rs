@@ -139,7 +139,7 @@ pub fn fingerprint_view(
                 .iter()
                 .filter(|(name, _)| !excluded(exclude.form, name))
                 .collect();
-            sort_as_php_reads(&mut fields, |field| &field.0);
+            sort_as_backends_read(&mut fields, |field| &field.0);
             hasher.update(b"F");
             for (name, value) in fields {
                 put(&mut hasher, name);
@@ -151,7 +151,7 @@ pub fn fingerprint_view(
                 .iter()
                 .filter(|part| !excluded(exclude.form, part.name))
                 .collect();
-            sort_as_php_reads(&mut parts, |part| part.name);
+            sort_as_backends_read(&mut parts, |part| part.name);
             hasher.update(b"M");
             for part in &parts {
                 put(&mut hasher, part.name);
@@ -174,7 +174,7 @@ pub fn fingerprint_view(
 /// the fields decides what the backend reads (the last one wins, or the
 /// array's shape): any reordering is another request. The raw names are
 /// what is hashed.
-fn sort_as_php_reads<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
+fn sort_as_backends_read<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
     let mangled = fields.iter().any(|field| {
         name(field)
             .iter()

@@ -261,7 +261,7 @@ impl<'a> View<'a> {
 /// The name PHP registers a form field under: leading spaces dropped, and
 /// before the first `[`, spaces and dots read as `_`; a `[` without a
 /// closing `]` reads as `_` too.
-pub(crate) fn php_name(raw: &[u8]) -> Vec<u8> {
+fn php_name(raw: &[u8]) -> Vec<u8> {
     let raw = &raw[raw.iter().take_while(|&&b| b == b' ').count()..];
     let mut name = raw.to_vec();
     let base = raw.iter().position(|&b| b == b'[').unwrap_or(raw.len());
