@@ -291,8 +291,8 @@ impl Renewer {
 
 /// How soon a failed renewal is tried again: often enough that a store
 /// outage shorter than a third of the lease loses nothing, and never more
-/// than once a second.
-fn retry_after(lease: Duration) -> Duration {
+/// than once a second. The outbox's renewer follows the same rule.
+pub(crate) fn retry_after(lease: Duration) -> Duration {
     (lease / 10).min(Duration::from_secs(1))
 }
 

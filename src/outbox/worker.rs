@@ -422,8 +422,8 @@ async fn deliver<D: Deliverer>(
 ) {
     let renew = async {
         let period = (lease.length / 3).max(Duration::from_millis(1));
-        // After a failed renewal, sooner (as the engine's renewer does).
-        let retry = (lease.length / 10).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        // After a failed renewal, sooner: the engine's renewer's rule.
+        let retry = crate::engine::renewal_retry_after(lease.length).max(Duration::from_millis(1));
         // The database's lease ends no earlier than this (a lease too long
         // for the clock never runs out here).
         let ends = |from: Instant| from.checked_add(lease.length);
