@@ -25,7 +25,7 @@ use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
-use tower_idempotency::engine::{headers, Execution, Flow, Recorder, Reservation};
+use tower_idempotency::engine::{headers, Ended, Execution, Flow, Recorder, Reservation};
 use tower_idempotency::Engine;
 
 use crate::proxy::write_response;
@@ -213,7 +213,12 @@ impl Exchange {
                     if session.is_body_done() {
                         finished.get_or_insert_with(std::time::Instant::now);
                         if let Some(recording) = recorder.take() {
-                            recording.end().await;
+                            if let Ended::Cut(_) = recording.end().await {
+                                // Off the declared length (Pingora reads
+                                // by it, so not expected): no clean end.
+                                self.send(Frame::Abort, false).await;
+                                return;
+                            }
                         }
                     }
                     self.send(Frame::Body(chunk), paced).await;
@@ -234,8 +239,12 @@ impl Exchange {
         let finished = *finished.get_or_insert_with(std::time::Instant::now);
         // A body framed by the connection's close ends here too: a clean
         // close cannot be told from a cut (a reset is an error above).
-        if let Some(recording) = recorder {
-            recording.end().await;
+        if let Some(Ended::Cut(_)) = match recorder {
+            Some(recording) => Some(recording.end().await),
+            None => None,
+        } {
+            self.send(Frame::Abort, false).await;
+            return;
         }
         // Back to the pool first: the client's end is the exchange's last
         // act, so the relay rarely outlives it.

@@ -69,7 +69,7 @@ pub use self::classify::{Coverage, Covered, RequestHead};
 pub use self::decide::Decision;
 pub use self::detached::Execution;
 pub use self::maintenance::DrainReport;
-pub use self::recorder::{Flow, Recorder};
+pub use self::recorder::{Ended, Flow, Recorder};
 pub use self::reservation::Reservation;
 pub use self::responses::REPLAYED_HEADER;
 pub use self::seal::{sealed_key_id, EncryptionKey, Keyring, MAX_KEY_ID_LEN};

@@ -31,6 +31,19 @@ pub enum Flow {
     },
 }
 
+/// How a recorded body ended, as [`Recorder::end`] found it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// At the length its head declared (or without a declared length):
+    /// the bytes stored, which the caller may be given as the whole body.
+    Whole(Bytes),
+    /// Short of, or past, the length its head declared: the bytes received,
+    /// stored as "executed, response incomplete". The caller must see the
+    /// cut (its connection ends short of the declared length), never these
+    /// bytes framed as a complete answer.
+    Cut(Bytes),
+}
+
 /// Records one upstream answer for its reservation. Made by
 /// [`Reservation::record`].
 ///
@@ -125,16 +138,18 @@ impl Recorder {
 
     /// The body ended: stores the response (from now on it is replayed).
     /// Returns the recorded body, the very bytes stored (empty when nothing
-    /// was recorded). A body that ended cleanly but not at the length its
-    /// head declared (`Content-Length`: a producer that stopped early)
-    /// reached the client cut, so it is stored as
-    /// [`fail`](Recorder::fail) stores a break, never as complete.
-    pub async fn end(mut self) -> Bytes {
+    /// was recorded), as [`Ended::Whole`]. A body that ended cleanly but not
+    /// at the length its head declared (`Content-Length`: a producer that
+    /// stopped early, or one that sent more) reached the client cut, so it
+    /// is stored as [`fail`](Recorder::fail) stores a break, never as
+    /// complete, and comes back as [`Ended::Cut`]: the front end must not
+    /// present those bytes as the whole answer.
+    pub async fn end(mut self) -> Ended {
         if self
             .declared
             .is_some_and(|declared| declared != self.body.len() as u64)
         {
-            return self.fail().await;
+            return Ended::Cut(self.fail().await);
         }
         let body = std::mem::take(&mut self.body).into_bytes();
         if let Some(reservation) = self.reservation.take() {
@@ -146,7 +161,7 @@ impl Recorder {
                 }))
                 .await;
         }
-        body
+        Ended::Whole(body)
     }
 
     /// The body broke off. The upstream sent a head, so

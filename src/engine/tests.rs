@@ -100,7 +100,11 @@ async fn the_recorder_drops_connection_listed_headers_and_stops_at_the_cap() {
         }
     );
     assert!(!recorder.is_recording());
-    assert!(recorder.end().await.is_empty(), "nothing more was recorded");
+    assert_eq!(
+        recorder.end().await,
+        Ended::Whole(Bytes::new()),
+        "nothing more was recorded"
+    );
     assert_eq!(
         problem_type(begin(&engine, &policy, "k").await),
         (
@@ -120,7 +124,9 @@ async fn the_recorder_keeps_one_chunk_uncopied_and_joins_several_in_order() {
     let mut recorder = one.record(StatusCode::OK, &HeaderMap::new()).await;
     let chunk = Bytes::from_static(b"hello");
     assert_eq!(recorder.chunk(&chunk).await, Flow::Record);
-    let stored = recorder.end().await;
+    let Ended::Whole(stored) = recorder.end().await else {
+        panic!("no length was declared")
+    };
     assert_eq!(stored.as_ptr(), chunk.as_ptr(), "stored as it came");
 
     let several = proceed(begin(&engine, &policy, "several").await);
@@ -158,6 +164,36 @@ async fn the_recorder_keeps_one_chunk_uncopied_and_joins_several_in_order() {
     );
 }
 
+/// A body that ends cleanly short of, or past, the length its head
+/// declared comes back as `Ended::Cut` (so no front end frames those bytes
+/// as the whole answer) and keeps the key as "executed, response
+/// incomplete"; one at its declared length comes back whole.
+#[tokio::test]
+async fn a_body_off_its_declared_length_ends_cut_and_keeps_the_key() {
+    let (engine, _, policy) = engine(Policy::default());
+    for (key, declared, sent) in [("short", "10", "12345"), ("long", "2", "12345")] {
+        let reservation = proceed(begin(&engine, &policy, key).await);
+        let head =
+            HeaderMap::from_iter([(header::CONTENT_LENGTH, HeaderValue::from_static(declared))]);
+        let mut recorder = reservation.record(StatusCode::CREATED, &head).await;
+        assert_eq!(recorder.chunk(&Bytes::from(sent)).await, Flow::Record);
+        assert_eq!(recorder.end().await, Ended::Cut(Bytes::from(sent)), "{key}");
+        assert_eq!(
+            problem_type(begin(&engine, &policy, key).await),
+            (
+                StatusCode::CONFLICT,
+                "urn:tower-idempotency:response-incomplete".to_owned()
+            ),
+            "{key}"
+        );
+    }
+    let reservation = proceed(begin(&engine, &policy, "whole").await);
+    let head = HeaderMap::from_iter([(header::CONTENT_LENGTH, HeaderValue::from_static("5"))]);
+    let mut recorder = reservation.record(StatusCode::CREATED, &head).await;
+    assert_eq!(recorder.chunk(&Bytes::from("12345")).await, Flow::Record);
+    assert_eq!(recorder.end().await, Ended::Whole(Bytes::from("12345")));
+}
+
 #[tokio::test]
 async fn unstored_statuses_and_abandoned_reservations_release_the_key() {
     let (engine, store, policy) = engine(Policy::default());
@@ -166,7 +202,7 @@ async fn unstored_statuses_and_abandoned_reservations_release_the_key() {
         .record(StatusCode::UNPROCESSABLE_ENTITY, &HeaderMap::new())
         .await;
     assert!(!recorder.is_recording());
-    assert!(recorder.end().await.is_empty());
+    assert_eq!(recorder.end().await, Ended::Whole(Bytes::new()));
     assert!(store.is_empty());
 
     // Dropped without being recorded or released (a panic, a cancelled task).

@@ -98,6 +98,11 @@ pin_project! {
         Prefixed { prefix: Option<Bytes>, #[pin] rest: B },
         /// What was buffered, then the error the inner body failed with.
         Failed { prefix: Option<Bytes>, error: Option<E> },
+        /// What was received of a body that ended off its declared
+        /// `Content-Length`, claiming no length of its own (nor its end,
+        /// before it is polled): the server frames it by that header, so
+        /// the caller's connection ends short of it and the cut shows.
+        Cut { bytes: Option<Bytes>, ended: bool },
     }
 }
 
@@ -127,6 +132,15 @@ impl<B, E> ResponseBody<B, E> {
             inner: ResponseInner::Prefixed {
                 prefix: non_empty(prefix),
                 rest,
+            },
+        }
+    }
+
+    pub(crate) fn cut(bytes: Bytes) -> Self {
+        ResponseBody {
+            inner: ResponseInner::Cut {
+                bytes: non_empty(bytes),
+                ended: false,
             },
         }
     }
@@ -162,6 +176,13 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B, B::Error> {
                 Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
                 None => Poll::Ready(error.take().map(Err)),
             },
+            ResponseBodyProj::Cut { bytes, ended } => match bytes.take() {
+                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                None => {
+                    *ended = true;
+                    Poll::Ready(None)
+                }
+            },
         }
     }
 
@@ -171,6 +192,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B, B::Error> {
             ResponseInner::Streaming { body } => body.is_end_stream(),
             ResponseInner::Prefixed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
             ResponseInner::Failed { prefix, error } => prefix.is_none() && error.is_none(),
+            ResponseInner::Cut { ended, .. } => *ended,
         }
     }
 
@@ -190,7 +212,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B, B::Error> {
                 }
                 sum
             }
-            ResponseInner::Failed { .. } => SizeHint::default(),
+            ResponseInner::Failed { .. } | ResponseInner::Cut { .. } => SizeHint::default(),
         }
     }
 }

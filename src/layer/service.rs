@@ -8,7 +8,7 @@ use tower_service::Service;
 
 use super::future::Step;
 use super::{RequestBody, ResponseBody, ResponseFuture};
-use crate::engine::{Coverage, Decision, Flow, RequestHead, Reservation};
+use crate::engine::{Coverage, Decision, Ended, Flow, RequestHead, Reservation};
 use crate::Engine;
 
 /// The authenticated caller, set as a request extension by an auth layer
@@ -264,7 +264,7 @@ where
             return Err(error);
         }
     };
-    let (parts, mut body) = response.into_parts();
+    let (mut parts, mut body) = response.into_parts();
     let mut recorder = reservation.record(parts.status, &parts.headers).await;
     if !recorder.is_recording() {
         // Not a status the route stores (the key is free): stream it.
@@ -295,7 +295,20 @@ where
             return Ok(Response::from_parts(parts, body));
         }
     }
-    // The caller gets the stored bytes themselves (no second copy).
-    let received = recorder.end().await;
-    Ok(Response::from_parts(parts, ResponseBody::full(received)))
+    let body = match recorder.end().await {
+        // The caller gets the stored bytes themselves (no second copy),
+        // framed by their own length: a server trusts a body's exact
+        // length over the header it writes, so a `Content-Length` the
+        // engine could not read as one number (two lines that differ, or
+        // none) must not go out beside it.
+        Ended::Whole(received) => {
+            if parts.headers.contains_key(http::header::CONTENT_LENGTH) {
+                let length = http::HeaderValue::from(received.len());
+                parts.headers.insert(http::header::CONTENT_LENGTH, length);
+            }
+            ResponseBody::full(received)
+        }
+        Ended::Cut(received) => ResponseBody::cut(received),
+    };
+    Ok(Response::from_parts(parts, body))
 }
