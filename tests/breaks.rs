@@ -2197,3 +2197,61 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
         "changed requests answered with the first response: {replayed:#?}"
     );
 }
+
+/// Scenario: the contact form behind `Router::nest("/shop-a", …)`, its
+/// route written for the nested path as README says (`/contact`, success
+/// redirect `/contact/thanks`). The handler stores the message and
+/// redirects the browser where it is: `Location: /shop-a/contact/thanks`.
+/// The `Location` was matched as the client sees it, so it never matched
+/// `/contact/thanks`: every success read as a redirect back, released the
+/// key, and a double submit (50 at once here) stored the message again.
+/// Impact ("once"). The same handler redirecting back to the form
+/// (`/shop-a/contact`) still releases the key.
+#[tokio::test]
+async fn behind_nest_the_success_redirect_is_matched_as_the_routes_are_written() {
+    use axum::routing::post;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    use tower::ServiceExt;
+
+    for (location, consumed) in [("/shop-a/contact/thanks", true), ("/shop-a/contact", false)] {
+        let engine = Engine::new(
+            MemoryStore::new(),
+            Routes::new()
+                .route("/contact", form_policy("/contact/thanks"))
+                .unwrap(),
+        );
+        let stored = Arc::new(AtomicUsize::new(0));
+        let counted = stored.clone();
+        let shop = axum::Router::new()
+            .route(
+                "/contact",
+                post(move || {
+                    counted.fetch_add(1, SeqCst);
+                    async move { (StatusCode::SEE_OTHER, [(header::LOCATION, location)]) }
+                }),
+            )
+            .layer(tower_idempotency::IdempotencyLayer::new(engine));
+        let app = axum::Router::new().nest("/shop-a", shop);
+        let submit = || {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let request = form_post(
+                    "/shop-a/contact",
+                    "submission_token=7d0f5b0e-3c55-4a36-9a57-0f1e2d3c4b5a&message=hi",
+                );
+                app.oneshot(request.map(Body::new)).await.unwrap().status()
+            })
+        };
+        let submits: Vec<_> = (0..50).map(|_| submit()).collect();
+        for status in submits {
+            assert_eq!(status.await.unwrap(), StatusCode::SEE_OTHER);
+        }
+        match consumed {
+            true => assert_eq!(stored.load(SeqCst), 1, "{location}: stored again"),
+            // Released after each redirect back: the duplicates run (one
+            // at a time), as a corrected form would.
+            false => assert!(stored.load(SeqCst) > 1, "{location}: the key was kept"),
+        }
+    }
+}

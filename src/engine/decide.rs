@@ -235,7 +235,7 @@ impl Engine {
                         key,
                         owner,
                         sent,
-                        head.uri.path(),
+                        head,
                     ));
                 }
                 Ok(Claimed::Existing(record)) => record,

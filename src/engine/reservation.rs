@@ -41,9 +41,22 @@ pub struct Reservation {
     /// Made by a dropped reservation to store its marker: dropped in turn
     /// (its runtime shutting down), it makes no heir of its own.
     heir: bool,
-    /// The request's path, kept only where a relative `Location` may need
-    /// it (routes with `success_redirects`).
-    request_path: Option<Box<str>>,
+    /// The request's path and the prefix a router mounted the layer
+    /// under (see [`mount_prefix`]), kept only where a `Location` is
+    /// matched (routes with `success_redirects`).
+    request_path: Option<(Box<str>, Box<str>)>,
+}
+
+/// The prefix a router mounted the layer under: what `original` (the path
+/// the request arrived with) holds before `routed` (the path the layer's
+/// routes see), as axum's `Router::nest("/shop-a", …)` strips `/shop-a`
+/// from `/shop-a/contact`. Empty when the two paths are one, or when
+/// `routed` is not the end of `original`.
+fn mount_prefix<'a>(original: &'a str, routed: &str) -> &'a str {
+    match original.strip_suffix(routed) {
+        Some(prefix) if routed.starts_with('/') => prefix,
+        _ => "",
+    }
 }
 
 impl Reservation {
@@ -53,7 +66,7 @@ impl Reservation {
         key: ScopeKey,
         owner: OwnerToken,
         sent: Instant,
-        request_path: &str,
+        head: &super::RequestHead<'_>,
     ) -> Self {
         engine.inner.metrics.in_flight_add(1);
         let lease =
@@ -61,8 +74,11 @@ impl Reservation {
                 .inner
                 .leases
                 .hold(&engine.inner, key, owner, policy.policy().lease, sent);
-        // Kept only where a relative `Location` may need it.
-        let request_path = (!policy.success_redirects.is_empty()).then(|| request_path.into());
+        // Kept only where a `Location` is matched.
+        let request_path = (!policy.success_redirects.is_empty()).then(|| {
+            let path = head.uri.path();
+            (path.into(), mount_prefix(path, head.route_path()).into())
+        });
         Reservation {
             engine,
             policy,
@@ -100,8 +116,11 @@ impl Reservation {
     /// stored (see [`headers::stored`]) are dropped here.
     pub async fn record(mut self, status: StatusCode, headers: &HeaderMap) -> Recorder {
         let settings = self.policy.policy();
-        let base = self.request_path.as_deref().unwrap_or("/");
-        if !self.policy.consumes(status, headers, base) {
+        let (base, mount) = match &self.request_path {
+            Some((path, mount)) => (&**path, &**mount),
+            None => ("/", ""),
+        };
+        if !self.policy.consumes(status, headers, base, mount) {
             self.release_as(status).await;
             return Recorder::settled(status);
         }

@@ -483,9 +483,19 @@ impl RoutePolicy {
     /// key (it is stored and replayed from now on): its status is in
     /// `store_statuses` and, for a redirect on a route with
     /// `success_redirects`, its `Location` matches one of them. Any other
-    /// answer releases the key. `request_path` resolves a relative
-    /// `Location` such as `thanks`.
-    pub fn consumes(&self, status: StatusCode, headers: &HeaderMap, request_path: &str) -> bool {
+    /// answer releases the key. `request_path` (the path the client
+    /// sent) resolves a relative `Location` such as `thanks`. `mount` is
+    /// the prefix a router mounted the routes under (axum's `nest`; empty
+    /// when none): a `Location` under it matches also as the routes are
+    /// written, without it (`/shop-a/contact/thanks` matches
+    /// `/contact/thanks`).
+    pub fn consumes(
+        &self,
+        status: StatusCode,
+        headers: &HeaderMap,
+        request_path: &str,
+        mount: &str,
+    ) -> bool {
         if !self.policy.store_statuses.contains(status) {
             return false;
         }
@@ -498,9 +508,13 @@ impl RoutePolicy {
         else {
             return false;
         };
-        self.success_redirects
-            .iter()
-            .any(|pattern| pattern.matches(&target))
+        let unmounted = Some(mount)
+            .filter(|mount| !mount.is_empty())
+            .and_then(|mount| target.strip_prefix(mount))
+            .filter(|rest| rest.starts_with('/'));
+        self.success_redirects.iter().any(|pattern| {
+            pattern.matches(&target) || unmounted.is_some_and(|rest| pattern.matches(rest))
+        })
     }
 
     /// Feeds the request target's part of the key's scope to `put`: the
