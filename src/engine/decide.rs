@@ -106,6 +106,7 @@ impl Engine {
         scope: &mut Option<ScopeKey>,
     ) -> Decision {
         let started = Instant::now();
+        let length = body.len();
         // Parsed once, read by the key and the fingerprint.
         let body = View::parse(formats::content_type(head.headers), body);
         // A POST covered as the method it names is scoped and
@@ -114,6 +115,11 @@ impl Engine {
             self.inner.metrics.record(Event::Passthrough);
             return Decision::Forward;
         };
+        // The body was read under the first candidate route's limit; the
+        // route it is dispatched to (a POST naming `PATCH`) keeps its own.
+        if length > policy.max_body_bytes() {
+            return Decision::Respond(self.over_limit(policy.max_body_bytes(), head.headers));
+        }
         let head = RequestHead {
             method: method.as_ref().unwrap_or(head.method),
             ..head

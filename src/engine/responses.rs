@@ -46,18 +46,20 @@ impl Engine {
     /// HTML when the request's headers (`request`) prefer it, JSON
     /// otherwise. Logged as a decision (no key hash: the key was not read).
     pub fn body_too_large(&self, covered: &Covered, request: &HeaderMap) -> Response<Bytes> {
-        let response = self.reject(
+        let response = self.over_limit(covered.max_body_bytes(), request);
+        self.logged_before_key(covered, response)
+    }
+
+    /// The 413 answer for a body over `limit` bytes.
+    pub(super) fn over_limit(&self, limit: usize, request: &HeaderMap) -> Response<Bytes> {
+        self.reject(
             request,
             Event::TooLarge,
             Problem::new(
                 ProblemKind::BodyTooLarge,
-                format!(
-                    "The request body exceeds the limit of {} bytes.",
-                    covered.max_body_bytes()
-                ),
+                format!("The request body exceeds the limit of {limit} bytes."),
             ),
-        );
-        self.logged_before_key(covered, response)
+        )
     }
 
     /// The answer for a body that could not be read (client gone or too
