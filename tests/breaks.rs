@@ -2292,3 +2292,49 @@ async fn a_body_dispatched_to_another_route_keeps_that_routes_limit() {
         assert_eq!(app.calls(), calls, "dispatched as {method}");
     }
 }
+
+/// Guard (isolation), from a review's claim that did not hold: two routes
+/// trust two gateway headers, users' `x-user-id` on `/api/**` and
+/// partners' `x-partner-id` on `/partner/**` (required), both numbering
+/// their callers from 1. User 7 orders with key K; partner 7 sends
+/// `POST /partner/%2e%2e/api/orders` with K, a spelling one reading routes
+/// to the partner route and another decodes to the user's path. The
+/// partner must not get the user's order replayed.
+#[tokio::test]
+async fn two_gateway_headers_naming_one_value_are_two_callers() {
+    use tower_idempotency::PrincipalPolicy;
+    let routes = Routes::new()
+        .route(
+            "/api/**",
+            Policy {
+                principal: Some(PrincipalPolicy::header("x-user-id").required(false)),
+                ..Policy::default()
+            },
+        )
+        .unwrap()
+        .route(
+            "/partner/**",
+            Policy {
+                principal: Some(PrincipalPolicy::header("x-partner-id")),
+                ..Policy::default()
+            },
+        )
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = answering(&engine, StatusCode::CREATED);
+    let order = |path: &str, header: &'static str| {
+        Request::post(path)
+            .header(header, "7")
+            .header("idempotency-key", "K")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let user = app.send(order("/api/orders", "x-user-id")).await;
+    assert_eq!(user.status, StatusCode::CREATED);
+    let partner = app
+        .send(order("/partner/%2e%2e/api/orders", "x-partner-id"))
+        .await;
+    assert!(!partner.replayed(), "the partner got the user's order");
+    assert_eq!(app.calls(), 2);
+}
