@@ -882,3 +882,51 @@ async fn a_database_that_cannot_take_a_reservation_is_not_healthy() {
         .await;
     assert!(reserve.is_err(), "the check agrees with a reservation");
 }
+
+/// A health check that found the database read-only closes the connection
+/// it asked on, as a reservation's `25006` does: after a failover, the
+/// store's idle connections to the old primary (now a standby) answered
+/// every `/healthz` with "read-only" and went back to the pool, so a
+/// proxy taken out of rotation by that answer (no traffic, so no write to
+/// close them) stayed unhealthy. Here a role's sessions start read-only
+/// (the standby), then no longer do (the failover done): the next check
+/// passes on a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_check_that_found_a_standby_asks_a_new_connection_next() {
+    let options = fixtures::fresh_schema().await;
+    let admin = fixtures::pool(options.clone(), 1).await;
+    PostgresStore::from_pool(admin.clone())
+        .migrate()
+        .await
+        .unwrap();
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    let role = format!("{schema}_failover");
+    for statement in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA {schema} TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.idempotency_records TO {role}"),
+        format!("ALTER ROLE {role} SET default_transaction_read_only = on"),
+    ] {
+        sqlx::query(&statement).execute(&admin).await.unwrap();
+    }
+    let store = PostgresStore::from_pool(fixtures::pool(options.clone().username(&role), 1).await);
+    let error = store.ping().await.expect_err("a standby is healthy");
+    assert!(error.to_string().contains("read-only"), "{error}");
+    sqlx::query(&format!(
+        "ALTER ROLE {role} RESET default_transaction_read_only"
+    ))
+    .execute(&admin)
+    .await
+    .unwrap();
+    store
+        .ping()
+        .await
+        .expect("the failover is done: a new connection is writable");
+    store.close().await;
+    for statement in [format!("DROP OWNED BY {role}"), format!("DROP ROLE {role}")] {
+        sqlx::query(&statement).execute(&admin).await.unwrap();
+    }
+}

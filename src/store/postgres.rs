@@ -380,15 +380,21 @@ impl PostgresStore {
     /// `default_transaction_read_only`), holds the records' table (the
     /// migrations were applied) and lets the role write it. A database that
     /// only answered `SELECT 1` passed while every reservation failed.
+    ///
+    /// A problem found is an error of the statement's own, so the lease
+    /// closes the connection it asked on, as after a reservation's `25006`:
+    /// the next check asks a new one, which after a failover reaches the
+    /// new primary (an idle connection to the old one kept answering
+    /// "read-only" while nothing else used it).
     async fn writable(&self) -> Result<(), sqlx::Error> {
-        let problem: Option<String> = sql::on_connection!(self, |executor| {
-            sqlx::query_scalar(WRITABLE).fetch_one(executor)
+        sql::on_connection!(self, |executor| async {
+            let problem: Option<String> = sqlx::query_scalar(WRITABLE).fetch_one(executor).await?;
+            match problem {
+                None => Ok(()),
+                Some(problem) => Err(sqlx::Error::Configuration(problem.into())),
+            }
         })
-        .await?;
-        match problem {
-            None => Ok(()),
-            Some(problem) => Err(sqlx::Error::Configuration(problem.into())),
-        }
+        .await
     }
 
     /// A record write that returns whether it wrote: its own transaction.
