@@ -87,7 +87,7 @@ async fn answer(decision: Decision, body: &'static str) {
         .record(StatusCode::CREATED, &HeaderMap::new())
         .await;
     recorder.chunk(&Bytes::from_static(body.as_bytes())).await;
-    recorder.end().await;
+    let _ = recorder.end().await;
 }
 
 fn replayed(decision: Decision) -> Bytes {

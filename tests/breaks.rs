@@ -799,7 +799,7 @@ mod operator {
             .record(StatusCode::CREATED, &HeaderMap::new())
             .await;
         recorder.chunk(&Bytes::from_static(body.as_bytes())).await;
-        recorder.end().await;
+        let _ = recorder.end().await;
     }
 
     fn header_routes() -> Routes {
@@ -2260,36 +2260,44 @@ async fn behind_nest_the_success_redirect_is_matched_as_the_routes_are_written()
 /// `PATCH` with a 100-byte one (`max_body_bytes`). A `POST` whose form body
 /// names `_method=PATCH` is read under the `POST` route's limit, then
 /// dispatched as `PATCH`: its 1 KiB body reached the backend, which runs
-/// it as a `PATCH`, past the limit the operator set for `PATCH`. Impact:
-/// a route's body limit bypassed. Now the route the request is dispatched
-/// to keeps its limit: 413, the backend never called; a `POST` of the same
-/// size goes through.
+/// it as a `PATCH`, past the limit the operator set for `PATCH` — also
+/// when the `POST` route is the `required` one (which then decides the
+/// key's rules). Impact: a route's body limit bypassed. Now every route a
+/// backend may dispatch the request to keeps its limit: 413, the backend
+/// never called; a `POST` of the same size goes through.
 #[tokio::test]
 async fn a_body_dispatched_to_another_route_keeps_that_routes_limit() {
-    let patch = Policy {
-        methods: vec!["PATCH".into()],
-        max_body_bytes: 100,
-        ..Policy::default()
-    };
-    let routes = Routes::new()
-        .route("/orders", patch)
-        .unwrap()
-        .route("/orders", Policy::default())
-        .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let app = answering(&engine, StatusCode::CREATED);
-    let padding = "x".repeat(1024);
-    for (method, status, calls) in [
-        ("PATCH", StatusCode::PAYLOAD_TOO_LARGE, 0),
-        ("POST", StatusCode::CREATED, 1),
-    ] {
-        let mut request = form_post("/orders", &format!("_method={method}&note={padding}"));
-        request
-            .headers_mut()
-            .insert("idempotency-key", http::HeaderValue::from_static("k-1"));
-        let reply = app.send(request).await;
-        assert_eq!(reply.status, status, "dispatched as {method}");
-        assert_eq!(app.calls(), calls, "dispatched as {method}");
+    for post_required in [false, true] {
+        let patch = Policy {
+            methods: vec!["PATCH".into()],
+            max_body_bytes: 100,
+            ..Policy::default()
+        };
+        let post = Policy {
+            required: post_required,
+            ..Policy::default()
+        };
+        let routes = Routes::new()
+            .route("/orders", patch)
+            .unwrap()
+            .route("/orders", post)
+            .unwrap();
+        let engine = Engine::new(MemoryStore::new(), routes);
+        let app = answering(&engine, StatusCode::CREATED);
+        let padding = "x".repeat(1024);
+        for (method, status, calls) in [
+            ("PATCH", StatusCode::PAYLOAD_TOO_LARGE, 0),
+            ("POST", StatusCode::CREATED, 1),
+        ] {
+            let mut request = form_post("/orders", &format!("_method={method}&note={padding}"));
+            request
+                .headers_mut()
+                .insert("idempotency-key", http::HeaderValue::from_static("k-1"));
+            let reply = app.send(request).await;
+            let case = format!("dispatched as {method}, POST required: {post_required}");
+            assert_eq!(reply.status, status, "{case}");
+            assert_eq!(app.calls(), calls, "{case}");
+        }
     }
 }
 

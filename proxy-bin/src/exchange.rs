@@ -276,10 +276,7 @@ pub fn relayed_head(request: &RequestHeader, head: &ResponseHeader) -> ResponseH
 /// frames it.
 fn framed_by_close(request: &RequestHeader, head: &ResponseHeader) -> bool {
     let status = head.status;
-    let no_body = request.method == http::Method::HEAD
-        || status.is_informational()
-        || status == http::StatusCode::NO_CONTENT
-        || status == http::StatusCode::NOT_MODIFIED;
+    let no_body = request.method == http::Method::HEAD || headers::bodiless(status);
     if no_body {
         return false;
     }

@@ -57,7 +57,8 @@ pub struct RequestCtx {
 
 impl IdempotencyProxy {
     /// A proxy in front of `upstream`. A covered request's body must
-    /// arrive within `body_timeout`.
+    /// arrive within `body_timeout`, and no write to a client may wait
+    /// longer.
     pub fn new(
         engine: Engine,
         upstream: Arc<Upstream>,
@@ -193,6 +194,10 @@ impl ProxyHttp for IdempotencyProxy {
     fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        // A client that takes none of its answer for this long is cut: a
+        // stalled reader never holds an upstream connection (Pingora sets
+        // no write timeout of its own).
+        session.set_write_timeout(Some(self.body_timeout));
         let request = session.req_header();
         if let Some(reason) = refused_target(request) {
             // Not forwarded, and the body is not read.
@@ -417,10 +422,7 @@ pub async fn write_response(session: &mut Session, response: Response<Bytes>) ->
     let mut head: ResponseHeader = parts.into();
     // RFC 9110, 8.6: never on a 1xx or 204; a 304's would describe the
     // resource, not this empty body.
-    let bodiless = head.status.is_informational()
-        || head.status == http::StatusCode::NO_CONTENT
-        || head.status == http::StatusCode::NOT_MODIFIED;
-    if !bodiless {
+    if !headers::bodiless(head.status) {
         head.insert_header(header::CONTENT_LENGTH, body.len())?;
     }
     session

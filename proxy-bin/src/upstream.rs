@@ -442,7 +442,7 @@ impl Upstream {
             Ok(()) => read_head(&mut session)
                 .await
                 .map(|()| {
-                    let reusable = framed_cleanly(&session, !body.is_empty());
+                    let reusable = framed_cleanly(&session, &request.method, !body.is_empty());
                     Sent { session, reusable }
                 })
                 .map_err(|error| (true, error)),
@@ -526,8 +526,13 @@ async fn write_request(
 /// be read as the next answer. Not after an
 /// error status to a request with a body: an upstream that refused early
 /// (401, 413) may not have read the body, and would read it as the next
-/// request.
-fn framed_cleanly(session: &HttpSession, had_body: bool) -> bool {
+/// request. Nor after any answer to a body sent with a method whose
+/// requests rarely carry one (`GET`, `DELETE`, …: anything but `POST`,
+/// `PUT` and `PATCH`): handlers ignore such bodies, and a server that does
+/// not skip what it did not read (Python's `http.server`) would run that
+/// body as a request of the client's making, past the proxy's rules, its
+/// answer waiting for the next client on the connection.
+fn framed_cleanly(session: &HttpSession, method: &http::Method, had_body: bool) -> bool {
     let Some(head) = session.resp_header() else {
         return false;
     };
@@ -535,9 +540,11 @@ fn framed_cleanly(session: &HttpSession, had_body: bool) -> bool {
     if had_body && (status.is_client_error() || status.is_server_error()) {
         return false;
     }
-    let bodiless = status.is_informational()
-        || status == http::StatusCode::NO_CONTENT
-        || status == http::StatusCode::NOT_MODIFIED;
+    let carries_bodies = [http::Method::POST, http::Method::PUT, http::Method::PATCH];
+    if had_body && !carries_bodies.contains(method) {
+        return false;
+    }
+    let bodiless = tower_idempotency::engine::headers::bodiless(status);
     let declares_body = head.headers.contains_key(header::TRANSFER_ENCODING)
         || (status != http::StatusCode::NOT_MODIFIED
             && head

@@ -704,6 +704,37 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
     assert!(seen["headers"].get("x-dropped").is_none(), "{seen}");
 }
 
+/// Scenario (isolation): a client lists `Host` in `Connection`. The proxy
+/// dropped every listed header but those the engine reads the body by, so
+/// `Host` went too and Pingora put in the upstream's own authority: the
+/// order was scoped as `tenant-a.example` and run by the backend's default
+/// virtual host (another tenant), and a passthrough reached it as well.
+/// Impact ("the upstream runs the request as the identity it was scoped
+/// by"). Fix: `Host` is always forwarded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_host_listed_in_connection_still_reaches_the_upstream() {
+    let backend = common::Backend::start().await;
+    let dir = temp_dir("breaks-connection-host");
+    let config = "[[route]]\npath = \"/echo\"\n";
+    let proxy = Proxy::start(ProxyArgs::new(backend.url(), config, &dir))
+        .await
+        .owning(dir);
+    for (method, key) in [("POST", "idempotency-key: host-1\r\n"), ("GET", "")] {
+        let request = format!(
+            "{method} /echo HTTP/1.1\r\nHost: tenant-a.example\r\nConnection: host, close\r\n\
+             {key}Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+        );
+        let answer = raw_exchange(proxy.addr, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{method}: {answer}");
+        let (_, body) = answer.split_once("\r\n\r\n").unwrap();
+        let seen: serde_json::Value = serde_json::from_str(body.trim()).unwrap();
+        assert_eq!(
+            seen["headers"]["host"], "tenant-a.example",
+            "{method}: {seen}"
+        );
+    }
+}
+
 /// Reads one request from `conn` (its head, then a `Content-Length` body;
 /// bytes already in `buf` first) and drops it from `buf`; `false` when the
 /// connection ended first.
@@ -987,6 +1018,10 @@ async fn a_body_an_upstream_refused_unread_never_answers_the_next_request() {
                 // Refused unread: only the head is consumed.
                 buf.drain(..end + 4);
                 b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 6\r\n\r\ndenied"
+            } else if head.starts_with("GET /page ") {
+                // A page whose handler never reads a GET's body.
+                buf.drain(..end + 4);
+                b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\npage"
             } else {
                 let mut rest = buf.split_off(end + 4);
                 buf.clear();
@@ -1022,15 +1057,19 @@ async fn a_body_an_upstream_refused_unread_never_answers_the_next_request() {
     .await;
     let proxy = orders_proxy(upstream, "breaks-refused-unread").await;
     let smuggled = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
-    let refused = proxy.send("POST", "/admin", &[], smuggled).await;
-    assert_eq!(refused.status, 401);
-    for n in 0..3 {
-        let key = format!("order-after-401-{n}");
-        assert_eq!(
-            json_order(&proxy, &key).await,
-            (201, "order-done".to_owned()),
-            "the order got the answer to a request smuggled in a body"
-        );
+    // An error answer, and (from a later review) a success to a `GET`
+    // whose body its handler ignores.
+    for (method, path, status) in [("POST", "/admin", 401), ("GET", "/page", 200)] {
+        let answered = proxy.send(method, path, &[], smuggled).await;
+        assert_eq!(answered.status, status);
+        for n in 0..3 {
+            let key = format!("order-after-{status}-{n}");
+            assert_eq!(
+                json_order(&proxy, &key).await,
+                (201, "order-done".to_owned()),
+                "after {method} {path}: the order got the answer to a request smuggled in a body"
+            );
+        }
     }
 }
 

@@ -1239,3 +1239,30 @@ max_buffered_bytes = 5000
         .await;
     assert!(reply.replayed(), "{}", reply.text());
 }
+
+/// An answer over the storage cap that declares its length
+/// (`Content-Length`, not chunked) reaches the first caller whole; only the
+/// marker is stored, so the retry gets 409 `response-not-stored` and the
+/// backend ran once. (A recorder that had stopped recording measured its
+/// empty body against the declared length and called the end a cut: the
+/// first caller's connection was cut before the last chunk.)
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_over_the_cap_with_a_declared_length_reaches_the_first_caller_whole() {
+    let config = "[[route]]\npath = \"/echo\"\nmax_response_bytes = 16\n";
+    let (backend, proxy) = start("over-cap-length", config).await;
+    let key = uuid();
+    let headers = [
+        ("idempotency-key", key.as_str()),
+        ("content-type", "text/plain"),
+    ];
+    let body = "x".repeat(64 << 10);
+    let first = proxy.send("POST", "/echo", &headers, body.clone()).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let declared: usize = first.header("content-length").unwrap().parse().unwrap();
+    assert_eq!(first.body.len(), declared, "the first caller got it whole");
+    assert_eq!(first.json()["body"].as_str().map(str::len), Some(64 << 10));
+    let retry = proxy.send("POST", "/echo", &headers, body).await;
+    assert_eq!(retry.status, 409, "{}", retry.text());
+    assert!(retry.text().contains("response-not-stored"));
+    assert_eq!(backend.hits("/echo"), 1);
+}

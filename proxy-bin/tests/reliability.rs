@@ -125,6 +125,8 @@ struct RawUpstream {
     hits: Arc<std::sync::Mutex<HashMap<String, usize>>>,
     resets: Arc<AtomicUsize>,
     release: Arc<Semaphore>,
+    /// `/big` answers written whole (taken by the proxy).
+    big_sent: Arc<AtomicUsize>,
 }
 
 impl RawUpstream {
@@ -135,6 +137,7 @@ impl RawUpstream {
             hits: Arc::default(),
             resets: Arc::default(),
             release: Arc::new(Semaphore::new(0)),
+            big_sent: Arc::default(),
         };
         let serving = upstream.clone();
         tokio::spawn(async move {
@@ -211,7 +214,9 @@ impl RawUpstream {
                 "/big" => {
                     let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {BIG}\r\n\r\n");
                     let _ = stream.write_all(head.as_bytes()).await;
-                    let _ = stream.write_all(&vec![b'b'; BIG]).await;
+                    if stream.write_all(&vec![b'b'; BIG]).await.is_ok() {
+                        self.big_sent.fetch_add(1, Ordering::SeqCst);
+                    }
                     let _ = stream.flush().await;
                 }
                 slow if slow.starts_with("/slow/") => {
@@ -554,6 +559,45 @@ async fn a_client_that_stops_reading_does_not_hold_the_key() {
     .expect("the response was stored while its first client did not read");
     assert_eq!((replay.status, replay.replayed()), (200, true));
     assert_eq!(replay.body.len(), BIG);
+    assert_eq!(upstream.hits("/big"), 1);
+    drop(stalled);
+}
+
+/// A client that stops reading an answer over the storage cap (so relayed
+/// at the client's pace, not recorded) and stays connected: the proxy
+/// waited for it without end, holding the upstream connection (and, on a
+/// synchronous backend, its worker). Now a write that waits longer than
+/// `body_timeout` cuts the client, and the upstream's answer is taken
+/// whole; the marker is stored, so the retry learns it ran.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_never_holds_the_upstream() {
+    let upstream = RawUpstream::start().await;
+    let dir = temp_dir("stalled-over-cap");
+    let config = format!("{}max_response_bytes = {}\n", config("30s"), 1 << 20);
+    let proxy = Proxy::start(ProxyArgs::new(upstream.url(), &config, &dir))
+        .await
+        .owning(dir);
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(proxy.addr).await.unwrap();
+    let request = format!(
+        "POST /big HTTP/1.1\r\nhost: {}\r\nidempotency-key: big-over-cap\r\n\
+         content-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}",
+        proxy.addr
+    );
+    stalled.write_all(request.as_bytes()).await.unwrap();
+    eventually("the upstream's answer was taken whole", || {
+        upstream.big_sent.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let retry = try_request(&client(), post(proxy.addr, "/big", "big-over-cap", "{}"))
+        .await
+        .unwrap();
+    assert_eq!(retry.status, 409);
+    assert_eq!(
+        problem_type(&retry),
+        "urn:tower-idempotency:response-not-stored"
+    );
     assert_eq!(upstream.hits("/big"), 1);
     drop(stalled);
 }

@@ -190,7 +190,7 @@ impl Engine {
         covered: &'r Arc<RoutePolicy>,
         head: &RequestHead<'_>,
         body: &View<'_>,
-    ) -> Option<(Option<Method>, &'r Arc<RoutePolicy>)> {
+    ) -> Option<Dispatched<'r>> {
         let path = head.route_path();
         let mut named = overrides(head, Some(body));
         if names_unreadably(head, body) {
@@ -203,17 +203,35 @@ impl Engine {
         let own = self
             .route_of(head)
             .or_else(|| covered.applies_to(head.method).then_some(covered));
-        let mut candidates = named.chain(own.map(|route| (None, route)));
-        let first = candidates.next()?;
-        if first.1.policy().required {
-            return Some(first);
-        }
-        Some(
-            candidates
-                .find(|(_, route)| route.policy().required)
-                .unwrap_or(first),
-        )
+        let candidates: Vec<_> = named.chain(own.map(|route| (None, route))).collect();
+        let (method, policy) = candidates
+            .iter()
+            .find(|(_, route)| route.policy().required)
+            .or(candidates.first())?
+            .clone();
+        let max_body_bytes = candidates
+            .iter()
+            .map(|(_, route)| route.max_body_bytes())
+            .min()?;
+        Some(Dispatched {
+            method,
+            policy,
+            max_body_bytes,
+        })
     }
+}
+
+/// What [`Engine::dispatched`] found for a covered request.
+pub(super) struct Dispatched<'r> {
+    /// The method it names for itself (a `POST`'s `_method`), if it is
+    /// covered as that one; `None`: its own.
+    pub method: Option<Method>,
+    /// The route that decides.
+    pub policy: &'r Arc<RoutePolicy>,
+    /// The smallest `max_body_bytes` of the routes it may be dispatched
+    /// under: whichever way a backend reads the method, the body keeps
+    /// that route's limit.
+    pub max_body_bytes: usize,
 }
 
 /// The `_method` field (form or JSON body, or query) and the header by

@@ -111,15 +111,11 @@ impl Engine {
         let body = View::parse(formats::content_type(head.headers), body);
         // A POST covered as the method it names is scoped and
         // fingerprinted as that method.
-        let Some((method, policy)) = self.dispatched(covered.policy(), &head, &body) else {
+        let Some(dispatched) = self.dispatched(covered.policy(), &head, &body) else {
             self.inner.metrics.record(Event::Passthrough);
             return Decision::Forward;
         };
-        // The body was read under the first candidate route's limit; the
-        // route it is dispatched to (a POST naming `PATCH`) keeps its own.
-        if length > policy.max_body_bytes() {
-            return Decision::Respond(self.over_limit(policy.max_body_bytes(), head.headers));
-        }
+        let (method, policy) = (dispatched.method, dispatched.policy);
         let head = RequestHead {
             method: method.as_ref().unwrap_or(head.method),
             ..head
@@ -132,6 +128,13 @@ impl Engine {
             }
             KeyRead::Refused(response) => return Decision::Respond(response),
         };
+        // The body was read under the first candidate route's limit; each
+        // route a backend may dispatch it to (a POST naming `PATCH`) keeps
+        // its own.
+        if length > dispatched.max_body_bytes {
+            let limit = dispatched.max_body_bytes;
+            return Decision::Respond(self.over_limit(limit, head.headers));
+        }
         // Checked before anything is reserved: a credential that fails
         // never picks a scope.
         let principal = match self.resolve_principal(policy, &head) {

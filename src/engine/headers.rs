@@ -54,9 +54,22 @@ pub fn lists_coding_other_than(headers: &HeaderMap, name: &HeaderName, allowed: 
         .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(allowed))
 }
 
-/// The length a head's `Content-Length` declares: `None` without one, or
-/// when its lines do not all state the same valid number.
+/// Whether a response with `status` has no body whatever its head says
+/// (RFC 9110, 6.4.1): a 1xx, 204 or 304. Its `Content-Length`, if any,
+/// never frames bytes (a 304's describes the resource).
+pub fn bodiless(status: http::StatusCode) -> bool {
+    status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED
+}
+
+/// The length a head's `Content-Length` declares: `None` without one,
+/// when its lines do not all state the same valid number, or beside a
+/// `Transfer-Encoding`, which frames the body instead (RFC 9112, 6.3).
 pub fn content_length(headers: &HeaderMap) -> Option<u64> {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        return None;
+    }
     let mut declared = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
         let length = std::str::from_utf8(value.as_bytes())
@@ -75,7 +88,7 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// The request headers not forwarded with a buffered body: the connection
 /// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
 /// `Upgrade`, `Expect`), and every header `Connection` lists except
-/// `Content-Type`, `Content-Encoding` and `X-HTTP-Method-Override`. The
+/// `Host`, `Content-Type`, `Content-Encoding` and `X-HTTP-Method-Override`. The
 /// caller removes them (and sets `Content-Length` for the body it sends).
 ///
 /// Those say how to read the body and which method it is: the engine read
@@ -102,10 +115,13 @@ fn not_forwarded_unless(
     request: &HeaderMap,
     read: impl Fn(&HeaderName) -> bool,
 ) -> Vec<HeaderName> {
-    const READ_BY_THE_ENGINE: [HeaderName; 3] = [
+    // `Host` too: the scope's host is read from it (RFC 9110, 7.6.1: a
+    // proxy must not drop it for a `Connection` listing).
+    const READ_BY_THE_ENGINE: [HeaderName; 4] = [
         header::CONTENT_TYPE,
         header::CONTENT_ENCODING,
         crate::formats::METHOD_OVERRIDE,
+        header::HOST,
     ];
     let mut names: Vec<HeaderName> = CONNECTION_SCOPED
         .iter()
@@ -212,6 +228,21 @@ mod tests {
                 !kept.iter().any(|name| name == "x-hop"),
                 "Connection-listed"
             );
+        }
+    }
+
+    #[test]
+    fn a_declared_length_is_one_number_and_never_beside_a_transfer_coding() {
+        assert_eq!(content_length(&map(&[("content-length", "5")])), Some(5));
+        let twice = map(&[("content-length", "5"), ("content-length", "5")]);
+        assert_eq!(content_length(&twice), Some(5));
+        for head in [
+            map(&[("content-length", "5"), ("content-length", "6")]),
+            map(&[("content-length", "5x")]),
+            map(&[("content-length", "5"), ("transfer-encoding", "chunked")]),
+            map(&[]),
+        ] {
+            assert_eq!(content_length(&head), None, "{head:?}");
         }
     }
 

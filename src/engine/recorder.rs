@@ -33,14 +33,15 @@ pub enum Flow {
 
 /// How a recorded body ended, as [`Recorder::end`] found it.
 #[derive(Debug, PartialEq, Eq)]
+#[must_use = "a cut body must not be sent as whole"]
 pub enum Ended {
     /// At the length its head declared (or without a declared length):
     /// the bytes stored, which the caller may be given as the whole body.
     Whole(Bytes),
     /// Short of, or past, the length its head declared: the bytes received,
     /// stored as "executed, response incomplete". The caller must see the
-    /// cut (its connection ends short of the declared length), never these
-    /// bytes framed as a complete answer.
+    /// cut (the layer declares one byte more than it sends; the proxy
+    /// aborts), never these bytes framed as a complete answer.
     Cut(Bytes),
 }
 
@@ -76,9 +77,7 @@ impl Recorder {
         limit: usize,
         declared: Option<u64>,
     ) -> Self {
-        let bodiless = status.is_informational()
-            || status == StatusCode::NO_CONTENT
-            || status == StatusCode::NOT_MODIFIED;
+        let bodiless = super::headers::bodiless(status);
         Recorder {
             reservation: Some(reservation),
             status,
@@ -144,11 +143,15 @@ impl Recorder {
     /// is stored as [`fail`](Recorder::fail) stores a break, never as
     /// complete, and comes back as [`Ended::Cut`]: the front end must not
     /// present those bytes as the whole answer.
+    ///
+    /// A recorder no longer recording (past the storage cap, or a status
+    /// not stored) holds no body to measure: its end is [`Ended::Whole`]
+    /// with no bytes.
     pub async fn end(mut self) -> Ended {
-        if self
+        let off_length = self
             .declared
-            .is_some_and(|declared| declared != self.body.len() as u64)
-        {
+            .is_some_and(|declared| declared != self.body.len() as u64);
+        if off_length && self.is_recording() {
             return Ended::Cut(self.fail().await);
         }
         let body = std::mem::take(&mut self.body).into_bytes();

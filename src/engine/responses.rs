@@ -283,11 +283,7 @@ pub(super) fn replay(stored: StoredResponse) -> Response<Bytes> {
     for (name, value) in stored.headers {
         headers.append(name, value);
     }
-    if matches!(
-        response.status(),
-        StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
-    ) || response.status().is_informational()
-    {
+    if super::headers::bodiless(response.status()) {
         response.headers_mut().remove(header::CONTENT_LENGTH);
     } else {
         response

@@ -192,6 +192,23 @@ async fn a_body_off_its_declared_length_ends_cut_and_keeps_the_key() {
     let mut recorder = reservation.record(StatusCode::CREATED, &head).await;
     assert_eq!(recorder.chunk(&Bytes::from("12345")).await, Flow::Record);
     assert_eq!(recorder.end().await, Ended::Whole(Bytes::from("12345")));
+
+    // Past the storage cap nothing is held, so nothing is measured: the
+    // end of a body at its declared length is no cut.
+    let (capped, _, policy) = self::engine(Policy {
+        max_response_bytes: 3,
+        ..Policy::default()
+    });
+    let reservation = proceed(begin(&capped, &policy, "large").await);
+    let mut recorder = reservation.record(StatusCode::CREATED, &head).await;
+    let passed = recorder.chunk(&Bytes::from("12345")).await;
+    assert_eq!(
+        passed,
+        Flow::Pass {
+            recorded: Bytes::new()
+        }
+    );
+    assert_eq!(recorder.end().await, Ended::Whole(Bytes::new()));
 }
 
 #[tokio::test]
@@ -1004,7 +1021,7 @@ async fn a_response_the_store_keeps_refusing_still_keeps_the_key_executed() {
         recorder.chunk(&Bytes::from_static(b"order 1")).await,
         Flow::Record
     );
-    recorder.end().await;
+    let _ = recorder.end().await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     for _ in 0..3 {
         assert_eq!(

@@ -100,8 +100,9 @@ pin_project! {
         Failed { prefix: Option<Bytes>, error: Option<E> },
         /// What was received of a body that ended off its declared
         /// `Content-Length`, claiming no length of its own (nor its end,
-        /// before it is polled): the server frames it by that header, so
-        /// the caller's connection ends short of it and the cut shows.
+        /// before it is polled): the server frames it by the header, which
+        /// the layer sets one byte past it, so the caller's connection ends
+        /// short of it and the cut shows.
         Cut { bytes: Option<Bytes>, ended: bool },
     }
 }

@@ -8,7 +8,7 @@ use tower_service::Service;
 
 use super::future::Step;
 use super::{RequestBody, ResponseBody, ResponseFuture};
-use crate::engine::{Coverage, Decision, Ended, Flow, RequestHead, Reservation};
+use crate::engine::{headers, Coverage, Decision, Ended, Flow, RequestHead, Reservation};
 use crate::Engine;
 
 /// The authenticated caller, set as a request extension by an auth layer
@@ -302,13 +302,22 @@ where
         // engine could not read as one number (two lines that differ, or
         // none) must not go out beside it.
         Ended::Whole(received) => {
-            if parts.headers.contains_key(http::header::CONTENT_LENGTH) {
+            let framed = !headers::bodiless(parts.status);
+            if framed && parts.headers.contains_key(http::header::CONTENT_LENGTH) {
                 let length = http::HeaderValue::from(received.len());
                 parts.headers.insert(http::header::CONTENT_LENGTH, length);
             }
             ResponseBody::full(received)
         }
-        Ended::Cut(received) => ResponseBody::cut(received),
+        // Declared one byte longer than what follows, whether the body came
+        // short or long: the server frames it by that header and ends the
+        // connection (HTTP/1) or the stream (a checking HTTP/2 client)
+        // short of it, so the caller sees the cut.
+        Ended::Cut(received) => {
+            let length = http::HeaderValue::from(received.len() + 1);
+            parts.headers.insert(http::header::CONTENT_LENGTH, length);
+            ResponseBody::cut(received)
+        }
     };
     Ok(Response::from_parts(parts, body))
 }
