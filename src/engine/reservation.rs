@@ -77,7 +77,10 @@ impl Reservation {
         // Kept only where a `Location` is matched.
         let request_path = (!policy.success_redirects.is_empty()).then(|| {
             let path = head.uri.path();
-            (path.into(), mount_prefix(path, head.route_path()).into())
+            // Spelled as the `Location` it is matched against is read.
+            let original = crate::policy::normalize_path(path, false);
+            let routed = crate::policy::normalize_path(head.route_path(), false);
+            (path.into(), mount_prefix(&original, &routed).into())
         });
         Reservation {
             engine,
