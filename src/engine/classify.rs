@@ -203,16 +203,17 @@ impl Engine {
         let own = self
             .route_of(head)
             .or_else(|| covered.applies_to(head.method).then_some(covered));
-        let candidates: Vec<_> = named.chain(own.map(|route| (None, route))).collect();
-        let (method, policy) = candidates
-            .iter()
-            .find(|(_, route)| route.policy().required)
-            .or(candidates.first())?
-            .clone();
-        let max_body_bytes = candidates
-            .iter()
-            .map(|(_, route)| route.max_body_bytes())
-            .min()?;
+        let mut first = None;
+        let mut required = None;
+        let mut max_body_bytes = usize::MAX;
+        for (method, route) in named.chain(own.map(|route| (None, route))) {
+            max_body_bytes = max_body_bytes.min(route.max_body_bytes());
+            if required.is_none() && route.policy().required {
+                required = Some((method.clone(), route));
+            }
+            first.get_or_insert((method, route));
+        }
+        let (method, policy) = required.or(first)?;
         Some(Dispatched {
             method,
             policy,
