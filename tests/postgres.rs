@@ -930,3 +930,58 @@ async fn a_health_check_that_found_a_standby_asks_a_new_connection_next() {
         sqlx::query(&statement).execute(&admin).await.unwrap();
     }
 }
+
+/// Scenario (from a review of the stores): a burst of arrivals whose
+/// statements wait on the database (here, takeovers of a record whose
+/// row another transaction holds locked) takes every connection of the
+/// store. A request holding another key renews its lease over the same
+/// connections: its renewal waited for one until the acquire timeout and
+/// failed, and renewals failing for two thirds of the lease let a retry
+/// take the key over and run it a second time while it still ran. Impact
+/// ("once"), from client traffic alone, across tenants. Connections are
+/// kept for the writes of a key's holder: its renewal and its completion
+/// get through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arrivals_stuck_on_the_database_never_starve_a_holders_renewal() {
+    let (options, _application, store, _admin) = named_store("kept", 4, |o| o).await;
+    let store = Arc::new(store);
+    let held = random_key();
+    let holder = OwnerToken::random();
+    let claim = store
+        .reserve(&held, &fingerprint(1), &holder, LONG, LONG)
+        .await;
+    assert_eq!(claim.unwrap(), Claim::Acquired { takeover: false });
+    // A record whose lease ran out, its row locked elsewhere: each arrival
+    // for it waits in its takeover, holding a connection.
+    let stuck = random_key();
+    let short = Duration::from_millis(1);
+    let owner = OwnerToken::random();
+    store
+        .reserve(&stuck, &fingerprint(2), &owner, short, LONG)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let lock = locked_row(&options, &stuck).await;
+    let arrivals: Vec<_> = (0..6)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let owner = OwnerToken::random();
+                let _ = store
+                    .reserve(&stuck, &fingerprint(2), &owner, LONG, LONG)
+                    .await;
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let renewed = store.renew(&held, &holder, LONG).await;
+    assert!(
+        matches!(renewed, Ok(true)),
+        "the holder's renewal did not get through: {renewed:?}"
+    );
+    let completed = store.complete(&held, &holder, &outcome(), LONG).await;
+    assert!(matches!(completed, Ok(true)), "{completed:?}");
+    lock.rollback().await.unwrap();
+    join_all(arrivals).await;
+    store.close().await;
+}

@@ -172,3 +172,40 @@ async fn fail_open_after_a_lost_reservation_executes_at_most_twice() {
     }
     assert_eq!(app.calls(), 2);
 }
+
+/// Scenario (from a review of the engine): a fail-open route, an order
+/// that takes a while, and five duplicates of it waiting for it (a retry
+/// storm). A store call of each waiter fails while it waits: its wait, or
+/// its look at the record once the order is done. Each waiter was then
+/// forwarded unprotected, as if its own reservation had been lost, and ran
+/// the order again beside (or after) the request holding the key: six
+/// executions. Impact ("once"): fail-open trades protection for
+/// availability only for a request that never saw its key held. A waiter
+/// has seen it held, so it gets 503, and its retry is replayed.
+#[tokio::test]
+async fn a_waiter_whose_store_fails_never_runs_beside_the_holder() {
+    for op in [Op::Wait, Op::Get] {
+        let (app, faults) = over_faulty(FailMode::Open);
+        let app = app.slow(Duration::from_millis(300));
+        let upstream = app.upstream();
+        let first = tokio::spawn(upstream.send(post_json(b"order-1", "{}")));
+        while app.calls() == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        faults.set(op, Fault::Down);
+        let waiters: Vec<_> = (0..5)
+            .map(|_| tokio::spawn(upstream.send(post_json(b"order-1", "{}"))))
+            .collect();
+        for waiter in waiters {
+            let reply = waiter.await.unwrap();
+            reply.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
+        }
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{op:?}");
+        assert_eq!(app.calls(), 1, "{op:?}: a waiter ran beside the holder");
+        faults.clear_all();
+        let retry = app.send(post_json(b"order-1", "{}")).await;
+        assert!(retry.replayed(), "{op:?}");
+        assert_eq!(app.calls(), 1, "{op:?}");
+    }
+}

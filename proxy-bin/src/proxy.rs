@@ -249,6 +249,16 @@ impl ProxyHttp for IdempotencyProxy {
         Ok(self.upstream.peer())
     }
 
+    /// Pingora's path: the requests [`passthrough::eligible`] leaves to it
+    /// (chunked or large bodies, `Expect`, HTTP/1.0, upgrades). Its pool
+    /// takes a connection back after any answer, so one whose answer may
+    /// leave bytes on it (an early answer to a body the upstream never
+    /// read, a `HEAD`, a body sent with a `GET`) could answer the next
+    /// request with a request smuggled in that body. None of these
+    /// connections is kept: the request says `Connection: close`, which
+    /// Pingora's client obeys whatever the upstream answers, and which
+    /// tells the upstream to read no further request on it. An upgrade
+    /// keeps its `Connection: upgrade` (such a connection is never pooled).
     async fn upstream_request_filter(
         &self,
         session: &mut Session,
@@ -257,6 +267,9 @@ impl ProxyHttp for IdempotencyProxy {
     ) -> Result<()> {
         self.upstream
             .add_forwarding_headers(request, client_addr(session));
+        if !request.headers.contains_key(header::UPGRADE) {
+            request.insert_header(header::CONNECTION, "close")?;
+        }
         Ok(())
     }
 

@@ -1071,6 +1071,29 @@ async fn a_body_an_upstream_refused_unread_never_answers_the_next_request() {
             );
         }
     }
+    // From a later review: the same on Pingora's path, which takes the
+    // bodies the direct path leaves to it (over 16 KiB here) and pooled
+    // its connection after any answer; the next such request (an upload
+    // the proxy does not cover) got the smuggled request's answer.
+    let padding = 20 * 1024;
+    let smuggled = format!(
+        "GET /smuggled HTTP/1.1\r\nHost: x\r\nContent-Length: {padding}\r\n\r\n{}",
+        "p".repeat(padding)
+    );
+    for (method, path, status) in [("POST", "/admin", 401), ("GET", "/page", 200)] {
+        let answered = proxy.send(method, path, &[], smuggled.clone()).await;
+        assert_eq!(answered.status, status);
+        for n in 0..3 {
+            let upload = proxy
+                .send("POST", "/upload", &[], "u".repeat(padding))
+                .await;
+            assert_eq!(
+                (upload.status, upload.text().as_str()),
+                (201, "order-done"),
+                "upload {n} after a large {method} {path}: it got the answer to a request smuggled in a body"
+            );
+        }
+    }
 }
 
 /// A covered `POST /orders` with `key` and an empty JSON body, through

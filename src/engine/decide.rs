@@ -230,7 +230,7 @@ impl Engine {
         loop {
             let claimed = self.claim(policy, head, &key, &fingerprint, waiting.waited);
             let record = match claimed.await {
-                Err(error) => return self.store_failed(policy, head, &error),
+                Err(error) => return self.store_failed(policy, head, &error, waiting.waited),
                 Ok(Claimed::Acquired {
                     owner,
                     takeover,
@@ -469,7 +469,7 @@ impl Engine {
                 .max(crate::store::backoff(waiting.attempt)),
         );
         if let Err(error) = self.inner.store.wait(key, max, waiting.attempt).await {
-            return Err(self.store_failed(policy, head, &error));
+            return Err(self.store_failed(policy, head, &error, true));
         }
         waiting.attempt += 1;
         Ok(())
@@ -488,12 +488,17 @@ impl Engine {
     /// The store failed: forward unprotected (fail-open) or 503. A record
     /// the store found but could not decode ([`StoreError::Corrupt`]) is
     /// answered like one that cannot be opened: it proves the key was
-    /// used, so forwarding could run the request again.
+    /// used, so forwarding could run the request again. So is a failure
+    /// after this request `saw_held` its key in flight under another
+    /// request (a waiter's look or wait failing): forwarding would run it
+    /// beside the holder, which may be running still, and every waiter
+    /// meeting one failed poll would run once more.
     fn store_failed(
         &self,
         policy: &RoutePolicy,
         head: &RequestHead<'_>,
         error: &StoreError,
+        saw_held: bool,
     ) -> Decision {
         if matches!(error, StoreError::Corrupt(_) | StoreError::Unreadable(_)) {
             return self.unreadable(head, error);
@@ -501,8 +506,8 @@ impl Engine {
         self.inner.metrics.record(Event::StoreError);
         tracing::warn!(%error, path = head.uri.path(), "idempotency store failed");
         match policy.policy().fail_mode {
-            FailMode::Open => Decision::Forward,
-            FailMode::Closed => Decision::Respond(self.store_unavailable(head.headers)),
+            FailMode::Open if !saw_held => Decision::Forward,
+            _ => Decision::Respond(self.store_unavailable(head.headers)),
         }
     }
 }

@@ -13,7 +13,7 @@ use super::StoreError;
 
 mod connections;
 
-use connections::Connections;
+use connections::{Connections, Lane};
 
 /// A new record. Conflicts are skipped without locking the existing row.
 const INSERT: &str = "
@@ -339,7 +339,11 @@ impl PostgresStore {
     /// Creates or upgrades the table. Safe to run from several instances at
     /// once (the migrator holds an advisory lock) and on every start.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut lease = self.connections.acquire().await.map_err(store_error)?;
+        let mut lease = self
+            .connections
+            .acquire(Lane::Any)
+            .await
+            .map_err(store_error)?;
         // Abandoned (a caller's timeout), the run may hold the migrator's
         // advisory lock: the connection must not serve again.
         lease.discard_if_abandoned();
@@ -372,7 +376,7 @@ impl PostgresStore {
 
     /// A connection of the store's own for one statement.
     async fn lease(&self) -> Result<connections::Lease, sqlx::Error> {
-        self.connections.acquire().await
+        self.connections.acquire(Lane::Any).await
     }
 
     /// Whether the store can take a reservation, on one of its
@@ -406,13 +410,17 @@ impl PostgresStore {
     }
 
     /// A record write answered with its count of changed rows: its own
-    /// transaction.
+    /// transaction. These are the writes of a key's holder (complete,
+    /// release, renew), which may take the connections kept for them
+    /// ([`Lane::Holder`]).
     async fn write_execute(
         &self,
         statement: Query<'static, Postgres, PgArguments>,
     ) -> Result<u64, sqlx::Error> {
-        let done = sql::on_connection!(self, |executor| statement.execute(executor)).await?;
-        Ok(done.rows_affected())
+        use sql::StatementLease as _;
+        let mut lease = self.connections.acquire(Lane::Holder).await?;
+        let result = statement.execute(lease.executor()).await;
+        Ok(lease.finish(result)?.rows_affected())
     }
 
     /// A reservation's first statement (`INSERT_OR_READ`): its own

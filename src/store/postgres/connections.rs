@@ -34,6 +34,24 @@ use crate::store::sql::StatementLease;
 /// ready again before it is closed.
 const RECOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// One connection in this many (at least one, of a pool of two or more)
+/// is kept for the [`Lane::Holder`]'s writes.
+const KEPT_PER: usize = 8;
+
+/// Who a connection is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// Any statement: reservations, reads, sweeps, the operator's.
+    Any,
+    /// The writes of a request that holds a key (its renewals, its
+    /// completion, its release), which may also take the connections kept
+    /// for them. Arrivals whose statements wait on the database (a row
+    /// locked, a slow disk) can take every other connection; a holder whose
+    /// renewals could not get one would lose its lease to a takeover and
+    /// run a second time while it still runs.
+    Holder,
+}
+
 /// At most the pool's `max_connections` connections, opened on demand by
 /// the pool and detached from it, closed after its idle timeout unused and
 /// at its maximum lifetime.
@@ -43,8 +61,11 @@ pub(super) struct Connections {
     pool: PgPool,
     /// Idle connections, the longest idle first; `None` once closed.
     idle: Mutex<Option<Vec<Idle>>>,
-    /// One permit per connection that may be open.
+    /// One permit per connection that any statement may open.
     permits: Arc<Semaphore>,
+    /// One permit per connection kept for [`Lane::Holder`] (together with
+    /// `permits`, the pool's `max_connections`).
+    kept: Arc<Semaphore>,
     /// Whether a task closes connections idle too long.
     reaping: AtomicBool,
 }
@@ -66,28 +87,43 @@ impl Connections {
     /// Connections with `pool`'s connect options and limits.
     pub(super) fn new(pool: PgPool) -> Arc<Self> {
         let max = pool.options().get_max_connections().max(1) as usize;
+        let kept = match max {
+            1 => 0,
+            _ => max.div_ceil(KEPT_PER),
+        };
         Arc::new(Connections {
             pool,
             idle: Mutex::new(Some(Vec::new())),
-            permits: Arc::new(Semaphore::new(max)),
+            permits: Arc::new(Semaphore::new(max - kept)),
+            kept: Arc::new(Semaphore::new(kept)),
             reaping: AtomicBool::new(false),
         })
     }
 
-    /// A connection for one statement: the most recently used idle one, or
-    /// a new one. Waits while `max` are open; fails with
-    /// [`sqlx::Error::PoolTimedOut`] when none is free (or none could be
-    /// opened) within the acquire timeout, with
+    /// A connection for one statement of `lane`: the most recently used
+    /// idle one, or a new one. Waits while all that `lane` may use are
+    /// out; fails with [`sqlx::Error::PoolTimedOut`] when none is free (or
+    /// none could be opened) within the acquire timeout, with
     /// [`sqlx::Error::PoolClosed`] once [`close`](Self::close) was called,
     /// and with the connection's error when the database refused it.
-    pub(super) async fn acquire(self: &Arc<Self>) -> Result<Lease, sqlx::Error> {
+    pub(super) async fn acquire(self: &Arc<Self>, lane: Lane) -> Result<Lease, sqlx::Error> {
         let deadline = Instant::now() + self.pool.options().get_acquire_timeout();
-        let permit =
-            match tokio::time::timeout_at(deadline, self.permits.clone().acquire_owned()).await {
-                Err(_) => return Err(sqlx::Error::PoolTimedOut),
-                Ok(Err(_)) => return Err(sqlx::Error::PoolClosed),
-                Ok(Ok(permit)) => permit,
-            };
+        let any = self.permits.clone().acquire_owned();
+        let permit = async {
+            match lane {
+                Lane::Any => any.await,
+                Lane::Holder => tokio::select! {
+                    biased;
+                    kept = self.kept.clone().acquire_owned() => kept,
+                    any = any => any,
+                },
+            }
+        };
+        let permit = match tokio::time::timeout_at(deadline, permit).await {
+            Err(_) => return Err(sqlx::Error::PoolTimedOut),
+            Ok(Err(_)) => return Err(sqlx::Error::PoolClosed),
+            Ok(Ok(permit)) => permit,
+        };
         let connection = match self.take_idle()? {
             Some(connection) => connection,
             // Opened by the pool (its connect options and `after_connect`
@@ -225,6 +261,7 @@ impl Connections {
     /// fail, and connections out now are closed when their statement ends.
     pub(super) async fn close(&self) {
         self.permits.close();
+        self.kept.close();
         let idle = self.idle().take().unwrap_or_default();
         for idle in idle {
             let _ = idle.connection.connection.close().await;
