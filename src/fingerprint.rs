@@ -151,7 +151,15 @@ pub fn fingerprint_view(
                 .iter()
                 .filter(|part| !excluded(exclude.form, part.name))
                 .collect();
-            sort_as_backends_read(&mut parts, |part| part.name);
+            // PHP takes the first `max_file_uploads` (20) files and skips
+            // the rest: which ones it skips depends on the order sent.
+            let files = parts
+                .iter()
+                .filter(|part| memchr::memmem::find(part.headers, b"filename").is_some())
+                .count();
+            if files <= MAX_SORTED_FILES {
+                sort_as_backends_read(&mut parts, |part| part.name);
+            }
             hasher.update(b"M");
             for part in &parts {
                 put(&mut hasher, part.name);
@@ -164,22 +172,34 @@ pub fn fingerprint_view(
     Fingerprint(hasher.finalize().into())
 }
 
+/// The most fields a form may have and still be sorted: PHP registers the
+/// first `max_input_vars` (default 1000) and drops the rest, so past that
+/// the order sent decides which fields the backend reads.
+const MAX_SORTED_FIELDS: usize = 1000;
+
+/// The most file parts a multipart body may have and still be sorted: PHP
+/// takes the first `max_file_uploads` (default 20) and skips the rest.
+const MAX_SORTED_FILES: usize = 20;
+
 /// Sorts form fields by name (ASCII case ignored, stably: ASP.NET reads
 /// `Amount` and `amount` as one field), or keeps them in the order sent
-/// when any name holds a space, `.`, `[`, `]` or NUL. Such names are read
-/// as one field, or as parts of one value, in ways that differ between
-/// backends (PHP reads `a.b`, `a b` and `a_b` as one, and cuts a name at
-/// NUL; Rack reads `[a]`, `a]` and `a` as one; PHP, Rack and `qs` build one
-/// array from `items[][sku]` and `items[][qty]`), and there the order of
-/// the fields decides what the backend reads (the last one wins, or the
-/// array's shape): any reordering is another request. The raw names are
-/// what is hashed.
+/// when any name holds a space, `.`, `[`, `]`, NUL or a byte outside
+/// ASCII, or when there are more than [`MAX_SORTED_FIELDS`]. Such names
+/// are read as one field, or as parts of one value, in ways that differ
+/// between backends (PHP reads `a.b`, `a b` and `a_b` as one, and cuts a
+/// name at NUL; Rack reads `[a]`, `a]` and `a` as one; PHP, Rack and `qs`
+/// build one array from `items[][sku]` and `items[][qty]`; ASP.NET reads
+/// `étage` and `ÉTAGE` as one, folding case beyond ASCII), and there the
+/// order of the fields decides what the backend reads (the first or the
+/// last one wins, or the array's shape): any reordering is another
+/// request. The raw names are what is hashed.
 fn sort_as_backends_read<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
-    let mangled = fields.iter().any(|field| {
-        name(field)
-            .iter()
-            .any(|b| matches!(b, b' ' | b'.' | b'[' | b']' | b'\0'))
-    });
+    let mangled = fields.len() > MAX_SORTED_FIELDS
+        || fields.iter().any(|field| {
+            name(field)
+                .iter()
+                .any(|&b| matches!(b, b' ' | b'.' | b'[' | b']' | b'\0') || !b.is_ascii())
+        });
     if !mangled {
         fields.sort_by(|a, b| {
             let folded = |field| name(field).iter().map(u8::to_ascii_lowercase);

@@ -326,10 +326,16 @@ pub fn form_value(body: &[u8], name: &str) -> Option<Vec<u8>> {
 }
 
 /// Whether every reader decodes the urlencoded `body` alike: each field
-/// has an `=` (Rack reads `gift` as `nil`, `gift=` as `""`) and each `%`
+/// has an `=` (Rack reads `gift` as `nil`, `gift=` as `""`), each `%`
 /// starts a valid escape (Go drops a field with a bad one; PHP and this
-/// reader keep it literally, so `%zz` and `%25zz` decode alike).
+/// reader keep it literally, so `%zz` and `%25zz` decode alike), and the
+/// body does not open as JSON does (`curl -d` labels a JSON body as a
+/// form, and a backend that parses its body as JSON whatever the label
+/// reads `+`, `%31` and the order of `&`-separated text as they are).
 pub(crate) fn form_read_one_way(body: &[u8]) -> bool {
+    if opens_as_json(body) {
+        return false;
+    }
     let escapes = memchr::memchr_iter(b'%', body).all(|at| {
         body.get(at + 1..at + 3)
             .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit))
@@ -338,6 +344,16 @@ pub(crate) fn form_read_one_way(body: &[u8]) -> bool {
         && body
             .split(|&b| b == b'&')
             .all(|field| field.is_empty() || field.contains(&b'='))
+}
+
+/// Whether `body`, past a UTF-8 byte order mark and JSON's whitespace,
+/// starts an object, an array or a string: the bodies a JSON reader takes
+/// in which a form reader finds fields to decode or to sort.
+fn opens_as_json(body: &[u8]) -> bool {
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    body.iter()
+        .find(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+        .is_some_and(|b| matches!(b, b'{' | b'[' | b'"'))
 }
 
 fn percent_decode(input: &[u8]) -> Vec<u8> {

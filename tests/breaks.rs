@@ -2089,7 +2089,58 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
             part("\"n\"", "x")
         )
     };
+    // PHP registers the first 1000 fields and takes the first 20 files:
+    // past those, the order sent decides what it reads.
+    let many: Vec<String> = (0..1100).map(|n| format!("f{n:04}=1")).collect();
+    let many = many.join("&");
+    let file = |n: usize| {
+        format!(
+            "--B\r\nContent-Disposition: form-data; name=\"file{n:02}\"; filename=\"{n}.txt\"\r\n\r\n{n}\r\n"
+        )
+    };
+    let files =
+        |order: &mut dyn Iterator<Item = usize>| order.map(file).collect::<String>() + "--B--\r\n";
     let cases: Vec<(&str, String, String, Option<&str>)> = vec![
+        // A JSON body labelled as a form (`curl -d`), which a backend
+        // parsing its body as JSON reads as it is: `+`, `%31` and the
+        // order of `&`-separated text are its content.
+        (
+            form,
+            r#"{"email":"ann+shop@example.com","cb":"/done?order=7"}"#.into(),
+            r#"{"email":"ann shop@example.com","cb":"/done?order=7"}"#.into(),
+            None,
+        ),
+        (
+            form,
+            r#"{"q":"a=1&b=2&c=3&z=0"}"#.into(),
+            r#"{"q":"a=1&c=3&b=2&z=0"}"#.into(),
+            None,
+        ),
+        (
+            form,
+            "\u{feff} [\"amount=10\",\"cb=?x=1\"]".into(),
+            "\u{feff} [\"amount=%31%30\",\"cb=?x=1\"]".into(),
+            None,
+        ),
+        // ASP.NET folds case beyond ASCII: one field, first value read.
+        (
+            form,
+            "%C3%A9tage=3&%C3%89TAGE=5".into(),
+            "%C3%89TAGE=5&%C3%A9tage=3".into(),
+            None,
+        ),
+        (
+            form,
+            format!("{many}&note=gift"),
+            format!("note=gift&{many}"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            files(&mut (0..21)),
+            files(&mut (0..21).rev()),
+            None,
+        ),
         (
             "multipart/form-data; xboundary=A; boundary=B",
             hidden("10"),
@@ -2216,20 +2267,61 @@ async fn behind_nest_the_success_redirect_is_matched_as_the_routes_are_written()
 
     // A tenant's mount spelled with escapes by the client and by the
     // handler in another case (from a later review) is one mount.
-    for (mount, path, location, consumed) in [
-        ("/shop-a", "/shop-a/contact", "/shop-a/contact/thanks", true),
-        ("/shop-a", "/shop-a/contact", "/shop-a/contact", false),
+    // And (from a later review) a thanks page whose path is not ASCII,
+    // written as it reads (`/contact/bestätigt`): frameworks escape it in
+    // the `Location` they send (Laravel's `rawurlencode`, Django's
+    // `iri_to_uri`), and it never matched, so every success released the
+    // key.
+    let thanks = "/contact/thanks";
+    let bestaetigt = "/contact/bestätigt";
+    for (mount, path, success, location, consumed) in [
+        (
+            "/shop-a",
+            "/shop-a/contact",
+            thanks,
+            "/shop-a/contact/thanks",
+            true,
+        ),
+        (
+            "/shop-a",
+            "/shop-a/contact",
+            thanks,
+            "/shop-a/contact",
+            false,
+        ),
         (
             "/{tenant}",
             "/b%c3%a4r/contact",
+            thanks,
             "/b%C3%A4r/contact/thanks",
             true,
+        ),
+        (
+            "/shop-a",
+            "/shop-a/contact",
+            bestaetigt,
+            "http://shop.test/shop-a/contact/best%C3%A4tigt",
+            true,
+        ),
+        (
+            "/{tenant}",
+            "/b%c3%a4r/contact",
+            bestaetigt,
+            "/b%C3%A4r/contact/best%c3%a4tigt",
+            true,
+        ),
+        (
+            "/shop-a",
+            "/shop-a/contact",
+            bestaetigt,
+            "/shop-a/contact",
+            false,
         ),
     ] {
         let engine = Engine::new(
             MemoryStore::new(),
             Routes::new()
-                .route("/contact", form_policy("/contact/thanks"))
+                .route("/contact", form_policy(success))
                 .unwrap(),
         );
         let stored = Arc::new(AtomicUsize::new(0));

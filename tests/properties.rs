@@ -376,12 +376,13 @@ proptest! {
         b in any::<u64>(),
     ) {
         // Names every backend reads as distinct fields: none that readers
-        // merge with another (a space, `.`, brackets, NUL; or another's
-        // spelling but for case), whose order is kept instead.
+        // merge with another (a space, `.`, brackets, NUL, a byte outside
+        // ASCII, whose case ASP.NET folds; or another's spelling but for
+        // case), whose order is kept instead.
         let mut seen = std::collections::HashSet::new();
         let fields: BTreeMap<Vec<u8>, Vec<u8>> = fields
             .into_iter()
-            .filter(|(name, _)| !name.iter().any(|b| b" .[]\0".contains(b)))
+            .filter(|(name, _)| name.is_ascii() && !name.iter().any(|b| b" .[]\0".contains(b)))
             .filter(|(name, _)| seen.insert(name.to_ascii_lowercase()))
             .collect();
         let (first, second) = (form(&fields, a), form(&fields, b));

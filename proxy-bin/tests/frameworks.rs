@@ -282,6 +282,41 @@ macro_rules! form_suite {
 form_suite!(laravel, Framework::Laravel);
 form_suite!(django, Framework::Django);
 
+/// Scenario (from a review of success criteria): the German seed's form,
+/// its thanks page `/kontakt/bestätigt` written in the route as it reads.
+/// Django redirects there with the path escaped, as every framework does
+/// (`Location: /kontakt/best%C3%A4tigt`); the proxy matched the escaped
+/// path against the written one, so no success ever consumed the token:
+/// each was read as a failure, the key released, and the same form sent
+/// twice was two records. Impact ("once"), behind a backend we did not
+/// write.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thanks_page_outside_ascii_consumes_the_token() {
+    let config = DJANGO
+        .replace("\"/contact\"", "\"/kontakt\"")
+        .replace("\"/contact/thanks\"", "\"/kontakt/bestätigt\"");
+    let Stack { app, proxy } = stack(Framework::Django, &config, 20).await;
+    let mut browser = FormClient::new(proxy.addr);
+    let page = browser.get("/kontakt").await;
+    assert_eq!(page.status, 200);
+    let fields = form_fields(&page, VALID);
+    let first = browser.post_form("/kontakt", &fields).await;
+    assert_eq!(first.status, 302, "{first:?}");
+    assert_eq!(
+        location_path(&first),
+        "/kontakt/best%C3%A4tigt",
+        "{first:?}"
+    );
+    assert!(!first.replayed());
+    let second = browser.post_form("/kontakt", &fields).await;
+    assert_eq!(location_path(&second), "/kontakt/best%C3%A4tigt");
+    assert!(
+        second.replayed(),
+        "the success did not consume the token: {second:?}"
+    );
+    assert_eq!(app.records().await, 1);
+}
+
 mod express {
     use super::*;
 

@@ -21,7 +21,7 @@ pub use paths::{normalize_path, scope_host};
 pub use routes::{PathPattern, Route, Routes};
 pub use status::StatusSet;
 
-use paths::location_path;
+use paths::{decode_escapes, location_path};
 
 pub mod principal;
 
@@ -488,7 +488,9 @@ impl RoutePolicy {
     /// the prefix a router mounted the routes under (axum's `nest`; empty
     /// when none): a `Location` under it matches also as the routes are
     /// written, without it (`/shop-a/contact/thanks` matches
-    /// `/contact/thanks`).
+    /// `/contact/thanks`). A `Location` is matched with its escapes
+    /// decoded too, as requests are routed (`/kontakt/best%C3%A4tigt`
+    /// matches `/kontakt/bestätigt`).
     pub fn consumes(
         &self,
         status: StatusCode,
@@ -512,8 +514,21 @@ impl RoutePolicy {
             .filter(|mount| !mount.is_empty())
             .and_then(|mount| target.strip_prefix(mount))
             .filter(|rest| rest.starts_with('/'));
+        // Frameworks escape what they redirect to (`/kontakt/bestätigt` is
+        // sent as `/kontakt/best%C3%A4tigt`), and patterns are written
+        // unescaped: each reading is matched decoded too, as routes are.
+        let readings = [Some(target.as_str()), unmounted];
+        let decoded: Vec<String> = readings
+            .iter()
+            .flatten()
+            .filter(|path| path.contains('%'))
+            .filter_map(|path| decode_escapes(path))
+            .collect();
         self.success_redirects.iter().any(|pattern| {
-            pattern.matches(&target) || unmounted.is_some_and(|rest| pattern.matches(rest))
+            let plain = readings.iter().flatten().copied();
+            plain
+                .chain(decoded.iter().map(String::as_str))
+                .any(|path| pattern.matches(path))
         })
     }
 

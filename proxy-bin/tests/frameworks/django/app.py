@@ -85,7 +85,7 @@ FORM = Template(
 THANKS = Template("<!doctype html><html><body><h1>Thanks</h1></body></html>")
 
 
-def contact(request):
+def contact(request, thanks="/contact/thanks"):
     if request.method == "POST":
         form = ContactForm(request.POST)
         if form.is_valid():
@@ -98,7 +98,7 @@ def contact(request):
                     message=data["message"],
                 )
                 Notification.objects.create(contact_request=record)
-            return redirect("/contact/thanks")
+            return redirect(thanks)
         # Django's way: the invalid form is rendered again, with 200.
         token = request.POST.get("submission_token") or str(uuid.uuid4())
         email = request.POST.get("email", "")
@@ -131,6 +131,10 @@ def stats(request):
 urlpatterns = [
     path("contact", contact),
     path("contact/thanks", thanks),
+    # The German seed's form, whose thanks page is not ASCII: Django sends
+    # its Location escaped (`/kontakt/best%C3%A4tigt`).
+    path("kontakt", contact, {"thanks": "/kontakt/bestätigt"}),
+    path("kontakt/bestätigt", thanks),
     path("_stats", stats),
 ]
 
