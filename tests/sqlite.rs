@@ -272,3 +272,40 @@ async fn a_record_that_cannot_be_decoded_is_never_run_again_on_a_fail_open_route
         "a retry of a request that ran was run again"
     );
 }
+
+/// Scenario (from a review of operations): the database file can no
+/// longer be written (opened read-only here, as after its volume is
+/// remounted read-only; a full disk or a lock another process holds fail
+/// writes alike). Every reservation fails, while the health check, a
+/// `SELECT 1`, still passed: `/healthz` stayed 200 and a load balancer
+/// kept sending traffic to a proxy answering every covered request 503.
+/// The check now writes, and fails with the reservations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_cannot_be_written_is_not_healthy() {
+    use std::str::FromStr;
+    use std::time::Duration;
+    use tower_idempotency::store::OwnerToken;
+    use tower_idempotency::Store;
+
+    let path = fixtures::sqlite_path();
+    let path = path.to_str().unwrap();
+    let store = SqliteStore::connect(path).await.unwrap();
+    assert!(store.ping().await.is_ok());
+    let options =
+        sqlx::sqlite::SqliteConnectOptions::from_str(&format!("sqlite://{path}?mode=ro")).unwrap();
+    let read_only = SqliteStore::connect_with(options).await.unwrap();
+    let long = Duration::from_secs(600);
+    let owner = OwnerToken::random();
+    let key = fixtures::random_key();
+    let claim = read_only
+        .reserve(&key, &fixtures::fingerprint(1), &owner, long, long)
+        .await;
+    assert!(claim.is_err(), "{claim:?}");
+    let health = read_only.ping().await;
+    assert!(
+        health.is_err(),
+        "healthy while no reservation can be written"
+    );
+    read_only.close().await;
+    store.close().await;
+}

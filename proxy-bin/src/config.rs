@@ -192,9 +192,15 @@ impl Resolved {
     /// every exchange, a zero `shutdown_timeout` abandons every request in
     /// flight at SIGTERM; and any duration over 100 years, which overflows
     /// the clock it is added to (a SIGTERM panicked on a huge
-    /// `shutdown_timeout`, with no drain).
+    /// `shutdown_timeout`, with no drain); and a zero
+    /// `max_buffered_bytes`, which refuses every covered request's body.
     pub fn check(&self) -> Result<(), String> {
         const MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+        if self.max_buffered_bytes == 0 {
+            return Err(
+                "`max_buffered_bytes` (in [proxy]) must be more than zero, e.g. 67108864".into(),
+            );
+        }
         let durations = [
             ("store_timeout", self.store_timeout),
             ("sweep_interval", self.sweep_interval),
@@ -521,6 +527,12 @@ mod tests {
         assert!(message.contains("`store_timeout`"), "{message}");
         let config = Config::parse("[proxy]\nupstream = \"http://a:1\"\n").unwrap();
         assert_eq!(config.proxy.clone().resolve().check(), Ok(()));
+        // No budget refuses every covered body (from a review of
+        // operations): refused at start like a zero timeout.
+        let config =
+            Config::parse("[proxy]\nupstream = \"http://a:1\"\nmax_buffered_bytes = 0\n").unwrap();
+        let message = config.proxy.clone().resolve().check().unwrap_err();
+        assert!(message.contains("`max_buffered_bytes`"), "{message}");
     }
 
     /// A route no request can reach (every path it matches left alone by

@@ -190,11 +190,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         settings.admin.as_ref(),
         cli.demo_backend.as_ref(),
     ];
+    // Fail early and clearly; Pingora binds again when it starts. All are
+    // held until each is bound, so two that name one port (`--listen` and
+    // `--admin` alike, or a wildcard and a loopback address) are refused:
+    // the second bind of a port just let go succeeded, and one of the two
+    // services failed to start inside a process that ran on without it.
+    let mut bound = Vec::new();
     for address in listeners.into_iter().flatten() {
-        // Fail early and clearly; Pingora binds again when it starts.
-        std::net::TcpListener::bind(address)
+        let listener = std::net::TcpListener::bind(address)
             .map_err(|error| format!("cannot listen on {address}: {error}"))?;
+        bound.push(listener);
     }
+    drop(bound);
 
     // Store connections belong to this runtime; it lives as long as the
     // process.

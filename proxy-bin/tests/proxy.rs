@@ -1266,3 +1266,56 @@ async fn an_answer_over_the_cap_with_a_declared_length_reaches_the_first_caller_
     assert!(retry.text().contains("response-not-stored"));
     assert_eq!(backend.hits("/echo"), 1);
 }
+
+/// Scenario (from a review of operations): a typo gives `--listen` and
+/// `--admin` one port, or a wildcard and a loopback address on it. Each
+/// was checked alone (bound, then let go), so both passed; one of the two
+/// services then failed to bind inside a process that ran on without it
+/// (the client port answered by the admin listener, or `/healthz`
+/// forwarded to the backend). Impact: bad config not refused at start. Now
+/// the proxy exits with status 2 at once, naming the address.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_listeners_on_one_port_are_refused_at_start() {
+    use std::process::{Command, Stdio};
+    let backend = Backend::start().await;
+    let dir = temp_dir("same-port");
+    let port = common::free_port().port();
+    for (listen, admin) in [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1")] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idempotency-proxy"))
+            .current_dir(&*dir)
+            .args(["--listen", &format!("{listen}:{port}")])
+            .args(["--admin", &format!("{admin}:{port}")])
+            .args(["--upstream", &backend.url(), "--store", "memory"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let mut stderr = String::new();
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert_eq!(
+            status.and_then(|status| status.code()),
+            Some(2),
+            "{listen} and {admin} on port {port}: still running; {stderr}"
+        );
+        assert!(stderr.contains("cannot listen on"), "{stderr}");
+    }
+}

@@ -82,6 +82,9 @@ WHERE key IN (SELECT key FROM idempotency_records
 /// The id kept in the file (see the migration).
 const IDENTITY: &str = "SELECT id FROM idempotency_store";
 
+/// The health check's write: the store's own row, unchanged.
+const WRITABLE: &str = "UPDATE idempotency_store SET id = id";
+
 /// What an operator sees of a record (never its body); `FROM` follows.
 macro_rules! info_columns {
     () => {
@@ -271,10 +274,13 @@ impl SqliteStore {
         Ok(sql::PoolLease(&self.pool))
     }
 
-    /// Whether writes go through: a `SELECT 1` through the writer (whose
-    /// thread a read through the pool would not check).
+    /// Whether writes go through: a write through the writer (whose thread
+    /// a read through the pool would not check), committed as a
+    /// reservation is. A `SELECT 1` passed on a full disk, a read-only
+    /// file or one another process held locked, while every reservation
+    /// failed.
     async fn writable(&self) -> Result<(), sqlx::Error> {
-        self.writer.execute(sqlx::query("SELECT 1")).await.map(drop)
+        self.writer.execute(sqlx::query(WRITABLE)).await.map(drop)
     }
 
     /// A record write that returns whether it wrote: in the next group
