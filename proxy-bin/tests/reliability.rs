@@ -1035,6 +1035,45 @@ async fn sigterm_logs_an_answer_it_could_not_store_in_time() {
     drop(pg);
 }
 
+/// SIGTERM while an execution is still running upstream past
+/// `shutdown_timeout`: the proxy exits with status 1 and logs the
+/// execution it abandons by its key's hash (docs/proxy.md), so an
+/// operator can find the key left in flight; only a count was logged.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_logs_each_execution_it_abandons_by_its_hash() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("abandon-running");
+    let config = config("30s").replacen("[proxy]\n", "[proxy]\nshutdown_timeout = \"1s\"\n", 1);
+    let log = dir.join("proxy.log");
+    let args = ProxyArgs::new(backend.url(), &config, &dir);
+    let mut proxy = Proxy::start_logged(args, &log, "info").await;
+    let client = client();
+    let running = try_request(
+        &client,
+        post(proxy.addr, "/slow?ms=gate", "drain-running-7", "{}"),
+    );
+    let mut running = std::pin::pin!(running);
+    tokio::select! {
+        biased;
+        _ = backend.held() => {}
+        reply = &mut running => panic!("answered before the backend held it: {reply:?}"),
+    }
+    proxy.terminate();
+    assert!(
+        !proxy.wait_exit().await,
+        "an execution was abandoned: the exit status says so"
+    );
+    backend.open_gate();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let abandoned: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("abandoned an execution still running"))
+        .collect();
+    assert_eq!(abandoned.len(), 1, "{text}");
+    assert!(abandoned[0].contains("key="), "{}", abandoned[0]);
+    assert!(!text.contains("drain-running-7"), "the raw key is logged");
+}
+
 /// Three proxies share one PostgreSQL database; every key is sent three
 /// times to each of them at once: each key executes exactly once and all
 /// nine requests get the same answer.

@@ -150,6 +150,17 @@ impl Leases {
         }
     }
 
+    /// The keys whose leases are held now (the shutdown's log of what it
+    /// abandons).
+    pub(super) fn keys(&self) -> Vec<ScopeKey> {
+        let runtimes = lock(&self.runtimes);
+        let mut keys = Vec::new();
+        for renewer in runtimes.iter() {
+            keys.extend(lock(&renewer.state).held.values().map(|held| held.key));
+        }
+        keys
+    }
+
     /// How many references each renewer has (for tests: its task holds one).
     #[cfg(test)]
     pub(super) fn renewer_refs(&self) -> Vec<usize> {

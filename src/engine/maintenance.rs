@@ -69,7 +69,8 @@ impl Engine {
     ///
     /// What is still pending at the timeout is abandoned: each background
     /// task is logged (its scope's short hash only) and listed in the
-    /// report, held reservations are counted. The work itself goes on as
+    /// report, held reservations are counted and each logged by its
+    /// scope's short hash. The work itself goes on as
     /// long as its runtime does.
     pub async fn drain(&self, timeout: Duration) -> DrainReport {
         let background = &self.inner.background;
@@ -97,6 +98,17 @@ impl Engine {
                 reservations = held,
                 "idempotency shutdown abandoned executions still running"
             );
+            let mut keys: Vec<String> = self
+                .inner
+                .leases
+                .keys()
+                .iter()
+                .map(|key| key.short())
+                .collect();
+            keys.sort();
+            for key in keys {
+                tracing::error!(key = %key, "idempotency shutdown abandoned an execution still running; its key frees when its lease expires");
+            }
         }
         let mut abandoned: Vec<(u64, String, &'static str)> = {
             let pending = background.pending.lock().unwrap();
