@@ -431,10 +431,15 @@ struct LayeredReceiver {
 impl LayeredReceiver {
     /// The handler takes `slow` before its effect.
     async fn start(slow: Duration) -> LayeredReceiver {
+        Self::start_with(slow, Policy::default()).await
+    }
+
+    /// The handler takes `slow` before its effect; the layer has `policy`.
+    async fn start_with(slow: Duration, policy: Policy) -> LayeredReceiver {
         let effects = Arc::new(AtomicUsize::new(0));
         let entered = Arc::new(AtomicUsize::new(0));
         let requests = Arc::new(Mutex::new(Vec::new()));
-        let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+        let engine = Engine::new(MemoryStore::new(), Routes::all(policy).unwrap());
         let handler = {
             let (effects, entered) = (effects.clone(), entered.clone());
             move || async move {
@@ -1084,6 +1089,42 @@ macro_rules! outbox_tests {
                 assert_eq!(receiver.effects.load(SeqCst), 1);
             }
 
+            /// Scenario (from a review of the outbox): the receiver sits
+            /// behind our layer as the Next.js recipe sets it
+            /// (`in_flight = "reject"`, `in_flight_status = 425`). The
+            /// first delivery outlasts the destination's timeout (a
+            /// transient failure) while the receiver's handler runs on;
+            /// the redelivery meets it in flight: 425 with `Retry-After`.
+            /// Only a 409 was read as "still in progress", so the row went
+            /// to `dead` while its effect was happening. Now every answer
+            /// the engine labels in flight is retried: the row completes,
+            /// the effect performed once.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_in_flight_answer_under_any_status_is_retried_not_dead() {
+                let db = db().await;
+                let policy = Policy {
+                    in_flight: tower_idempotency::InFlightPolicy::Reject,
+                    in_flight_status: 425,
+                    ..Policy::default()
+                };
+                let receiver = LayeredReceiver::start_with(Duration::from_millis(600), policy).await;
+                db.submit("sub-1", &["crm"], true).await;
+                let destination = Destination::new(receiver.url().parse().unwrap())
+                    .timeout(Duration::from_millis(150));
+                let deliverer = WebhookDeliverer::new().destination("crm", destination);
+                let worker = Worker::new(db.another_outbox().await, deliverer)
+                    .config(fast())
+                    .spawn();
+                eventually("completed", || async {
+                    let state = state_of(&db.outbox, "crm", "sub-1").await.state;
+                    assert_ne!(state, State::Dead, "the in-flight answer sent the row to dead");
+                    state == State::Completed
+                })
+                .await;
+                worker.shutdown().await;
+                assert_eq!(receiver.effects.load(SeqCst), 1);
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_worker_process_killed_mid_delivery_is_taken_over_and_the_effect_happens_once() {
                 let db = db().await;
@@ -1252,6 +1293,71 @@ async fn the_plain_sql_insert_of_the_docs_enqueues_from_any_language() {
     assert_eq!(claimed.len(), 1);
     assert_eq!(&claimed[0].payload()[..], br#"{"a":1}"#);
     assert_eq!(db.outbox.counts().await.unwrap().total(), 1);
+}
+
+/// Scenario (from a review of the outbox): a delivery key the outbox took
+/// but its receiver behind this crate's layer or proxy reads otherwise.
+/// Sent bare as `Idempotency-Key`, `inv:42;line:3` (or one holding `,` or
+/// `"`) is refused there with 400, so the row went `dead` on its first
+/// attempt after the business row committed; `"k"` is read as `k`, two
+/// rows one key. Such keys are refused at enqueue, through `Message` and
+/// through the documented plain-SQL insert alike, on both databases; a
+/// plain token still goes in.
+#[tokio::test]
+async fn a_delivery_key_a_receiver_reads_otherwise_is_refused_at_enqueue() {
+    async fn enqueue_one(db: &TestDb, message: &Message) -> Result<bool, outbox::OutboxError> {
+        match &db.pool {
+            Pool::Pg(pool, _) => {
+                let mut tx = pool.begin().await.unwrap();
+                let added = outbox::enqueue(&mut *tx, message).await?;
+                tx.commit().await.unwrap();
+                Ok(added)
+            }
+            Pool::Lite(pool, _) => {
+                let mut tx = pool.begin().await.unwrap();
+                let added = outbox::enqueue(&mut *tx, message).await?;
+                tx.commit().await.unwrap();
+                Ok(added)
+            }
+        }
+    }
+    let bad = ["inv:42;line:3", "tenant,order-9", "\"k1\"", "two words"];
+    for db in [TestDb::postgres().await, TestDb::sqlite().await] {
+        for key in bad {
+            let message =
+                Message::new("crm", format!("src-{key}"), br#"{"a":1}"#.to_vec()).delivery_key(key);
+            let refused = enqueue_one(&db, &message).await;
+            assert!(refused.is_err(), "{key}: {refused:?}");
+        }
+        let plain_sql: Vec<_> = match &db.pool {
+            Pool::Pg(pool, _) => {
+                let insert = "INSERT INTO outbox_messages (topic, source, payload, delivery_key)
+                              VALUES ('crm', $1, convert_to('{}', 'UTF8'), $1)";
+                let mut results = Vec::new();
+                for key in bad {
+                    results.push(sqlx::query(insert).bind(key).execute(pool).await.is_err());
+                }
+                results
+            }
+            Pool::Lite(pool, _) => {
+                let insert = "INSERT INTO outbox_messages (topic, source, payload, delivery_key)
+                              VALUES ('crm', ?1, CAST('{}' AS BLOB), ?1)";
+                let mut results = Vec::new();
+                for key in bad {
+                    results.push(sqlx::query(insert).bind(key).execute(pool).await.is_err());
+                }
+                results
+            }
+        };
+        assert_eq!(
+            plain_sql, [true; 4],
+            "plain SQL took a key the receiver refuses"
+        );
+        let message =
+            Message::new("crm", "src-ok", br#"{"a":1}"#.to_vec()).delivery_key("inv-42:line-3");
+        assert!(enqueue_one(&db, &message).await.unwrap());
+        assert_eq!(db.outbox.counts().await.unwrap().total(), 1);
+    }
 }
 
 /// SQLite does not enforce a column's type: an application whose ids are

@@ -65,7 +65,8 @@ impl Message {
 
     /// Uses `key` as the delivery key instead of the derived one (for
     /// example a key the provider issued). It must be unique across the
-    /// table and visible ASCII (it is sent as a header).
+    /// table and visible ASCII without `"`, `,` or `;` (it is sent bare as
+    /// `Idempotency-Key`, which receivers read as one token).
     pub fn delivery_key(mut self, key: impl Into<String>) -> Self {
         self.delivery_key = key.into();
         self
@@ -133,7 +134,7 @@ impl Message {
         }
         if !valid_key(&self.delivery_key) {
             return Err(OutboxError::Invalid(
-                "delivery key must be 1 to 255 bytes of visible ASCII",
+                "delivery key must be 1 to 255 bytes of visible ASCII, without `\"`, `,` or `;`",
             ));
         }
         if http::HeaderValue::from_str(&self.content_type).is_err() {
@@ -143,9 +144,18 @@ impl Message {
     }
 }
 
-/// Whether `key` can be a delivery key: 1 to 255 bytes of visible ASCII.
+/// Whether `key` can be a delivery key: 1 to 255 bytes of visible ASCII
+/// but `"`, `,` and `;`. It is sent bare as `Idempotency-Key`, and an
+/// idempotent receiver (this crate's layer, `idempotency-proxy`, any reader
+/// of the IETF draft's sf-string) refuses a bare key holding those, or
+/// reads `"k"` as `k`: the row would go `dead` on its first attempt, or two
+/// rows share one key at the receiver.
 pub(crate) fn valid_key(key: &str) -> bool {
-    !key.is_empty() && key.len() <= MAX_KEY && key.bytes().all(|b| b.is_ascii_graphic())
+    !key.is_empty()
+        && key.len() <= MAX_KEY
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b'"' | b',' | b';'))
 }
 
 /// The future [`OutboxConnection::enqueue_message`] returns.

@@ -17,6 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use sha2::Sha256;
 
 use super::deliver::{Delivered, Deliverer, Delivery, DeliveryError, ErrorClass};
+use crate::problem::{ProblemKind, PROBLEM_TYPE_HEADER};
 
 /// The most of a receiver's answer body read (and thrown away, so the
 /// connection can be reused).
@@ -320,7 +321,7 @@ where
         }
         let retry_after = headers.get(RETRY_AFTER).and_then(retry_after);
         Err(DeliveryError {
-            class: class_of(status.as_u16(), retry_after.is_some()),
+            class: class_of(status.as_u16(), retry_after.is_some(), &headers),
             status: Some(status.as_u16()),
             request_id,
             retry_after,
@@ -335,14 +336,21 @@ where
     }
 }
 
-/// A failed answer's class: [`ErrorClass::of_status`], except that a 409
-/// with `Retry-After` is transient — an idempotent receiver's "a request
-/// with this key is still in progress" (this crate's layer and
-/// `idempotency-proxy` answer so when a redelivery meets the first
-/// delivery still running), which must be retried, not sent to `dead`.
-fn class_of(status: u16, retry_after: bool) -> ErrorClass {
+/// A failed answer's class: [`ErrorClass::of_status`], except that an
+/// idempotent receiver's "a request with this key is still in progress"
+/// is transient, which must be retried, not sent to `dead`: this crate's
+/// layer and `idempotency-proxy` answer so when a redelivery meets the
+/// first delivery still running, labelled `Problem-Type:
+/// urn:tower-idempotency:in-flight` under whatever status the route sets
+/// (`in_flight_status`: 409 by default, 425 in the Next.js recipe), and
+/// others with 409 or 425 (Too Early) and `Retry-After`.
+fn class_of(status: u16, retry_after: bool, headers: &HeaderMap) -> ErrorClass {
+    let in_flight = headers
+        .get(PROBLEM_TYPE_HEADER)
+        .is_some_and(|kind| kind.as_bytes() == ProblemKind::InFlight.type_uri().as_bytes());
     match (status, retry_after) {
-        (409, true) => ErrorClass::Transient,
+        _ if in_flight => ErrorClass::Transient,
+        (409 | 425, true) => ErrorClass::Transient,
         _ => ErrorClass::of_status(status),
     }
 }
@@ -374,11 +382,19 @@ mod tests {
     }
 
     #[test]
-    fn an_in_flight_409_with_retry_after_is_transient() {
-        assert_eq!(class_of(409, true), ErrorClass::Transient);
-        assert_eq!(class_of(409, false), ErrorClass::Permanent);
-        assert_eq!(class_of(400, true), ErrorClass::Permanent);
-        assert_eq!(class_of(503, false), ErrorClass::Transient);
+    fn an_in_flight_answer_is_transient() {
+        let none = HeaderMap::new();
+        assert_eq!(class_of(409, true, &none), ErrorClass::Transient);
+        assert_eq!(class_of(425, true, &none), ErrorClass::Transient);
+        assert_eq!(class_of(409, false, &none), ErrorClass::Permanent);
+        assert_eq!(class_of(400, true, &none), ErrorClass::Permanent);
+        assert_eq!(class_of(503, false, &none), ErrorClass::Transient);
+        let mut labelled = HeaderMap::new();
+        labelled.insert(
+            PROBLEM_TYPE_HEADER,
+            HeaderValue::from_static("urn:tower-idempotency:in-flight"),
+        );
+        assert_eq!(class_of(423, false, &labelled), ErrorClass::Transient);
     }
 
     /// A delivery as the deliverer signs it, checked by `verify`; then
