@@ -292,4 +292,12 @@ fn inconsistent_form_settings_are_refused() {
         not_an_error.validate().unwrap_err().field,
         "in_flight_status"
     );
+    let not_an_error = Policy {
+        unreplayable_status: 302,
+        ..Policy::default()
+    };
+    assert_eq!(
+        not_an_error.validate().unwrap_err().field,
+        "unreplayable_status"
+    );
 }

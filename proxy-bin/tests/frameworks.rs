@@ -61,6 +61,7 @@ uuid_only = true
 store_statuses = ["2xx"]
 mismatch_status = 409
 in_flight_status = 425
+unreplayable_status = 502
 "#;
 
 struct Stack {
@@ -419,13 +420,13 @@ mod express {
     #[tokio::test(flavor = "multi_thread")]
     async fn the_seed_client_keeps_its_key_through_an_in_flight_conflict() {
         let config = format!("{EXPRESS}in_flight = \"reject\"\n");
-        let Stack { app, proxy } = stack(Framework::Express, &config, 1000).await;
+        let Stack { app, proxy } = stack(Framework::Express, &config, 1500).await;
         let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/frameworks/express/lead-client.js");
         let output = tokio::process::Command::new("node")
             .arg(script)
             .arg(format!("http://{}", proxy.addr))
-            .arg("1500")
+            .arg("2000")
             .output()
             .await
             .expect("run node");
@@ -440,6 +441,41 @@ mod express {
         assert_eq!(run["second"]["error"], "Submission failed", "{run}");
         assert_eq!(run["second"]["key"], run["keptKey"], "not dropped: {run}");
         assert_eq!(run["third"]["ok"], true, "{run}");
+        assert_eq!(app.records().await, 1, "one submission: {run}");
+    }
+
+    /// Scenario (from a review against the seed): the backend commits the
+    /// submission, then its answer breaks off after the head (a restart
+    /// mid-response). The proxy keeps the key as "executed, response
+    /// incomplete", and answered every retry 409; the seed's client reads
+    /// any 409 as "this submission changed", drops its key, and its next
+    /// click submitted again under a new key: two submissions. With the
+    /// recipe's `unreplayable_status` the client keeps its key through
+    /// every click, and the submission is made once.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_seed_client_keeps_its_key_when_the_answer_broke_off() {
+        let Stack { app, proxy } = stack(Framework::Express, EXPRESS, 20).await;
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/frameworks/express/lead-client.js");
+        let output = tokio::process::Command::new("node")
+            .arg(script)
+            .arg(format!("http://{}", proxy.addr))
+            .arg("200")
+            .arg("broken")
+            .output()
+            .await
+            .expect("run node");
+        assert!(output.status.success(), "{output:?}");
+        let run: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        assert_eq!(run["first"]["ok"], false, "the answer broke off: {run}");
+        for click in ["second", "third"] {
+            assert_eq!(run[click]["ok"], false, "{click}: {run}");
+            assert_eq!(run[click]["error"], "Submission failed", "{click}: {run}");
+            assert_eq!(
+                run[click]["key"], run["keptKey"],
+                "{click} dropped the key: {run}"
+            );
+        }
         assert_eq!(app.records().await, 1, "one submission: {run}");
     }
 

@@ -263,6 +263,7 @@ impl Engine {
                         Err(error) => return self.unreadable(head, &error),
                     };
                     return Decision::Respond(self.completed(
+                        policy,
                         outcome,
                         waiting.waited,
                         head.headers,
@@ -406,6 +407,7 @@ impl Engine {
     /// replayed, or the "not stored" or "incomplete" problem.
     fn completed(
         &self,
+        policy: &RoutePolicy,
         outcome: Outcome,
         waited: bool,
         request: &http::HeaderMap,
@@ -422,8 +424,8 @@ impl Engine {
                 response.extensions_mut().insert(Answered(event.as_str()));
                 response
             }
-            Outcome::TooLarge { status } => self.not_stored(status, request),
-            Outcome::Incomplete { status } => self.incomplete(status, request),
+            Outcome::TooLarge { status } => self.not_stored(policy, status, request),
+            Outcome::Incomplete { status } => self.incomplete(policy, status, request),
             // Opened before it gets here (`Engine::open_outcome`).
             Outcome::Sealed(_) => self.store_unavailable(request),
         }

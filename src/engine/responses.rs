@@ -201,9 +201,15 @@ impl Engine {
         )
     }
 
-    /// 409: the request ran once, but its response was too large to store.
-    /// Counted as a replay: the answer stands for the stored outcome.
-    pub(super) fn not_stored(&self, status: StatusCode, request: &HeaderMap) -> Response<Bytes> {
+    /// 409 (or the route's `unreplayable_status`): the request ran once,
+    /// but its response was too large to store. Counted as a replay: the
+    /// answer stands for the stored outcome.
+    pub(super) fn not_stored(
+        &self,
+        policy: &RoutePolicy,
+        status: StatusCode,
+        request: &HeaderMap,
+    ) -> Response<Bytes> {
         self.reject(
             request,
             Event::Replayed,
@@ -214,13 +220,19 @@ impl Engine {
                      was too large to store; it will not be executed again.",
                     status.as_u16()
                 ),
-            ),
+            )
+            .with_status(policy.unreplayable_status),
         )
     }
 
-    /// 409 `response-incomplete`: the request ran, but its response broke
-    /// off after the head.
-    pub(super) fn incomplete(&self, status: StatusCode, request: &HeaderMap) -> Response<Bytes> {
+    /// 409 `response-incomplete` (or the route's `unreplayable_status`):
+    /// the request ran, but its response broke off after the head.
+    pub(super) fn incomplete(
+        &self,
+        policy: &RoutePolicy,
+        status: StatusCode,
+        request: &HeaderMap,
+    ) -> Response<Bytes> {
         self.reject(
             request,
             Event::Replayed,
@@ -231,7 +243,8 @@ impl Engine {
                      broke off before it was complete; it will not be executed again.",
                     status.as_u16()
                 ),
-            ),
+            )
+            .with_status(policy.unreplayable_status),
         )
     }
 

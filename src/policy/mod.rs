@@ -173,6 +173,14 @@ pub struct Policy {
     /// by status alone needs it to differ from `mismatch_status` (e.g. 425
     /// or 429); any 4xx or 5xx is accepted.
     pub in_flight_status: u16,
+    /// The status answered to a retry of a request that ran but whose
+    /// response cannot be replayed: `response-incomplete` (it broke off
+    /// after its head) and `response-not-stored` (over
+    /// `max_response_bytes`). Default 409. A client that drops its key on
+    /// 409 (the Next.js seed's does) sends its next attempt under a new
+    /// key, which executes again: give such a client another 4xx or 5xx
+    /// (e.g. 502), on which it keeps the key.
+    pub unreplayable_status: u16,
     /// Which upstream statuses are stored and replayed; any other status
     /// releases the key so a corrected request can go through.
     /// Default `["2xx", "3xx"]`.
@@ -236,6 +244,7 @@ impl Default for Policy {
             mismatch_status: 422,
             mismatch: MismatchPolicy::Reject,
             in_flight_status: 409,
+            unreplayable_status: 409,
             store_statuses: StatusSet::default(),
             success_redirects: Vec::new(),
             fail_mode: FailMode::Closed,
@@ -366,15 +375,14 @@ impl Policy {
                 ))
             }
         };
-        let in_flight_status = StatusCode::from_u16(self.in_flight_status)
-            .ok()
-            .filter(|status| status.is_client_error() || status.is_server_error())
-            .ok_or_else(|| {
-                invalid(
-                    "in_flight_status",
-                    format!("{} is not a 4xx or 5xx status", self.in_flight_status),
-                )
-            })?;
+        let error_status = |field: &'static str, code: u16| {
+            StatusCode::from_u16(code)
+                .ok()
+                .filter(|status| status.is_client_error() || status.is_server_error())
+                .ok_or_else(|| invalid(field, format!("{code} is not a 4xx or 5xx status")))
+        };
+        let in_flight_status = error_status("in_flight_status", self.in_flight_status)?;
+        let unreplayable_status = error_status("unreplayable_status", self.unreplayable_status)?;
         let success_redirects = self
             .success_redirects
             .iter()
@@ -407,6 +415,7 @@ impl Policy {
             fingerprint_headers,
             mismatch: mismatch_status,
             in_flight_status,
+            unreplayable_status,
             success_redirects,
             json_exclude: json_exclude
                 .iter()
@@ -431,6 +440,8 @@ pub struct RoutePolicy {
     pub(crate) mismatch: StatusCode,
     /// `Policy::in_flight_status`, checked to be 4xx or 5xx.
     pub(crate) in_flight_status: StatusCode,
+    /// `Policy::unreplayable_status`, checked to be 4xx or 5xx.
+    pub(crate) unreplayable_status: StatusCode,
     /// `Policy::success_redirects`, parsed.
     pub(crate) success_redirects: Vec<PathPattern>,
     pub(crate) json_exclude: Vec<Vec<String>>,

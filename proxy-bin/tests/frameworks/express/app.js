@@ -15,7 +15,9 @@ const express = require('express')
 const port = Number(process.argv[2] || 3000)
 // Each accepted submission takes this long, so concurrent duplicates overlap.
 const delayMs = Number(process.env.SUBMIT_DELAY_MS || 20)
-const forms = new Set(['contact', 'newsletter'])
+// `broken`: a form whose submission commits and whose answer then breaks
+// off after its head, as a process restarted mid-response leaves it.
+const forms = new Set(['contact', 'newsletter', 'broken'])
 const submissions = []
 const events = []
 
@@ -43,6 +45,11 @@ app.post('/api/forms/:formId/submit', async (req, res) => {
   const submissionId = crypto.randomUUID()
   submissions.push({submissionId, formId: req.params.formId, key, payload})
   events.push({submissionId, type: 'submission.accepted'})
+  if (req.params.formId === 'broken') {
+    res.writeHead(202, {'Content-Type': 'application/json', 'Content-Length': '100'})
+    res.write('{"submissionId":')
+    return setTimeout(() => res.socket.destroy(), 20)
+  }
   return res.status(202).json({submissionId, status: 'accepted', replayed: false})
 })
 

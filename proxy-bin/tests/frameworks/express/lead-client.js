@@ -1,7 +1,8 @@
-// The seed's client against the proxy, in Node: `node lead-client.js BASE`.
+// The seed's client against the proxy, in Node:
+// `node lead-client.js BASE [PAUSE_MS] [FORM]`.
 //
 // Scenario: the first attempt's answer is lost (the client gives up after
-// 100 ms; the server goes on), so the result is uncertain and the client
+// 300 ms; the server goes on), so the result is uncertain and the client
 // keeps its key. The user clicks again at once: the proxy finds the first
 // attempt still in flight. Once the first attempt has finished, the user
 // clicks a third time. Prints one JSON line (what each click got and the
@@ -13,18 +14,19 @@ const {createLeadForm} = require('./lead-form.js')
 async function main() {
   const base = process.argv[2]
   let calls = 0
-  // The first request is abandoned after 100 ms, as a phone that loses
+  // The first request is abandoned after 300 ms (time for a loaded
+  // machine to have sent it), as a phone that loses
   // its network would; the others wait for their answers.
   const flakyFetch = (url, init) => {
     calls += 1
     if (calls === 1) {
       const controller = new AbortController()
-      setTimeout(() => controller.abort(), 100)
+      setTimeout(() => controller.abort(), 300)
       return fetch(url, {...init, signal: controller.signal})
     }
     return fetch(url, init)
   }
-  const form = createLeadForm('contact', flakyFetch, base)
+  const form = createLeadForm(process.argv[4] || 'contact', flakyFetch, base)
   const payload = {email: 'ada@example.com', name: 'Ada'}
   const click = async () => {
     try {
