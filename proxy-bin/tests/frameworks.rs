@@ -227,9 +227,16 @@ async fn twenty_concurrent_posts(framework: Framework) {
 }
 
 /// A double click on the submit button in a real browser: one record, and
-/// the browser lands on the thanks page.
+/// the browser lands on the thanks page. As fast as WebDriver makes it,
+/// Chromium may drop the first submission before sending it (seen behind
+/// the Laravel stand-in), leaving no duplicate to stop; so the flow is
+/// then run again with the second click made while the first submission
+/// is in flight (the user sees nothing happen and clicks again), which
+/// always sends both: one executes, the other is answered from it.
 async fn double_click_in_chromium(framework: Framework) {
-    let Stack { app, proxy } = stack(framework, form_config(framework), 300).await;
+    // Each submission takes 2.5 s: the second click lands while the
+    // first is in flight.
+    let Stack { app, proxy } = stack(framework, form_config(framework), 2500).await;
     let browser = Browser::start().await;
     browser
         .open(&format!("http://{}/contact", proxy.addr))
@@ -240,6 +247,48 @@ async fn double_click_in_chromium(framework: Framework) {
     browser.wait_for_url("/contact/thanks").await;
     assert_eq!(app.records().await, 1);
     assert_eq!(app.notifications().await, 1);
+
+    browser
+        .open(&format!("http://{}/contact", proxy.addr))
+        .await;
+    browser.fill("#email", "grace@example.com").await;
+    browser.fill("#message", "Ungeduld").await;
+    let before = outcomes(&proxy).await;
+    browser
+        .click_twice("#send", std::time::Duration::from_millis(1000))
+        .await;
+    browser.wait_for_url("/contact/thanks").await;
+    let after = outcomes(&proxy).await;
+    assert_eq!(app.records().await, 2, "one record per form sent");
+    assert_eq!(app.notifications().await, 2);
+    assert_eq!(after.executed - before.executed, 1, "{after:?}");
+    assert!(
+        after.duplicates > before.duplicates,
+        "the second click never reached the proxy: {after:?}"
+    );
+}
+
+/// The proxy's counts of executed requests and of duplicates answered
+/// from them (replayed, waited, in-flight conflicts), from `/metrics`.
+#[derive(Debug)]
+struct Outcomes {
+    executed: u64,
+    duplicates: u64,
+}
+
+async fn outcomes(proxy: &Proxy) -> Outcomes {
+    let metrics = proxy.admin("/metrics").await.text();
+    let count = |outcome: &str| -> u64 {
+        let line = format!("idempotency_requests_total{{outcome=\"{outcome}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .map_or(0, |n| n.trim().parse().unwrap())
+    };
+    Outcomes {
+        executed: count("executed"),
+        duplicates: count("replayed") + count("waited") + count("in_flight_conflict"),
+    }
 }
 
 macro_rules! form_suite {
@@ -499,5 +548,12 @@ mod express {
         }
         assert!(text.contains("accepted"), "{text}");
         assert_eq!(app.records().await, 1);
+        // Both clicks reached the proxy: the page's script sends each.
+        let counts = outcomes(&proxy).await;
+        assert_eq!(counts.executed, 1, "{counts:?}");
+        assert!(
+            counts.duplicates >= 1,
+            "one click never reached the proxy: {counts:?}"
+        );
     }
 }

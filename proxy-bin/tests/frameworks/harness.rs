@@ -458,6 +458,33 @@ impl Browser {
         .await;
     }
 
+    /// Clicks the element `css`, then again after `pause`, in one
+    /// sequence of input actions: WebDriver's commands wait for a page
+    /// that is loading, so a second command would click on the page the
+    /// first click loaded. A user's impatient second click, while the
+    /// first submission is still in flight.
+    pub async fn click_twice(&self, css: &str, pause: Duration) {
+        let element = self.element(css).await;
+        let origin = json!({ "element-6066-11e4-a52e-4f735466cecf": element });
+        self.call(
+            "POST",
+            &self.session_path("/actions"),
+            json!({"actions": [{
+                "type": "pointer", "id": "mouse",
+                "parameters": {"pointerType": "mouse"},
+                "actions": [
+                    {"type": "pointerMove", "origin": origin, "x": 0, "y": 0},
+                    {"type": "pointerDown", "button": 0},
+                    {"type": "pointerUp", "button": 0},
+                    {"type": "pause", "duration": pause.as_millis() as u64},
+                    {"type": "pointerDown", "button": 0},
+                    {"type": "pointerUp", "button": 0}
+                ]
+            }]}),
+        )
+        .await;
+    }
+
     /// Clicks the element `css` once.
     pub async fn click(&self, css: &str) {
         let element = self.element(css).await;
