@@ -1647,6 +1647,49 @@ async fn logs_carry_no_payload_key_or_secret() {
     }
 }
 
+/// Scenario (from a review of the outbox): the same message (one pair,
+/// so one derived delivery key) enqueued by several transactions at the
+/// same moment: a handler run twice, a reconciliation job racing it. Each
+/// must add nothing beside the first (`false`). Only the pair's index
+/// arbitrated the conflict, so an insert that passed that check before the
+/// first wrote its entries met the delivery key's unique index instead and
+/// failed its whole transaction with a unique violation naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_message_enqueued_at_once_is_added_once_without_an_error() {
+    let db = TestDb::postgres().await;
+    let Pool::Pg(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    for round in 0..60 {
+        let barrier = Arc::new(tokio::sync::Barrier::new(6));
+        let tasks: Vec<_> = (0..6)
+            .map(|_| {
+                let (pool, barrier) = (pool.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    let mut tx = pool.begin().await.unwrap();
+                    let message = Message::new("crm", format!("s{round}"), payload("s"));
+                    barrier.wait().await;
+                    let added = outbox::enqueue(&mut *tx, &message).await;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    if added.is_ok() {
+                        tx.commit().await.unwrap();
+                    }
+                    added.map_err(|error| error.to_string())
+                })
+            })
+            .collect();
+        let mut added = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                Ok(true) => added += 1,
+                Ok(false) => {}
+                Err(error) => panic!("round {round}: an enqueue failed: {error}"),
+            }
+        }
+        assert_eq!(added, 1, "round {round}");
+    }
+}
+
 /// `enqueue` in a handler: its future must be `Send` (spawned here as a
 /// server spawns each request), with the transaction borrowed across it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -195,7 +195,12 @@ pub(crate) mod sealed {
 /// ```
 ///
 /// A delivery key already used by another (`topic`, `source`) is an error
-/// (the unique constraint on `delivery_key`), not a silent skip.
+/// (the unique constraint on `delivery_key`), not a silent skip. On
+/// PostgreSQL the insert says `ON CONFLICT DO NOTHING`, every unique index
+/// arbitrating, so the same message enqueued by transactions racing each
+/// other is added once and is `false` for the others, never a unique
+/// violation; when it added nothing and no row holds the pair, the key was
+/// taken by another pair, and that is reported.
 pub async fn enqueue<C>(connection: &mut C, message: &Message) -> Result<bool, OutboxError>
 where
     C: OutboxConnection + ?Sized,

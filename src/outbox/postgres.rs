@@ -9,25 +9,55 @@ pub(super) fn topics(topics: Option<&[String]>) -> Option<Vec<String>> {
 }
 
 impl OutboxConnection for sqlx::PgConnection {
+    /// [`ENQUEUE`]; when it added nothing, the pair's row decides: there,
+    /// the message was enqueued before (`false`); not there, the conflict
+    /// was the delivery key's alone, and [`ENQUEUE_PAIR`] reports it as the
+    /// unique violation it is.
     fn enqueue_message<'c>(&'c mut self, message: &'c Message) -> EnqueueFuture<'c> {
         Box::pin(async move {
-            let id: Option<i64> = sqlx::query_scalar(ENQUEUE)
+            let insert = |statement| {
+                sqlx::query_scalar::<_, i64>(statement)
+                    .bind(&message.topic)
+                    .bind(&message.source)
+                    .bind(&message.delivery_key)
+                    .bind(&message.payload)
+                    .bind(&message.content_type)
+                    .bind(message.max_attempts)
+            };
+            if insert(ENQUEUE).fetch_optional(&mut *self).await?.is_some() {
+                return Ok(true);
+            }
+            let enqueued: bool = sqlx::query_scalar(PAIR_EXISTS)
                 .bind(&message.topic)
                 .bind(&message.source)
-                .bind(&message.delivery_key)
-                .bind(&message.payload)
-                .bind(&message.content_type)
-                .bind(message.max_attempts)
-                .fetch_optional(self)
+                .fetch_one(&mut *self)
                 .await?;
-            Ok(id.is_some())
+            if enqueued {
+                return Ok(false);
+            }
+            Ok(insert(ENQUEUE_PAIR).fetch_optional(self).await?.is_some())
         })
     }
 }
 
-/// A conflict on (topic, source) adds nothing and returns no row; a
-/// conflict on the delivery key alone is an error.
+/// Any conflict adds nothing and returns no row. Every unique index
+/// arbitrates: with the pair's alone, an insert racing another of the same
+/// pair (and so of the same derived key) could pass the pair's check
+/// before the other wrote its entries and then fail on the key's index,
+/// aborting the caller's transaction, instead of adding nothing.
 const ENQUEUE: &str = "
+INSERT INTO outbox_messages (topic, source, delivery_key, payload, content_type, max_attempts)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT DO NOTHING
+RETURNING id";
+
+/// Whether the pair's row is there.
+const PAIR_EXISTS: &str =
+    "SELECT EXISTS (SELECT 1 FROM outbox_messages WHERE topic = $1 AND source = $2)";
+
+/// A conflict on (topic, source) adds nothing; a conflict on the delivery
+/// key alone is the unique violation.
+const ENQUEUE_PAIR: &str = "
 INSERT INTO outbox_messages (topic, source, delivery_key, payload, content_type, max_attempts)
 VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (topic, source) DO NOTHING
