@@ -301,3 +301,47 @@ fn inconsistent_form_settings_are_refused() {
         "unreplayable_status"
     );
 }
+
+/// The Next.js seed hashes its form's schema version into the fingerprint,
+/// and a retry across a schema change is a conflict, not the old answer
+/// replayed. A route's `fingerprint_version`: the same bytes under the same
+/// key after the version changed are refused (422); under the old version
+/// they replay; the backend ran once.
+#[tokio::test]
+async fn a_retry_across_a_fingerprint_version_change_is_refused() {
+    let store = MemoryStore::new();
+    let versioned = |version: &str| {
+        Engine::new(
+            store.clone(),
+            Routes::all(Policy {
+                fingerprint_version: version.into(),
+                ..Policy::default()
+            })
+            .unwrap(),
+        )
+    };
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let app = |engine: &Engine| {
+        let calls = calls.clone();
+        layered(engine, move |_, _| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Response::new(Body::from("accepted")) }
+        })
+    };
+    let request = || {
+        Request::post("/api/forms/contact/submit")
+            .header("idempotency-key", "lead-7")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from_static(
+                br#"{"email":"ada@example.com"}"#,
+            )))
+            .unwrap()
+    };
+    let (v1, v2) = (versioned("1"), versioned("2"));
+    assert_eq!(app(&v1).send(request()).await.status, StatusCode::OK);
+    let across = app(&v2).send(request()).await;
+    across.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-mismatch");
+    let same = app(&v1).send(request()).await;
+    assert!(same.replayed());
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

@@ -158,6 +158,10 @@ impl Engine {
                 form: &policy.form_exclude,
             },
         );
+        let fingerprint = match policy.policy().fingerprint_version.as_str() {
+            "" => fingerprint,
+            version => fingerprint.versioned(version),
+        };
         // At `debug`: the decision's own line (logged by `begin`) carries
         // the key, and a span built for every request at `info` costs a
         // replay a tenth of its throughput; its context is for the debug

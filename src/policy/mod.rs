@@ -130,6 +130,14 @@ pub struct Policy {
     /// Body fields left out of the fingerprint: JSON pointers (`/meta/sent_at`)
     /// for JSON bodies, field names (`_token`) for form bodies.
     pub fingerprint_exclude: Vec<String>,
+    /// A version of what the route's requests mean, hashed into every
+    /// fingerprint when set (the Next.js seed hashes its form's schema
+    /// version): change it with the backend's schema, and a retry sent
+    /// before the change, arriving after it, is refused as a changed
+    /// request (`mismatch_status`) instead of replayed the answer to the
+    /// old schema. Changing it changes every fingerprint of the route, so
+    /// any retry spanning the change is refused. Default empty (none).
+    pub fingerprint_version: String,
     /// How long a completed record is kept and replayed. Default 24 h.
     #[serde(with = "humantime_serde")]
     pub ttl: Duration,
@@ -236,6 +244,7 @@ impl Default for Policy {
             scope_headers: Vec::new(),
             fingerprint_headers: vec!["content-type".into()],
             fingerprint_exclude: Vec::new(),
+            fingerprint_version: String::new(),
             ttl: Duration::from_secs(24 * 60 * 60),
             lease: Duration::from_secs(30),
             in_flight: InFlightPolicy::Wait,

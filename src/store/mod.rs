@@ -101,6 +101,18 @@ impl Fingerprint {
         &self.0
     }
 
+    /// This fingerprint under a route's `fingerprint_version` (SHA-256 of
+    /// both, each length-framed): another request for every other version.
+    pub fn versioned(&self, version: &str) -> Self {
+        use sha2::Digest;
+        let mut hasher = sha2::Sha256::new();
+        hasher.update(b"fingerprint-version");
+        hasher.update((version.len() as u64).to_be_bytes());
+        hasher.update(version.as_bytes());
+        hasher.update(self.0);
+        Fingerprint(hasher.finalize().into())
+    }
+
     /// Rebuilds a fingerprint from 32 stored bytes.
     pub fn from_slice(bytes: &[u8]) -> Result<Self, StoreError> {
         bytes
