@@ -111,6 +111,22 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         .filter(|e| e.op == Op::Reserve && matches!(e.answer, Answer::Acquired(_)))
         .filter_map(|e| e.request.map(|r| (r, e)))
         .collect();
+    // The reservations that protected an execution: answered to the engine
+    // as acquired, before the execution started. One whose answer a fault
+    // replaced, or that committed only after the engine gave up on it (a
+    // stall, a late commit: its guard then releases it), protected none:
+    // the request ran unprotected, where the route fails open.
+    let started: HashMap<usize, u64> = history
+        .execs
+        .iter()
+        .map(|e| (e.request, e.start.seq))
+        .collect();
+    let held: HashMap<usize, &StoreEvent> = acquired
+        .iter()
+        .filter(|(_, e)| e.owner.is_some_and(|o| history.answered.contains(&o)))
+        .filter(|(r, e)| started.get(r).is_none_or(|&start| e.end.seq < start))
+        .map(|(r, e)| (*r, *e))
+        .collect();
     let owner_req: HashMap<OwnerToken, usize> = acquired
         .iter()
         .filter_map(|(r, e)| e.owner.map(|o| (o, *r)))
@@ -122,6 +138,35 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             e.op == op && e.owner == Some(owner) && matches!(e.answer, Answer::Done(true))
         })
     };
+
+    // 0. A request runs without holding its key only on a fail-open route,
+    //    and only if the engine was never told the key is held: a
+    //    reservation that found the record, or a look (a waiter's) that did,
+    //    whose answer reached it (one lost to a fault is a store failure,
+    //    which fail-open forwards). Forwarded after that, it runs beside the
+    //    holder, or after it.
+    for exec in &history.execs {
+        if held.contains_key(&exec.request) {
+            continue;
+        }
+        let saw_held = history.saw_held.contains(&exec.request);
+        if !config.fail_open {
+            flag(
+                "exclusive",
+                None,
+                format!("exec {} ran without holding its key (fail closed)", exec.id),
+            );
+        } else if saw_held {
+            flag(
+                "exclusive",
+                None,
+                format!(
+                    "exec {} ran unprotected (fail open) after it saw its key held",
+                    exec.id
+                ),
+            );
+        }
+    }
 
     // 1. At most one execution per scope, except after its predecessor
     //    legitimately let the key go (an answer that is not stored, a failure
@@ -140,16 +185,12 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         list.sort_by_key(|e| e.start.seq);
         for j in 1..list.len() {
             let ej = list[j];
-            let Some(acq_j) = acquired.get(&ej.request) else {
-                flag(
-                    "exclusive",
-                    None,
-                    format!("exec {} ran without holding its key", ej.id),
-                );
+            // Unprotected: judged by rule 0.
+            let Some(acq_j) = held.get(&ej.request) else {
                 continue;
             };
             for &ei in &list[..j] {
-                let Some(owner_i) = acquired.get(&ei.request).and_then(|e| e.owner) else {
+                let Some(owner_i) = held.get(&ei.request).and_then(|e| e.owner) else {
                     continue;
                 };
                 let (bi, bj) = (reqs[&ei.request].body, reqs[&ej.request].body);

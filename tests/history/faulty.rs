@@ -174,6 +174,9 @@ pub struct Mutant {
     reserve_ends: Mutex<HashMap<OwnerToken, Stamp>>,
     /// Owners whose reserve answered `Acquired` to the engine.
     answered: Mutex<std::collections::HashSet<OwnerToken>>,
+    /// Requests to which a reserve or a get answered, as the engine saw it
+    /// (through any fault), that the key's record is there.
+    saw_held: Mutex<std::collections::HashSet<usize>>,
 }
 
 /// A fault switched on or off on one instance, or its crash.
@@ -205,6 +208,7 @@ impl Mutant {
             switches: Mutex::default(),
             reserve_ends: Mutex::default(),
             answered: Mutex::default(),
+            saw_held: Mutex::default(),
         })
     }
 
@@ -230,6 +234,16 @@ impl Mutant {
     /// waiting) or whose instance crashed has none.
     pub fn reserve_ends(&self) -> HashMap<OwnerToken, Stamp> {
         lock(&self.reserve_ends).clone()
+    }
+
+    /// The owners whose reservation reached the engine as `Acquired`.
+    pub fn answered(&self) -> std::collections::HashSet<OwnerToken> {
+        lock(&self.answered).clone()
+    }
+
+    /// The requests the engine was told their key's record is there.
+    pub fn saw_held(&self) -> std::collections::HashSet<usize> {
+        lock(&self.saw_held).clone()
     }
 
     /// Whether the store keeps time by the real clock.
@@ -523,7 +537,7 @@ pub enum FaultKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fault {
     pub kind: FaultKind,
-    /// Bit set over reserve, get, complete, release, renew.
+    /// Bit set over reserve, get, complete, release, renew, wait.
     pub ops: u8,
 }
 
@@ -535,7 +549,7 @@ impl Fault {
             Op::Complete => 4,
             Op::Release => 8,
             Op::Renew => 16,
-            Op::Wait => 0,
+            Op::Wait => 32,
         };
         self.ops & bit != 0
     }
@@ -656,8 +670,14 @@ impl Store for Faulty {
         let result = self.run(Op::Reserve, Box::pin(call)).await;
         let end = self.mutant.stamp();
         lock(&self.mutant.reserve_ends).insert(*owner, end);
-        if let Ok(Claim::Acquired { .. }) = result {
-            lock(&self.mutant.answered).insert(*owner);
+        match (&result, current_request()) {
+            (Ok(Claim::Acquired { .. }), _) => {
+                lock(&self.mutant.answered).insert(*owner);
+            }
+            (Ok(Claim::Existing(_)), Some(request)) => {
+                lock(&self.mutant.saw_held).insert(request);
+            }
+            _ => {}
         }
         result
     }
@@ -693,7 +713,11 @@ impl Store for Faulty {
 
     async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
         let call = self.mutant.clone().get(self.id(), *key);
-        self.run(Op::Get, Box::pin(call)).await
+        let result = self.run(Op::Get, Box::pin(call)).await;
+        if let (Ok(Some(_)), Some(request)) = (&result, current_request()) {
+            lock(&self.mutant.saw_held).insert(request);
+        }
+        result
     }
 
     async fn wait(&self, key: &ScopeKey, max: Duration, attempt: u32) -> Result<(), StoreError> {

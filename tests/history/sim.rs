@@ -18,7 +18,7 @@ use tower::ServiceExt;
 use tower_idempotency::engine::{EncryptionKey, KeySecret, Keyring};
 use tower_idempotency::layer::RequestBody;
 use tower_idempotency::{
-    Engine, EngineConfig, IdempotencyLayer, InFlightPolicy, Policy, Principal, Routes,
+    Engine, EngineConfig, FailMode, IdempotencyLayer, InFlightPolicy, Policy, Principal, Routes,
 };
 
 use super::faulty::{Backend, Fault, FaultKind, Faulty, Mutant, Mutation, Stamp, REQUEST};
@@ -129,6 +129,9 @@ pub struct Config {
     /// Every instance keys its scopes with one secret and seals what it
     /// stores with one keyring (secrets at rest).
     pub secrets: bool,
+    /// The route fails open: a request whose store failed before it saw
+    /// its key held is forwarded unprotected.
+    pub fail_open: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -177,6 +180,7 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
         instances: rng.random_range(1..=2),
         mutation,
         secrets: false,
+        fail_open: rng.random_bool(0.3),
     };
     let span = lease * 4;
     let principals: Vec<usize> = {
@@ -259,9 +263,9 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
         );
         // Everything (a partition), or a random few operations.
         let ops = if rng.random_bool(0.4) {
-            31
+            63
         } else {
-            rng.random_range(1..32)
+            rng.random_range(1..64)
         };
         actions.push(Action::Fault {
             at: from,
@@ -347,6 +351,12 @@ pub struct History {
     pub switches: Vec<super::faulty::Switch>,
     /// When each reserve call returned to the engine, by owner token.
     pub reserve_ends: HashMap<tower_idempotency::store::OwnerToken, Stamp>,
+    /// The requests the engine was told (by a reserve or a get that
+    /// reached it) their key's record is there.
+    pub saw_held: std::collections::HashSet<usize>,
+    /// The owners whose reservation reached the engine as acquired (one
+    /// committed after the engine gave up on it ran nothing).
+    pub answered: std::collections::HashSet<tower_idempotency::store::OwnerToken>,
 }
 
 type Svc = BoxCloneService<Request<Full<Bytes>>, Response<Bytes>, std::io::Error>;
@@ -388,6 +398,10 @@ fn build(faulty: Arc<Faulty>, shared: Arc<Shared>, config: &Config) -> Svc {
         wait_timeout: config.wait_timeout,
         in_flight: config.in_flight,
         scope_authority: config.mutation != Some(Mutation::ScopeWithoutHost),
+        fail_mode: match config.fail_open {
+            true => FailMode::Open,
+            false => FailMode::Closed,
+        },
         ..Policy::default()
     };
     let engine = Engine::with_config(
@@ -595,6 +609,8 @@ async fn play(schedule: &Schedule, backend: Backend) -> History {
         real_clock: mutant.real_clock(),
         switches: mutant.switches(),
         reserve_ends: mutant.reserve_ends(),
+        saw_held: mutant.saw_held(),
+        answered: mutant.answered(),
     }
 }
 
