@@ -251,14 +251,16 @@ impl ProxyHttp for IdempotencyProxy {
 
     /// Pingora's path: the requests [`passthrough::eligible`] leaves to it
     /// (chunked or large bodies, `Expect`, HTTP/1.0, upgrades). Its pool
-    /// takes a connection back after any answer, so one whose answer may
-    /// leave bytes on it (an early answer to a body the upstream never
-    /// read, a `HEAD`, a body sent with a `GET`) could answer the next
-    /// request with a request smuggled in that body. None of these
-    /// connections is kept: the request says `Connection: close`, which
+    /// takes a connection back after any answer but a 101, so one whose
+    /// answer may leave bytes on it (an early answer to a body the upstream
+    /// never read, a `HEAD`, a body sent with a `GET`, a refused upgrade)
+    /// could answer the next request with a request smuggled in that body.
+    /// None of these connections is kept: the request says `close`, which
     /// Pingora's client obeys whatever the upstream answers, and which
-    /// tells the upstream to read no further request on it. An upgrade
-    /// keeps its `Connection: upgrade` (such a connection is never pooled).
+    /// tells the upstream to read no further request on it. A request that
+    /// asks for an upgrade (`Connection` lists `upgrade`) says
+    /// `upgrade, close`, so the upgrade still goes through; an `Upgrade`
+    /// header alone asks for nothing and gets `close`.
     async fn upstream_request_filter(
         &self,
         session: &mut Session,
@@ -267,9 +269,10 @@ impl ProxyHttp for IdempotencyProxy {
     ) -> Result<()> {
         self.upstream
             .add_forwarding_headers(request, client_addr(session));
-        if !request.headers.contains_key(header::UPGRADE) {
-            request.insert_header(header::CONNECTION, "close")?;
-        }
+        let upgrade = request.headers.contains_key(header::UPGRADE)
+            && headers::connection_listed(&request.headers).contains(&header::UPGRADE);
+        let connection = if upgrade { "upgrade, close" } else { "close" };
+        request.insert_header(header::CONNECTION, connection)?;
         Ok(())
     }
 
