@@ -1357,6 +1357,38 @@ async fn a_delivery_key_a_receiver_reads_otherwise_is_refused_at_enqueue() {
             Message::new("crm", "src-ok", br#"{"a":1}"#.to_vec()).delivery_key("inv-42:line-3");
         assert!(enqueue_one(&db, &message).await.unwrap());
         assert_eq!(db.outbox.counts().await.unwrap().total(), 1);
+        // A row stored with such a key before the check existed (from a
+        // review of it) is still claimed: a table CHECK would have failed
+        // every claim of its batch, stalling the outbox.
+        if let Pool::Pg(pool, _) = &db.pool {
+            let mut conn = pool.acquire().await.unwrap();
+            let trigger = |on: &str| {
+                format!(
+                    "ALTER TABLE outbox_messages {on} TRIGGER outbox_messages_delivery_key_token"
+                )
+            };
+            sqlx::query(&trigger("DISABLE"))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            sqlx::query(
+                "INSERT INTO outbox_messages (topic, source, payload, delivery_key)
+                 VALUES ('crm', 'old', convert_to('{}', 'UTF8'), 'old;key')",
+            )
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+            sqlx::query(&trigger("ENABLE"))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let claimed = db
+                .outbox
+                .claim(5, Duration::from_secs(5), None)
+                .await
+                .unwrap();
+            assert_eq!(claimed.len(), 2, "the old row stalled the claim");
+        }
     }
 }
 
