@@ -973,6 +973,17 @@ async fn arrivals_stuck_on_the_database_never_starve_a_holders_renewal() {
             })
         })
         .collect();
+    // And (from a review of the kept connections) the releases the
+    // arrivals' abandoned reservations send, stuck on the same row: they
+    // took the kept connections first, and the renewal waited behind them.
+    let releases: Vec<_> = (0..2)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let _ = store.release(&stuck, &owner).await;
+            })
+        })
+        .collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let renewed = store.renew(&held, &holder, LONG).await;
     assert!(
@@ -983,5 +994,6 @@ async fn arrivals_stuck_on_the_database_never_starve_a_holders_renewal() {
     assert!(matches!(completed, Ok(true)), "{completed:?}");
     lock.rollback().await.unwrap();
     join_all(arrivals).await;
+    join_all(releases).await;
     store.close().await;
 }

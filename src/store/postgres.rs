@@ -409,10 +409,24 @@ impl PostgresStore {
         sql::on_connection!(self, |executor| query.fetch_optional(executor)).await
     }
 
+    /// A release, answered with its count of changed rows: its own
+    /// transaction, on any connection but those kept for holders. Most
+    /// releases free keys of arrivals that gave up on a slow store (their
+    /// reservations' guards), the traffic the kept connections are kept
+    /// from; a release that does not get through leaves the key in flight
+    /// until its lease runs out, never run twice.
+    async fn write_release(
+        &self,
+        statement: Query<'static, Postgres, PgArguments>,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sql::on_connection!(self, |executor| statement.execute(executor)).await?;
+        Ok(done.rows_affected())
+    }
+
     /// A record write answered with its count of changed rows: its own
-    /// transaction. These are the writes of a key's holder (complete,
-    /// release, renew), which may take the connections kept for them
-    /// ([`Lane::Holder`]).
+    /// transaction. These are the writes that keep a running request's
+    /// key (renew) and store its outcome (complete), which may take the
+    /// connections kept for them ([`Lane::Holder`]).
     async fn write_execute(
         &self,
         statement: Query<'static, Postgres, PgArguments>,

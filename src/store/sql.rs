@@ -478,7 +478,8 @@ pub(super) struct Statements {
 /// dialect's [`Statements`]. Reads run on a connection of the type's own
 /// `lease()` (a [`StatementLease`], see [`on_connection`]); the record
 /// writes go through its `write_scalar` (a statement returning whether it
-/// wrote) and `write_execute` (its count of changed rows), which take the
+/// wrote), `write_execute` (its count of changed rows: a renewal or a
+/// completion) and `write_release` (the same for a release), which take the
 /// statement with owned (`'static`) parameters, so a store may hand it to
 /// a writer of its own (SQLite's group commit).
 ///
@@ -665,7 +666,7 @@ macro_rules! sql_store {
                 owner: &$crate::store::OwnerToken,
             ) -> Result<bool, $crate::store::StoreError> {
                 let done = $crate::store::sql::retrying(self.statement_retry_budget(), || {
-                    self.write_execute(
+                    self.write_release(
                         sqlx::query(Self::STATEMENTS.release)
                             .bind(key.as_bytes().to_vec())
                             .bind(owner.as_bytes().to_vec()),

@@ -297,6 +297,11 @@ impl SqliteStore {
     async fn write_execute(&self, statement: sqlite_writer::Statement) -> Result<u64, sqlx::Error> {
         self.writer.execute(statement).await
     }
+
+    /// A release: a record write like the others (one writer serves all).
+    async fn write_release(&self, statement: sqlite_writer::Statement) -> Result<u64, sqlx::Error> {
+        self.writer.execute(statement).await
+    }
 }
 
 super::sql::sql_store!(

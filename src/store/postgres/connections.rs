@@ -43,9 +43,9 @@ const KEPT_PER: usize = 8;
 pub(super) enum Lane {
     /// Any statement: reservations, reads, sweeps, the operator's.
     Any,
-    /// The writes of a request that holds a key (its renewals, its
-    /// completion, its release), which may also take the connections kept
-    /// for them. Arrivals whose statements wait on the database (a row
+    /// The writes of a request that holds a key and runs (its renewals,
+    /// its completion), which may also take the connections kept for
+    /// them. Arrivals whose statements wait on the database (a row
     /// locked, a slow disk) can take every other connection; a holder whose
     /// renewals could not get one would lose its lease to a takeover and
     /// run a second time while it still runs.
