@@ -139,25 +139,34 @@ pub fn fingerprint_view(
                 .iter()
                 .filter(|(name, _)| !excluded(exclude.form, name))
                 .collect();
-            sort_as_backends_read(&mut fields, |field| &field.0);
+            // PHP counts every field sent, excluded ones too.
+            if pairs.len() <= MAX_SORTED_FIELDS {
+                sort_as_backends_read(&mut fields, |field| &field.0);
+            }
             hasher.update(b"F");
             for (name, value) in fields {
                 put(&mut hasher, name);
                 put(&mut hasher, value);
             }
         }
-        Kind::Multipart(parts) => {
-            let mut parts: Vec<_> = parts
+        Kind::Multipart(sent) => {
+            let mut parts: Vec<_> = sent
                 .iter()
                 .filter(|part| !excluded(exclude.form, part.name))
                 .collect();
             // PHP takes the first `max_file_uploads` (20) files and skips
-            // the rest: which ones it skips depends on the order sent.
-            let files = parts
+            // the rest: which ones it skips depends on the order sent. It
+            // counts the parts sent, excluded ones too, and reads
+            // parameter names without regard to case (`FILENAME=`).
+            let files = sent
                 .iter()
-                .filter(|part| memchr::memmem::find(part.headers, b"filename").is_some())
+                .filter(|part| {
+                    part.headers
+                        .windows(b"filename".len())
+                        .any(|w| w.eq_ignore_ascii_case(b"filename"))
+                })
                 .count();
-            if files <= MAX_SORTED_FILES {
+            if files <= MAX_SORTED_FILES && sent.len() <= MAX_SORTED_FIELDS {
                 sort_as_backends_read(&mut parts, |part| part.name);
             }
             hasher.update(b"M");
@@ -184,7 +193,8 @@ const MAX_SORTED_FILES: usize = 20;
 /// Sorts form fields by name (ASCII case ignored, stably: ASP.NET reads
 /// `Amount` and `amount` as one field), or keeps them in the order sent
 /// when any name holds a space, `.`, `[`, `]`, NUL or a byte outside
-/// ASCII, or when there are more than [`MAX_SORTED_FIELDS`]. Such names
+/// ASCII (its callers keep forms of more than [`MAX_SORTED_FIELDS`] in
+/// order too). Such names
 /// are read as one field, or as parts of one value, in ways that differ
 /// between backends (PHP reads `a.b`, `a b` and `a_b` as one, and cuts a
 /// name at NUL; Rack reads `[a]`, `a]` and `a` as one; PHP, Rack and `qs`
@@ -194,12 +204,11 @@ const MAX_SORTED_FILES: usize = 20;
 /// last one wins, or the array's shape): any reordering is another
 /// request. The raw names are what is hashed.
 fn sort_as_backends_read<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
-    let mangled = fields.len() > MAX_SORTED_FIELDS
-        || fields.iter().any(|field| {
-            name(field)
-                .iter()
-                .any(|&b| matches!(b, b' ' | b'.' | b'[' | b']' | b'\0') || !b.is_ascii())
-        });
+    let mangled = fields.iter().any(|field| {
+        name(field)
+            .iter()
+            .any(|&b| matches!(b, b' ' | b'.' | b'[' | b']' | b'\0') || !b.is_ascii())
+    });
     if !mangled {
         fields.sort_by(|a, b| {
             let folded = |field| name(field).iter().map(u8::to_ascii_lowercase);
@@ -249,6 +258,41 @@ mod tests {
                 form: &[],
             },
         )
+    }
+
+    /// PHP's `max_input_vars` counts every field sent: a form of 1001
+    /// fields, one of them excluded from the fingerprint (a CSRF token),
+    /// is past it, and its order decides which field PHP drops.
+    #[test]
+    fn a_form_past_phps_limit_counting_excluded_fields_keeps_its_order() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/x-www-form-urlencoded"),
+        );
+        let exclude = ["_token".to_owned()];
+        let fp = |body: String| {
+            fingerprint(
+                &Method::POST,
+                &Uri::from_static("/contact"),
+                &headers,
+                &[http::header::CONTENT_TYPE],
+                body.as_bytes(),
+                Exclusions {
+                    json: &[],
+                    form: &exclude,
+                },
+            )
+        };
+        let many: Vec<String> = (0..999).map(|n| format!("f{n:04}=1")).collect();
+        let many = many.join("&");
+        assert_ne!(
+            fp(format!("_token=t&{many}&note=gift")),
+            fp(format!("_token=t&note=gift&{many}"))
+        );
+        // Within the limit, the order does not matter.
+        let few = "_token=t&b=2&a=1".to_owned();
+        assert_eq!(fp(few), fp("a=1&_token=t&b=2".to_owned()));
     }
 
     #[test]

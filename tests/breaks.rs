@@ -2100,6 +2100,9 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
     };
     let files =
         |order: &mut dyn Iterator<Item = usize>| order.map(file).collect::<String>() + "--B--\r\n";
+    // PHP reads parameter names without regard to case.
+    let upper =
+        |order: &mut dyn Iterator<Item = usize>| files(order).replace("filename=", "FILENAME=");
     let cases: Vec<(&str, String, String, Option<&str>)> = vec![
         // A JSON body labelled as a form (`curl -d`), which a backend
         // parsing its body as JSON reads as it is: `+`, `%31` and the
@@ -2139,6 +2142,12 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
             "multipart/form-data; boundary=B",
             files(&mut (0..21)),
             files(&mut (0..21).rev()),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            upper(&mut (0..21)),
+            upper(&mut (0..21).rev()),
             None,
         ),
         (

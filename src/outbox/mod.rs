@@ -17,9 +17,11 @@
 //!    and failure are written only under that token, so a worker whose
 //!    lease was taken over cannot complete or fail the row.
 //! 3. **Failures**: a transient one (timeout, connection error, 408, 429,
-//!    5xx) is retried with exponential backoff, jitter and a cap, never
-//!    earlier than the receiver's `Retry-After`; a permanent one (any other
-//!    4xx) and the last allowed attempt go to `dead`, where the row stays
+//!    5xx, and an idempotent receiver's "still in flight": see
+//!    [`WebhookDeliverer`]) is retried with exponential backoff, jitter and
+//!    a cap, never earlier than the receiver's `Retry-After`; a permanent
+//!    one (any other 4xx) and the last allowed attempt go to `dead`, where
+//!    the row stays
 //!    until someone [retries](Outbox::retry_dead) or
 //!    [purges](Outbox::purge_dead) it. Each failure records an error class,
 //!    the receiver's status and request id and a short reason — never the

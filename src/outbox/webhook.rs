@@ -206,9 +206,11 @@ impl Destination {
 /// * `Content-Type`: the message's.
 ///
 /// A 2xx answer is success; 408, 429 and 5xx are transient (their
-/// `Retry-After`, seconds or an HTTP date, is honoured), and so is a 409
-/// with `Retry-After` (an idempotent receiver still running the first
-/// delivery of the key); any other status is permanent, as is a topic
+/// `Retry-After`, seconds or an HTTP date, is honoured), and so is an
+/// idempotent receiver's "still running the first delivery of the key":
+/// any status labelled `Problem-Type: urn:tower-idempotency:in-flight` (this
+/// crate's layer and proxy, whatever their route's `in_flight_status`), or
+/// a 409 or 425 with `Retry-After`; any other status is permanent, as is a topic
 /// without a destination. A connection error or a timeout is transient.
 /// The receiver's `X-Request-Id` (or `Request-Id`) is kept; its answer
 /// body is read (up to 64 KiB) and discarded, never stored.

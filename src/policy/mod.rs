@@ -136,7 +136,9 @@ pub struct Policy {
     /// before the change, arriving after it, is refused as a changed
     /// request (`mismatch_status`) instead of replayed the answer to the
     /// old schema. Changing it changes every fingerprint of the route, so
-    /// any retry spanning the change is refused. Default empty (none).
+    /// any retry spanning the change is refused; on a `mismatch = "replay"`
+    /// route it is answered as any changed form is, with the key's stored
+    /// outcome. Default empty (none).
     pub fingerprint_version: String,
     /// How long a completed record is kept and replayed. Default 24 h.
     #[serde(with = "humantime_serde")]
