@@ -210,7 +210,8 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                 if accepted(Op::Release, owner_i).any(|r| r.start.seq < acq_j.end.seq) {
                     match ei.upstream {
                         Upstream::ErrBeforeHead => {}
-                        Upstream::Answer(_) if !ei.upstream.stored() => {}
+                        Upstream::Answer(_) | Upstream::Redirect(_)
+                            if !ei.upstream.stored(config.success_redirects) => {}
                         Upstream::MidBody => flag(
                             "exclusive",
                             Some(5),
@@ -218,6 +219,17 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                                 "exec {} ran again after exec {} had answered its head and \
                                  failed mid-body (the key was released)",
                                 ej.id, ei.id
+                            ),
+                        ),
+                        Upstream::Redirect(i) => flag(
+                            "exclusive",
+                            None,
+                            format!(
+                                "exec {} ran after exec {} redirected to its success page \
+                                 ({}) and was released",
+                                ej.id,
+                                ei.id,
+                                super::sim::LOCATIONS[i]
                             ),
                         ),
                         Upstream::Answer(status) => flag(
@@ -417,6 +429,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         }
         let expected_status = match exec.upstream {
             Upstream::Answer(s) => s,
+            Upstream::Redirect(_) => 303,
             _ => 201,
         };
         if *body != exec.body || status.as_u16() != expected_status {

@@ -62,6 +62,9 @@ pub enum StoreKind {
 pub enum Upstream {
     /// Answers this status (stored: 2xx/3xx).
     Answer(u16),
+    /// Answers 303 to [`LOCATIONS`]`[i]` (stored where the route has no
+    /// `success_redirects`, or the location is its success page).
+    Redirect(usize),
     /// Fails before its head (the service returns `Err`).
     ErrBeforeHead,
     /// Sends a 201 head and part of the body, then the body fails.
@@ -69,9 +72,59 @@ pub enum Upstream {
 }
 
 impl Upstream {
-    pub fn stored(self) -> bool {
-        matches!(self, Upstream::Answer(s) if (200..400).contains(&s))
+    /// Whether the answer consumes the key, judged as the route's backend
+    /// means it: on a route with `success_redirects` (the success page
+    /// [`SUCCESS`]), only a 2xx or a redirect whose location, decoded as a
+    /// browser reads it, is that page.
+    pub fn stored(self, success_redirects: bool) -> bool {
+        match self {
+            Upstream::Answer(s) if (200..300).contains(&s) => true,
+            Upstream::Answer(s) if (300..400).contains(&s) => !success_redirects,
+            Upstream::Redirect(i) => !success_redirects || is_success(LOCATIONS[i]),
+            _ => false,
+        }
     }
+}
+
+/// The success page of a route with `success_redirects`, as written in
+/// the configuration.
+pub const SUCCESS: &str = "/kontakt/bestätigt";
+
+/// Where redirects point, as frameworks send them (escaped, absolute or
+/// not, with a query); the last is back to the form (a failure).
+pub const LOCATIONS: [&str; 4] = [
+    "/kontakt/best%C3%A4tigt",
+    "http://shop.example/kontakt/best%c3%a4tigt?sent=1",
+    "/kontakt/best%C3%A4tigt/",
+    "/kontakt?error=1",
+];
+
+/// Whether `location` is the page [`SUCCESS`] or under it: its path, every
+/// escape decoded, as a browser goes there.
+fn is_success(location: &str) -> bool {
+    let path = match location.split_once("://") {
+        Some((_, rest)) => &rest[rest.find('/').unwrap_or(rest.len())..],
+        None => location,
+    };
+    let path = path.split(['?', '#']).next().unwrap_or_default();
+    let bytes = path.as_bytes();
+    let mut decoded = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
+            (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                decoded.push((hex(h).unwrap() * 16 + hex(l).unwrap()) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    let decoded = String::from_utf8_lossy(&decoded);
+    decoded == SUCCESS || decoded.starts_with(&format!("{SUCCESS}/"))
 }
 
 #[derive(Clone, Debug)]
@@ -132,6 +185,8 @@ pub struct Config {
     /// The route fails open: a request whose store failed before it saw
     /// its key held is forwarded unprotected.
     pub fail_open: bool,
+    /// The route's redirects consume the key only to [`SUCCESS`].
+    pub success_redirects: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -181,6 +236,7 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
         mutation,
         secrets: false,
         fail_open: rng.random_bool(0.3),
+        success_redirects: rng.random_bool(0.3),
     };
     let span = lease * 4;
     let principals: Vec<usize> = {
@@ -215,6 +271,9 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
         };
         let delay = pick(&mut rng, &[ms(0), ms(5), lease / 2, lease * 2, lease * 3]);
         let upstream = match rng.random_range(0..20) {
+            0..=5 if config.success_redirects => {
+                Upstream::Redirect(rng.random_range(0..LOCATIONS.len()))
+            }
             0..=11 => Upstream::Answer(pick(&mut rng, &[200, 201, 303])),
             12 | 13 => Upstream::Answer(pick(&mut rng, &[409, 422, 500, 503])),
             14 | 15 => Upstream::ErrBeforeHead,
@@ -402,6 +461,10 @@ fn build(faulty: Arc<Faulty>, shared: Arc<Shared>, config: &Config) -> Svc {
             true => FailMode::Open,
             false => FailMode::Closed,
         },
+        success_redirects: match config.success_redirects {
+            true => vec![SUCCESS.into()],
+            false => Vec::new(),
+        },
         ..Policy::default()
     };
     let engine = Engine::with_config(
@@ -478,7 +541,7 @@ async fn upstream(
     shared.execs.lock().unwrap()[index].end = Some(shared.mutant.stamp());
     let frames: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = match script.upstream {
         Upstream::ErrBeforeHead => return Err(std::io::Error::other("upstream down")),
-        Upstream::Answer(_) => vec![
+        Upstream::Answer(_) | Upstream::Redirect(_) => vec![
             Ok(http_body::Frame::data(body.slice(..6))),
             Ok(http_body::Frame::data(body.slice(6..))),
         ],
@@ -489,10 +552,15 @@ async fn upstream(
     };
     let status = match script.upstream {
         Upstream::Answer(status) => StatusCode::from_u16(status).unwrap(),
+        Upstream::Redirect(_) => StatusCode::SEE_OTHER,
         _ => StatusCode::CREATED,
     };
     let body = BoxBody::new(StreamBody::new(futures::stream::iter(frames)));
-    Ok(Response::builder().status(status).body(body).unwrap())
+    let mut response = Response::builder().status(status);
+    if let Upstream::Redirect(i) = script.upstream {
+        response = response.header(http::header::LOCATION, LOCATIONS[i]);
+    }
+    Ok(response.body(body).unwrap())
 }
 
 /// The longest a request may take, by its script and the configuration.
