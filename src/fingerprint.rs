@@ -30,8 +30,16 @@
 //! * **Forms** (`application/x-www-form-urlencoded`, `multipart/form-data`):
 //!   fields decoded and sorted by name (repeated names keep their order,
 //!   and so do names PHP reads as one, such as `a.b` and `a_b`);
-//!   configured field names are left out.
+//!   configured field names are left out. Kept in the order sent: a form
+//!   with a name holding a space, `.`, `[`, `]`, NUL or a byte outside
+//!   ASCII, one of more than 1000 fields sent or more than 20 file parts
+//!   (PHP's input limits). Hashed raw: a form read more than one way (see
+//!   [`formats`]), one that opens as JSON does (`curl -d`).
 //! * anything else: the raw bytes.
+//!
+//! The engine hashes this fingerprint once more with a route's
+//! `fingerprint_version` when one is set
+//! ([`Fingerprint::versioned`](crate::store::Fingerprint::versioned)).
 //!
 //! Every part is length-prefixed, so no two different inputs can be made to
 //! hash alike by moving bytes between parts.
@@ -139,8 +147,10 @@ pub fn fingerprint_view(
                 .iter()
                 .filter(|(name, _)| !excluded(exclude.form, name))
                 .collect();
-            // PHP counts every field sent, excluded ones too.
-            if pairs.len() <= MAX_SORTED_FIELDS {
+            // PHP counts every `&`-separated segment sent, empty and
+            // excluded ones too.
+            let sent = memchr::memchr_iter(b'&', body.bytes).count() + 1;
+            if sent <= MAX_SORTED_FIELDS {
                 sort_as_backends_read(&mut fields, |field| &field.0);
             }
             hasher.update(b"F");
@@ -289,6 +299,13 @@ mod tests {
         assert_ne!(
             fp(format!("_token=t&{many}&note=gift")),
             fp(format!("_token=t&note=gift&{many}"))
+        );
+        // PHP counts empty segments too: 998 fields, two empty, the note.
+        let fewer: Vec<String> = (0..998).map(|n| format!("f{n:04}=1")).collect();
+        let fewer = fewer.join("&");
+        assert_ne!(
+            fp(format!("{fewer}&&&note=gift")),
+            fp(format!("note=gift&&&{fewer}"))
         );
         // Within the limit, the order does not matter.
         let few = "_token=t&b=2&a=1".to_owned();

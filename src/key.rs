@@ -178,6 +178,18 @@ fn is_uuid(key: &[u8]) -> bool {
         })
 }
 
+/// Whether `key` is a key every reader of the `Idempotency-Key` header
+/// takes as it is, sent bare: a valid key ([`validate`]) holding none of the
+/// delimiters `"`, `,` and `;`, which [`extract`] refuses in a bare key or
+/// reads as quoting. The outbox's delivery keys are held to it.
+pub fn is_bare_token(key: &[u8]) -> bool {
+    validate(key, false).is_ok() && !key.iter().any(|b| is_delimiter(*b))
+}
+
+fn is_delimiter(b: u8) -> bool {
+    matches!(b, b'"' | b',' | b';')
+}
+
 /// Strips the IETF draft's sf-string quoting (`"abc"`, with `\"` and `\\`
 /// escapes); a bare token is returned as it is, unless it holds one of the
 /// delimiters `"`, `,` or `;` ([`KeyError::Ambiguous`]): an intermediary may
@@ -186,7 +198,7 @@ fn is_uuid(key: &[u8]) -> bool {
 /// read as one key.
 fn unquote(value: &[u8]) -> Result<Vec<u8>, KeyError> {
     let Some(inner) = value.strip_prefix(b"\"") else {
-        if value.iter().any(|b| matches!(b, b'"' | b',' | b';')) {
+        if value.iter().any(|b| is_delimiter(*b)) {
             return Err(KeyError::Ambiguous);
         }
         return Ok(value.to_vec());

@@ -32,11 +32,11 @@ pub enum ProblemKind {
     /// The key's first request is still running. 409 with `Retry-After`.
     InFlight,
     /// The first response was too large to store; the request ran once and
-    /// will not run again. 409.
+    /// will not run again. 409, or the route's `unreplayable_status`.
     ResponseNotStored,
     /// The first response broke off after its head (the upstream acted):
     /// the request ran once, its response is not complete, and it will not
-    /// run again. 409.
+    /// run again. 409, or the route's `unreplayable_status`.
     ResponseIncomplete,
     /// The idempotency store cannot be reached. 503 with `Retry-After`.
     StoreUnavailable,

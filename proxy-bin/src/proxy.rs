@@ -258,9 +258,10 @@ impl ProxyHttp for IdempotencyProxy {
     /// None of these connections is kept: the request says `close`, which
     /// Pingora's client obeys whatever the upstream answers, and which
     /// tells the upstream to read no further request on it. A request that
-    /// asks for an upgrade (`Connection` lists `upgrade`) says
-    /// `upgrade, close`, so the upgrade still goes through; an `Upgrade`
-    /// header alone asks for nothing and gets `close`.
+    /// asks for an upgrade says `upgrade, close`, so the upgrade still goes
+    /// through: Pingora passes on WebSocket upgrades only (`Upgrade:
+    /// websocket`, with `Connection: Upgrade` it adds itself) and strips
+    /// any other `Upgrade` before this filter, which then gets `close`.
     async fn upstream_request_filter(
         &self,
         session: &mut Session,

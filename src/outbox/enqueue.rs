@@ -9,8 +9,6 @@ use super::store::OutboxError;
 
 /// Longest `topic` and `source`, in bytes (the schema checks the same).
 pub(crate) const MAX_NAME: usize = 200;
-/// Longest delivery key, in bytes.
-pub(crate) const MAX_KEY: usize = 255;
 
 /// One message to enqueue: what goes to which integration about which
 /// business row.
@@ -144,18 +142,15 @@ impl Message {
     }
 }
 
-/// Whether `key` can be a delivery key: 1 to 255 bytes of visible ASCII
-/// but `"`, `,` and `;`. It is sent bare as `Idempotency-Key`, and an
+/// Whether `key` can be a delivery key: a bare key token
+/// ([`crate::key::is_bare_token`]: 1 to 255 bytes of visible ASCII but `"`,
+/// `,` and `;`). It is sent bare as `Idempotency-Key`, and an
 /// idempotent receiver (this crate's layer, `idempotency-proxy`, any reader
 /// of the IETF draft's sf-string) refuses a bare key holding those, or
 /// reads `"k"` as `k`: the row would go `dead` on its first attempt, or two
 /// rows share one key at the receiver.
 pub(crate) fn valid_key(key: &str) -> bool {
-    !key.is_empty()
-        && key.len() <= MAX_KEY
-        && key
-            .bytes()
-            .all(|b| b.is_ascii_graphic() && !matches!(b, b'"' | b',' | b';'))
+    crate::key::is_bare_token(key.as_bytes())
 }
 
 /// The future [`OutboxConnection::enqueue_message`] returns.

@@ -351,6 +351,31 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         }
     }
 
+    // 1b. A response is stored only if it consumes the key, as the backend
+    //     means it: a 2xx, or a 3xx where the route has no success page,
+    //     or a redirect to that page. A redirect back to the form (the
+    //     Laravel `old()` flow) or an error answer releases the key, so a
+    //     corrected form goes through.
+    for e in store
+        .iter()
+        .filter(|e| e.op == Op::Complete && matches!(e.answer, Answer::Done(true)))
+    {
+        let Some(exec) = e.request.and_then(|r| exec_of_req.get(&r)) else {
+            continue;
+        };
+        let answered = matches!(exec.upstream, Upstream::Answer(_) | Upstream::Redirect(_));
+        if answered && !exec.upstream.stored(config.success_redirects) {
+            flag(
+                "stored",
+                None,
+                format!(
+                    "exec {}'s answer ({:?}) was stored although it does not consume the key",
+                    exec.id, exec.upstream
+                ),
+            );
+        }
+    }
+
     // 2. Answers: replays are byte-identical to the stored response of
     //    their own scope, never answer a different request; direct answers
     //    come from the request's own execution; every request is answered

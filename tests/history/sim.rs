@@ -413,8 +413,9 @@ pub struct History {
     /// The requests the engine was told (by a reserve or a get that
     /// reached it) their key's record is there.
     pub saw_held: std::collections::HashSet<usize>,
-    /// The owners whose reservation reached the engine as acquired (one
-    /// committed after the engine gave up on it ran nothing).
+    /// The owners whose reservation answered `Acquired` through the fault
+    /// wrapper: to the engine, or to the guard that releases a reservation
+    /// the engine gave up on (the checker tells them apart by time).
     pub answered: std::collections::HashSet<tower_idempotency::store::OwnerToken>,
 }
 
