@@ -438,24 +438,7 @@ impl Browser {
     /// Double-clicks the element `css` with the mouse (two full clicks, as
     /// an impatient user does).
     pub async fn double_click(&self, css: &str) {
-        let element = self.element(css).await;
-        let origin = json!({ "element-6066-11e4-a52e-4f735466cecf": element });
-        self.call(
-            "POST",
-            &self.session_path("/actions"),
-            json!({"actions": [{
-                "type": "pointer", "id": "mouse",
-                "parameters": {"pointerType": "mouse"},
-                "actions": [
-                    {"type": "pointerMove", "origin": origin, "x": 0, "y": 0},
-                    {"type": "pointerDown", "button": 0},
-                    {"type": "pointerUp", "button": 0},
-                    {"type": "pointerDown", "button": 0},
-                    {"type": "pointerUp", "button": 0}
-                ]
-            }]}),
-        )
-        .await;
+        self.click_twice(css, Duration::ZERO).await;
     }
 
     /// Clicks the element `css`, then again after `pause`, in one
