@@ -419,8 +419,7 @@ impl PostgresStore {
         &self,
         statement: Query<'static, Postgres, PgArguments>,
     ) -> Result<u64, sqlx::Error> {
-        let done = sql::on_connection!(self, |executor| statement.execute(executor)).await?;
-        Ok(done.rows_affected())
+        self.execute_on(Lane::Any, statement).await
     }
 
     /// A record write answered with its count of changed rows: its own
@@ -431,8 +430,18 @@ impl PostgresStore {
         &self,
         statement: Query<'static, Postgres, PgArguments>,
     ) -> Result<u64, sqlx::Error> {
+        self.execute_on(Lane::Holder, statement).await
+    }
+
+    /// `statement` on a connection of `lane`, answered with its count of
+    /// changed rows.
+    async fn execute_on(
+        &self,
+        lane: Lane,
+        statement: Query<'static, Postgres, PgArguments>,
+    ) -> Result<u64, sqlx::Error> {
         use sql::StatementLease as _;
-        let mut lease = self.connections.acquire(Lane::Holder).await?;
+        let mut lease = self.connections.acquire(lane).await?;
         let result = statement.execute(lease.executor()).await;
         Ok(lease.finish(result)?.rows_affected())
     }
