@@ -402,13 +402,16 @@ pub fn multipart_boundary(content_type: &str) -> Option<&str> {
 /// Splits a multipart body into its parts. `None` if it is malformed, or
 /// if it holds bytes other readers may read as parts where this one reads
 /// none: before its first delimiter (a preamble, which PHP searches line by
-/// line) or after its closing one (an epilogue), line breaks aside.
+/// line) or after its closing one (an epilogue), line breaks aside, or the
+/// delimiter `--boundary` inside a part (PHP ends a part at `\n--boundary`,
+/// Django at `--boundary` anywhere, this reader only at `\r\n--boundary`).
 /// Linear in the body's length: each byte is searched once per delimiter
 /// search, with a substring search that does not backtrack.
 pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a>>> {
     let delimiter = [b"--", boundary.as_bytes()].concat();
     let next_delimiter = [b"\r\n", &delimiter[..]].concat();
     let next = memmem::Finder::new(&next_delimiter);
+    let inside = memmem::Finder::new(&delimiter);
     let header_end = memmem::Finder::new(b"\r\n\r\n");
     let mut parts = Vec::new();
     let start = body
@@ -426,6 +429,9 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
         let headers = &rest[..header_end];
         let content = &rest[header_end + 4..];
         let end = next.find(content)?;
+        if inside.find(&rest[..header_end + 4 + end]).is_some() {
+            return None;
+        }
         parts.push(Part {
             name: disposition_name(headers)?,
             headers,
@@ -442,9 +448,14 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
 /// * a header line continued on the next (starting with a space or tab) or
 ///   without `:`, which PHP joins to the line before, or two
 ///   `Content-Disposition` lines;
-/// * `name=` twice after a space or `;` anywhere in the line, quoted
-///   values included (PHP takes the last parameter, Rack's pattern the
-///   last ` name=` of the line, so `filename="a; name=b"` names `b`);
+/// * `name` twice as a parameter after a space or `;` anywhere in the
+///   line, quoted values included (PHP takes the last parameter, Rack's
+///   pattern the last ` name=` of the line, so `filename="a; name=b"`
+///   names `b`), counting `name =` (Django strips around `=`) and
+///   `name*=` (RFC 5987's extended value, which Django and Go prefer), and
+///   either of those as the one name;
+/// * a name with whitespace or control bytes at either end, or control
+///   bytes inside (Django strips the ends);
 /// * a quoted name holding `\` (an escape to some readers only) or
 ///   followed by anything but `;`, or an unquoted one that is not a plain
 ///   token (PHP cuts it at a space, Rack at `[`, and PHP strips `'`).
@@ -466,14 +477,18 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
         }
     }
     let line = disposition?;
-    let mut names = (1..line.len().saturating_sub(4)).filter(|&at| {
+    // Every `name` parameter, however spelled: `name=`, `name =`, `name*=`.
+    let mut names = (1..line.len().saturating_sub(3)).filter(|&at| {
+        let after = &line[at + 4..];
+        let after = after.trim_ascii_start();
         matches!(line[at - 1], b' ' | b'\t' | b';')
-            && line[at..at + 5].eq_ignore_ascii_case(b"name=")
+            && line[at..at + 4].eq_ignore_ascii_case(b"name")
+            && matches!(after.first(), Some(b'=' | b'*'))
     });
     let (Some(at), None) = (names.next(), names.next()) else {
         return None;
     };
-    let value = &line[at + 5..];
+    let value = line[at + 4..].strip_prefix(b"=")?;
     let (name, rest) = match value.strip_prefix(b"\"") {
         Some(quoted) => {
             let end = memchr::memchr(b'"', quoted)?;
@@ -494,7 +509,9 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
     };
     let rest = rest.trim_ascii_start();
     let ends = rest.is_empty() || rest.starts_with(b";");
-    (ends && !name.contains(&b'\\')).then_some(name)
+    let control = |b: &u8| b.is_ascii_control();
+    let trimmed = name.trim_ascii() == name && !name.iter().any(control);
+    (ends && trimmed && !name.contains(&b'\\')).then_some(name)
 }
 
 /// Splits a JSON pointer (RFC 6901, `/a/b~1c`) into unescaped tokens

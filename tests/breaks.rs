@@ -1109,6 +1109,62 @@ async fn a_method_override_does_not_skip_a_required_route() {
     );
 }
 
+/// Scenario: the update form of the scenario above sent compressed
+/// (`Content-Encoding: gzip`), in front of Express, whose `body-parser`
+/// inflates the body before `method-override` reads its `_method`. The
+/// engine cannot read the compressed field, judged the request a plain
+/// `POST`, found no route and forwarded it unprotected: the keyless update
+/// ran, and so did each retry with a key. Impact ("at most one
+/// execution"; "never skip a `required` route").
+#[tokio::test]
+async fn a_compressed_method_override_does_not_skip_a_required_route() {
+    let engine = required_put_engine();
+    // The backend inflates (one stored deflate block: `gzip_stored`), then
+    // dispatches on `_method` as Express does.
+    let app = layered(&engine, |n, request| async move {
+        let gzipped = request.headers().contains_key(header::CONTENT_ENCODING);
+        let body = request.into_body().collect().await.unwrap().to_bytes();
+        let body = match gzipped {
+            true => body[15..body.len() - 8].to_vec(),
+            false => body.to_vec(),
+        };
+        let status = match body.starts_with(b"_method=PUT") {
+            true => StatusCode::OK,
+            false => StatusCode::METHOD_NOT_ALLOWED,
+        };
+        Response::builder()
+            .status(status)
+            .header("x-update", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let update = |key: Option<&str>| {
+        let mut request = Request::post("/orders/7")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .header(header::CONTENT_ENCODING, "gzip");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request
+            .body(Full::new(Bytes::from(gzip_stored(b"_method=PUT&qty=2"))))
+            .unwrap()
+    };
+    let keyless = app.send(update(None)).await;
+    assert_eq!(
+        keyless.status,
+        StatusCode::BAD_REQUEST,
+        "a keyless update reached the backend: {keyless:?}"
+    );
+    assert_eq!(app.calls(), 0);
+    let answers = [
+        app.send(update(Some("k-gz"))).await,
+        app.send(update(Some("k-gz"))).await,
+    ];
+    assert_eq!(app.calls(), 1, "updates executed: {answers:?}");
+    assert_eq!(answers[0].status, StatusCode::OK);
+    assert!(answers[1].replayed(), "{:?}", answers[1]);
+}
+
 /// The other spellings of a method override, and what is not one: the
 /// `X-HTTP-Method-Override` header (Express, Symfony) and a `_method` in
 /// the query (Symfony) or a multipart form are covered as the method they
@@ -2051,6 +2107,12 @@ async fn a_required_route_wins_over_every_reading_that_disagrees() {
 ///   it), or unquoted with a space (`name=amount x`, which PHP cuts at the
 ///   space), in the other order: the order decides PHP's value, and the
 ///   engine sorted them apart;
+/// * a part whose data holds `\n--B` (where PHP ends a part) or `--B`
+///   (where Django does) and another part's head after it, a part with
+///   `name="note"; name*=UTF-8''amount` (Django and Go read `amount`) or
+///   `name="note"; name ="amount"` (Django strips around `=`), or named
+///   `"amount\t"` (Django strips it): beside an `amount` part, in the
+///   other order;
 /// * form fields Rack reads as one (`amount]`, `[amount]` and `amount`),
 ///   PHP reads as one (`amount%00x`, cut at NUL, and `amount`), or ASP.NET
 ///   reads as one (`Amount` and `amount`), in the other order;
@@ -2082,6 +2144,17 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
     // cuts an unquoted name at a space.
     let folded = part("\"z\"\r\n; name=\"amount\"", "1000");
     let spaced = part("amount x", "1000");
+    let smuggled = part(
+        "\"note\"",
+        "hi\n--B\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n1000",
+    );
+    let django = part(
+        "\"note\"",
+        "hi--B\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n1000",
+    );
+    let extended = part("\"note\"; name*=UTF-8''amount", "1000");
+    let spaced_equals = part("\"note\"; name =\"amount\"", "1000");
+    let tabbed = part("\"amount\t\"", "1000");
     let hidden = |amount: &str| {
         format!(
             "{}--B--\r\n--A\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n\
@@ -2180,6 +2253,40 @@ async fn a_changed_form_is_refused_not_given_the_first_response() {
                 part("\"amount\"", "1000"),
                 part("\"zzz\"; name=\"amount\"", "10")
             ),
+            None,
+        ),
+        // PHP ends a part at `\n--B`, Django at `--B` anywhere: the first
+        // part's data holds a second `amount` to them, not to us.
+        (
+            "multipart/form-data; boundary=B",
+            format!("{smuggled}{double}--B--\r\n"),
+            format!("{double}{smuggled}--B--\r\n"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            format!("{django}{double}--B--\r\n"),
+            format!("{double}{django}--B--\r\n"),
+            None,
+        ),
+        // Django and Go prefer `name*=`; Django strips around `=` and the
+        // name's ends.
+        (
+            "multipart/form-data; boundary=B",
+            format!("{extended}{double}--B--\r\n"),
+            format!("{double}{extended}--B--\r\n"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            format!("{spaced_equals}{double}--B--\r\n"),
+            format!("{double}{spaced_equals}--B--\r\n"),
+            None,
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            format!("{tabbed}{double}--B--\r\n"),
+            format!("{double}{tabbed}--B--\r\n"),
             None,
         ),
         (

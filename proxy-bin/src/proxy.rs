@@ -108,7 +108,14 @@ impl IdempotencyProxy {
             Decision::Forward => None,
             Decision::Proceed(reservation) => Some(reservation),
         };
-        let request = self.upstream_request(session, covered.policy(), body.len());
+        // The headers the deciding route reads reach the upstream: that
+        // route may be another than the one classified before the body
+        // named its method (`_method=PUT`).
+        let policy: &RoutePolicy = match &reservation {
+            Some(reservation) => reservation.policy(),
+            None => covered.policy(),
+        };
+        let request = self.upstream_request(session, policy, body.len());
         let (frames, mut receiver) = exchange::channel();
         let exchange = Exchange {
             engine: self.engine.clone(),
@@ -202,6 +209,13 @@ impl ProxyHttp for IdempotencyProxy {
         if let Some(reason) = refused_target(request) {
             // Not forwarded, and the body is not read.
             session.set_keepalive(None);
+            write_response(session, bad_request(reason)).await?;
+            return Ok(true);
+        }
+        if self.network_path_covered(request) {
+            session.set_keepalive(None);
+            let reason = "The request target starts with `//`, which backends may read as \
+                          a host and a path: send the path with one leading slash.";
             write_response(session, bad_request(reason)).await?;
             return Ok(true);
         }
@@ -380,7 +394,8 @@ impl ProxyHttp for IdempotencyProxy {
 /// (`x:/orders`) as `/` and forwards it as it came, where Rack, Django
 /// and Go read `/orders`; a target that is not UTF-8 it reads with its
 /// bytes replaced (so `/a/\xff` and `/a/\xfe` would share a scope); and an
-/// absolute-form target without `Host` names a host the scope never sees.
+/// absolute-form target without `Host`, or any HTTP/1.1 request without
+/// one (RFC 9112 requires it), names a host the scope never sees.
 fn refused_target(request: &RequestHeader) -> Option<&'static str> {
     if !request.raw_path_is_utf8() {
         return Some("The request target is not UTF-8: percent-encode it.");
@@ -391,14 +406,55 @@ fn refused_target(request: &RequestHeader) -> Option<&'static str> {
             .get(..scheme.len())
             .is_some_and(|start| start.eq_ignore_ascii_case(scheme))
     });
-    if target.first() == Some(&b'/') || target == b"*" {
+    let host = request.headers.contains_key(header::HOST);
+    if request.version == http::Version::HTTP_11 && !host {
+        // RFC 9112, 3.2: no `Host`, no authority to scope the key by.
+        Some("An HTTP/1.1 request must carry a Host header.")
+    } else if target.first() == Some(&b'/') || target == b"*" {
         None
     } else if !absolute {
         Some("The request target must be a path (/...) or an http(s) URL.")
-    } else if !request.headers.contains_key(header::HOST) {
+    } else if !host {
         Some("A request whose target is a URL must carry a Host header too.")
     } else {
         None
+    }
+}
+
+impl IdempotencyProxy {
+    /// Whether `request`'s target starts like a network-path reference
+    /// (`//shop.example/pay`, or with `\` for a `/`, as WHATWG URLs read it)
+    /// and either reading of it is covered: as a path the proxy merges the
+    /// slashes (`/shop.example/pay`); Python's `urlsplit` and Node's
+    /// `new URL(target, base)` read a host and the path `/pay`. Such a
+    /// request is refused: no spelling skips a required route, or is
+    /// scoped apart from the path a backend serves.
+    fn network_path_covered(&self, request: &RequestHeader) -> bool {
+        let target = request.raw_path();
+        let slash = |b: &u8| matches!(b, b'/' | b'\\');
+        if !(target.len() >= 2 && target[..2].iter().all(slash)) {
+            return false;
+        }
+        let covered = |uri: &http::Uri| {
+            let head = RequestHead {
+                uri,
+                ..request_head(request)
+            };
+            matches!(self.engine.classify(&head), Coverage::Covered(_))
+        };
+        // Past the host (up to the first `/`, `\`, `?` or `#`).
+        let rest = &target[2..];
+        let end = rest
+            .iter()
+            .position(|b| matches!(b, b'/' | b'\\' | b'?' | b'#'))
+            .unwrap_or(rest.len());
+        let rest = &rest[end..];
+        let path = match rest.first() {
+            Some(b'/' | b'\\') => rest.to_vec(),
+            _ => [&b"/"[..], rest].concat(),
+        };
+        let as_host = http::Uri::try_from(path).map_or(true, |uri| covered(&uri));
+        as_host || covered(&request.uri)
     }
 }
 

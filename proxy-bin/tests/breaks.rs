@@ -704,6 +704,42 @@ async fn the_headers_a_body_is_read_by_reach_the_upstream_whatever_connection_li
     assert!(seen["headers"].get("x-dropped").is_none(), "{seen}");
 }
 
+/// Scenario (isolation): the same listing on a `POST` whose form names
+/// another method (`_method=PUT`), covered by a `PUT` route that scopes by
+/// `x-tenant`, beside a `POST` route that reads no header. The proxy kept
+/// the headers of the route it classified the request under before its
+/// body was read (the `POST` route), so the request was scoped as
+/// `victim-co`'s and ran upstream with no tenant: the default tenant's
+/// answer stored in `victim-co`'s scope. Fix: the deciding route's
+/// headers are forwarded.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_headers_of_the_route_a_body_names_reach_the_upstream() {
+    let backend = common::Backend::start().await;
+    let dir = temp_dir("breaks-connection-override");
+    let config = "[[route]]\npath = \"/echo\"\nmethods = [\"PUT\"]\nrequired = true\n\
+                  scope_headers = [\"x-tenant\"]\n\n\
+                  [[route]]\npath = \"/echo\"\nmethods = [\"POST\"]\n";
+    let proxy = Proxy::start(ProxyArgs::new(backend.url(), config, &dir))
+        .await
+        .owning(dir);
+    let reply = proxy
+        .send(
+            "POST",
+            "/echo",
+            &[
+                ("idempotency-key", "connection-override-1"),
+                ("content-type", "application/x-www-form-urlencoded"),
+                ("x-tenant", "victim-co"),
+                ("connection", "x-tenant"),
+            ],
+            "_method=PUT&qty=1",
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen = reply.json();
+    assert_eq!(seen["headers"]["x-tenant"], "victim-co", "{seen}");
+}
+
 /// Scenario (isolation): a client lists `Host` in `Connection`. The proxy
 /// dropped every listed header but those the engine reads the body by, so
 /// `Host` went too and Pingora put in the upstream's own authority: the
@@ -1144,9 +1180,13 @@ async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
 /// every keyless retry ran. A target that is not UTF-8 was read with its
 /// bytes replaced, so `/orders/\xff` and `/orders/\xfe` shared one scope
 /// and fingerprint (a replay of another account's order). An absolute-form
-/// target without `Host` named a tenant the scope never saw. Impact ("at
-/// most one execution", "never leaks one"). Fix: such targets get 400 and
-/// are never forwarded.
+/// target without `Host` named a tenant the scope never saw, and so did
+/// an HTTP/1.1 request without `Host`. A target starting with `//` was a
+/// path to the proxy (`//evil.example/orders` merged to
+/// `/evil.example/orders`, no route) but the path `/orders` on another
+/// host to Python's `urlsplit` and Node's `new URL`. Impact ("at most one
+/// execution", "never leaks one"). Fix: such targets get 400 and are never
+/// forwarded (a `//` target only where either reading is covered).
 #[tokio::test(flavor = "multi_thread")]
 async fn request_targets_the_proxy_cannot_read_as_the_backend_does_are_refused() {
     let (upstream, accepted) =
@@ -1156,13 +1196,21 @@ async fn request_targets_the_proxy_cannot_read_as_the_backend_does_are_refused()
     let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
         .await
         .owning(dir);
+    // Python's `urlsplit` and Node's `new URL` read `//shop.example/orders`
+    // as the path `/orders` (on another host); the proxy merges slashes.
     for target in [
         &b"x:/orders"[..],
         b"orders",
         b"/orders/\xff",
         b"http://shop.example/orders",
+        b"//shop.example/orders",
+        b"//evil.example/orders?x=1",
+        b"//orders",
+        b"/\\evil.example/orders",
+        b"/orders",
     ] {
-        let host: &[u8] = match target.starts_with(b"http:") {
+        // The last: HTTP/1.1 without `Host`.
+        let host: &[u8] = match target.starts_with(b"http:") || target == b"/orders" {
             true => b"",
             false => b"Host: shop.example\r\n",
         };
@@ -1183,6 +1231,12 @@ async fn request_targets_the_proxy_cannot_read_as_the_backend_does_are_refused()
     let answer = raw_exchange(
         proxy.addr,
         b"GET http://shop.example/status HTTP/1.1\r\nHost: shop.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    let answer = raw_exchange(
+        proxy.addr,
+        b"GET //static/site.css HTTP/1.1\r\nHost: shop.example\r\nConnection: close\r\n\r\n",
     )
     .await;
     assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");

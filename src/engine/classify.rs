@@ -386,17 +386,28 @@ impl Named {
     }
 }
 
-/// Whether a `POST`'s multipart body may name a method where no reading
-/// here can see it: a body malformed to this reader, or under a boundary
-/// PHP or Rack read otherwise, that spells `method` somewhere (a part PHP
-/// reads as `_method` by its last `name`, say). It is taken to name every
-/// method a route covers, so a required route's key is asked for.
+/// Whether a `POST`'s body may name a method where no reading here can
+/// see it: a form or JSON body with a `Content-Encoding` (Express inflates
+/// it before `method-override` reads `_method`), or a multipart body
+/// malformed to this reader, or under a boundary PHP or Rack read
+/// otherwise, that spells `method` somewhere (a part PHP reads as
+/// `_method` by its last `name`, say). It is taken to name every method a
+/// route covers, so a required route's key is asked for.
 fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
-    is_post(head.method)
-        && formats::is_media_type(formats::content_type(head.headers), "multipart/form-data")
-        && (matches!(body.kind, formats::Kind::BadMultipart)
-            || formats::read_more_than_one_way(head.headers))
-        && memchr::memmem::find(body.bytes, b"method").is_some()
+    let encoded = || {
+        super::headers::lists_coding_other_than(
+            head.headers,
+            &http::header::CONTENT_ENCODING,
+            b"identity",
+        )
+    };
+    let multipart = || {
+        formats::is_media_type(formats::content_type(head.headers), "multipart/form-data")
+            && (matches!(body.kind, formats::Kind::BadMultipart)
+                || formats::read_more_than_one_way(head.headers))
+            && memchr::memmem::find(body.bytes, b"method").is_some()
+    };
+    is_post(head.method) && ((may_name_in_body(head) && encoded()) || multipart())
 }
 
 /// Whether `method` is `POST`, in any case (see [`RoutePolicy::applies_to`]).

@@ -240,6 +240,16 @@ impl Engine {
                     takeover,
                     sent,
                 }) => {
+                    match self.still_held(policy, head, &key, &owner, sent).await {
+                        Ok(true) => {}
+                        // Taken over while the answer was on its way: look
+                        // again, as a duplicate of the request holding it.
+                        Ok(false) => {
+                            waiting.waited = true;
+                            continue;
+                        }
+                        Err(refused) => return refused,
+                    }
                     self.inner.metrics.record(Event::Executed);
                     tracing::debug!(takeover, "idempotency key reserved");
                     return Decision::Proceed(Reservation::new(
@@ -283,6 +293,64 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Whether the reservation `owner` acquired by a call sent at `sent` is
+    /// still held. The store started its lease when it ran the call; an
+    /// answer that took half the lease or more to arrive (a slow commit, a
+    /// stalled connection) may come after the lease ran out and another
+    /// request took the key over, so it is confirmed by an owner-checked
+    /// renewal first: `false` when the key is someone else's now, the 503
+    /// when the store cannot say (released in the background, since it may
+    /// be ours still).
+    async fn still_held(
+        &self,
+        policy: &RoutePolicy,
+        head: &RequestHead<'_>,
+        key: &ScopeKey,
+        owner: &OwnerToken,
+        sent: Instant,
+    ) -> Result<bool, Decision> {
+        let lease = policy.policy().lease;
+        if sent.elapsed() < lease / 2 {
+            return Ok(true);
+        }
+        tracing::debug!("idempotency reservation answered late; confirming it");
+        match self
+            .store_call(self.inner.store.renew(key, owner, lease))
+            .await
+        {
+            Ok(held) => Ok(held),
+            Err(error) => {
+                self.release_lost(*key, *owner, false);
+                Err(self.store_failed(policy, head, &error, true))
+            }
+        }
+    }
+
+    /// Releases, owner-checked and in the background, a reservation whose
+    /// answer was lost: at once and, since a call that failed may still
+    /// commit (a reset connection whose statement ran on at the server),
+    /// again after `store_timeout`; or, when the call was `abandoned` still
+    /// running, once at once (the [`Unanswered`] guard releases again when
+    /// it ends). Each release is bounded by `store_timeout` and never
+    /// touches anyone else's record; a graceful shutdown waits for them
+    /// ([`Engine::drain`]).
+    fn release_lost(&self, key: ScopeKey, owner: OwnerToken, abandoned: bool) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.inner.store.clone();
+        let limit = self.inner.config.store_timeout;
+        let task = self.background_task(key, "releasing a lost reservation");
+        runtime.spawn(async move {
+            let _task = task;
+            let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
+            if !abandoned {
+                tokio::time::sleep(limit).await;
+                let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
+            }
+        });
     }
 
     /// Tries to reserve the key. After a wait, only reads: a waiter tries
@@ -335,8 +403,10 @@ impl Engine {
     /// `store_timeout`) may have been written all the same. The engine
     /// knows its token, so it releases it in the background, independently
     /// of what the request does next (503, or forwarding on a fail-open
-    /// route): once at once, and — when the call was abandoned still
-    /// running — again after that call ends (waited for at most the lease).
+    /// route): once at once, and again — after `store_timeout` when the
+    /// call failed (a statement may still commit at the server after its
+    /// connection broke), or, when the call was abandoned still running,
+    /// after that call ends (waited for at most the lease).
     /// Each release is bounded by `store_timeout` and owner-checked, so it
     /// never touches anyone else's record. A retry therefore finds the key
     /// free instead of in flight for a whole lease.
@@ -391,16 +461,9 @@ impl Engine {
             }
             Err(error) => error,
         };
-        // Released at once, and again when an abandoned call ends; a
-        // graceful shutdown waits for both (`Engine::drain`).
-        let store = self.inner.store.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let task = self.background_task(key, "releasing a lost reservation");
-            runtime.spawn(async move {
-                let _task = task;
-                let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
-            });
-        }
+        // Released at once, and again later: after `store_timeout` for a
+        // call that failed, when it ends for an abandoned one.
+        self.release_lost(key, owner, abandoned);
         if !abandoned {
             pending.call = None;
         }

@@ -583,6 +583,133 @@ async fn a_slow_reservation_answer_does_not_let_its_lease_run_out() {
     held.release().await;
 }
 
+/// A reservation committed at once but answered only after its lease ran
+/// out (a stalled connection, a slow network): meanwhile a retry took the
+/// expired lease over and runs. The late answer must not run beside it.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_answered_after_its_lease_ran_out_never_runs_beside_its_taker() {
+    let (engine, faults, policy) = faulty_engine(Policy {
+        lease: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    faults.set_next(
+        Op::Reserve,
+        Fault::CommitThenStall(Duration::from_millis(500)),
+        1,
+    );
+    let late = tokio::spawn({
+        let (engine, policy) = (engine.clone(), policy.clone());
+        async move { begin(&engine, &policy, "k").await }
+    });
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let taker = proceed(begin(&engine, &policy, "k").await);
+    assert_eq!(
+        problem_type(late.await.unwrap()).1,
+        "urn:tower-idempotency:in-flight",
+        "the late answer ran beside the request that took its lease over"
+    );
+    assert_eq!(engine.metrics().in_flight(), 1, "one execution");
+    taker.release().await;
+}
+
+/// The memory store, whose first reservation fails at once (a connection
+/// reset) while the database runs the statement on and commits it 200 ms
+/// later.
+#[derive(Debug)]
+struct CommitsAfterFailing {
+    store: Arc<MemoryStore>,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Store for CommitsAfterFailing {
+    async fn reserve(
+        &self,
+        key: &crate::store::ScopeKey,
+        fingerprint: &crate::store::Fingerprint,
+        owner: &crate::store::OwnerToken,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<crate::store::Claim, crate::store::StoreError> {
+        if self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return self
+                .store
+                .reserve(key, fingerprint, owner, lease, ttl)
+                .await;
+        }
+        let (store, key, fingerprint, owner) = (self.store.clone(), *key, *fingerprint, *owner);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let _ = store.reserve(&key, &fingerprint, &owner, lease, ttl).await;
+        });
+        Err(crate::store::StoreError::Unavailable(
+            "connection reset".into(),
+        ))
+    }
+
+    async fn complete(
+        &self,
+        key: &crate::store::ScopeKey,
+        owner: &crate::store::OwnerToken,
+        outcome: &crate::store::Outcome,
+        ttl: Duration,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.store.complete(key, owner, outcome, ttl).await
+    }
+
+    async fn release(
+        &self,
+        key: &crate::store::ScopeKey,
+        owner: &crate::store::OwnerToken,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.store.release(key, owner).await
+    }
+
+    async fn renew(
+        &self,
+        key: &crate::store::ScopeKey,
+        owner: &crate::store::OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, crate::store::StoreError> {
+        self.store.renew(key, owner, lease).await
+    }
+
+    async fn get(
+        &self,
+        key: &crate::store::ScopeKey,
+    ) -> Result<Option<crate::store::Record>, crate::store::StoreError> {
+        self.store.get(key).await
+    }
+}
+
+/// A reservation that failed (503) but committed afterwards holds the key
+/// under a token nobody acts on: the engine releases it again after
+/// `store_timeout`, so the retry is not refused as in flight for the whole
+/// lease.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_that_failed_and_then_committed_is_released() {
+    let store = CommitsAfterFailing {
+        store: Arc::new(MemoryStore::new()),
+        failed: Default::default(),
+    };
+    let policy = Policy {
+        lease: Duration::from_secs(30),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    };
+    let config = EngineConfig {
+        store_timeout: Duration::from_secs(1),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::with_config(Arc::new(store), Routes::all(policy).unwrap(), config);
+    let policy = covered(&engine, "/orders");
+    let (status, _) = problem_type(begin(&engine, &policy, "k").await);
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    proceed(begin(&engine, &policy, "k").await).release().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
     let (store, faults) = faulty();
