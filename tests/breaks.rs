@@ -1216,6 +1216,14 @@ async fn every_method_override_spelling_is_covered_and_only_those() {
         ("/orders/7", form, "qty=1&_method[]=PUT", None),
         ("/orders/7", form, "qty=1&_method[0]=put", None),
         ("/orders/7", form, "qty=1&_method%5B7%5D=PUT", None),
+        // Slim's `MethodOverrideMiddleware`: `_METHOD`, form or JSON.
+        ("/orders/7", form, "qty=1&_METHOD=PUT", None),
+        (
+            "/orders/7",
+            "application/json",
+            r#"{"_METHOD":"PUT"}"#,
+            None,
+        ),
     ] {
         let reply = app.send(post(uri, content_type, body, extra)).await;
         assert_eq!(

@@ -467,6 +467,169 @@ async fn a_hung_execution_ends_at_its_limit_and_never_runs_again() {
     assert_eq!(engine.metrics().in_flight(), 0);
 }
 
+/// The key is held for at most `execution_timeout` in all: the wait for
+/// the inner service to be ready (a concurrency limit's permit) counts in
+/// it. The wait and the execution each had the whole limit, so a hung
+/// handler behind a slow readiness held its key (and kept its caller)
+/// twice as long.
+#[tokio::test(start_paused = true)]
+async fn readiness_and_execution_share_one_execution_timeout() {
+    use std::task::{Context, Poll};
+    /// Ready at once as it is; its clones (the layer calls a clone) only
+    /// at `ready_at`. Its calls never answer.
+    struct SlowThenHung {
+        ready_at: tokio::time::Instant,
+        clone: bool,
+    }
+    impl Clone for SlowThenHung {
+        fn clone(&self) -> Self {
+            SlowThenHung {
+                ready_at: self.ready_at,
+                clone: true,
+            }
+        }
+    }
+    impl tower::Service<Request<tower_idempotency::layer::RequestBody<Body>>> for SlowThenHung {
+        type Response = Response<Body>;
+        type Error = Infallible;
+        type Future = std::future::Pending<Result<Response<Body>, Infallible>>;
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            if !self.clone || tokio::time::Instant::now() >= self.ready_at {
+                return Poll::Ready(Ok(()));
+            }
+            let (waker, at) = (cx.waker().clone(), self.ready_at);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at).await;
+                waker.wake();
+            });
+            Poll::Pending
+        }
+        fn call(
+            &mut self,
+            _request: Request<tower_idempotency::layer::RequestBody<Body>>,
+        ) -> Self::Future {
+            std::future::pending()
+        }
+    }
+    let (engine, _) = memory_engine(Policy {
+        execution_timeout: Duration::from_millis(300),
+        ..Policy::default()
+    });
+    let service = SlowThenHung {
+        ready_at: tokio::time::Instant::now() + Duration::from_millis(200),
+        clone: false,
+    };
+    let service = tower::Layer::layer(&IdempotencyLayer::new(engine.clone()), service);
+    let order = Request::post("/orders")
+        .header("idempotency-key", "slow-then-hung")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from("{}"))
+        .unwrap();
+    let call = tokio::spawn(service.oneshot(order));
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert!(
+        call.is_finished(),
+        "the key is still held past its execution_timeout"
+    );
+    let answer = call.await.unwrap().unwrap();
+    assert_eq!(answer.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(engine.metrics().in_flight(), 0);
+}
+
+/// A body of unknown length (chunked, HTTP/2) is counted at its route's
+/// limit until it is read; a client that opens one and sends nothing held
+/// that room for ever (the layer had no body deadline), so a few idle
+/// connections took the whole budget and every covered request got 503.
+/// Now the body gets `body_timeout` (then 408, its room given back), and a
+/// read body holds only its own bytes while its request waits.
+#[tokio::test(start_paused = true)]
+async fn bodies_of_unknown_length_do_not_hold_the_budget() {
+    const LIMIT: usize = 1024 * 1024;
+    // Room for two bodies at the limit and a few small ones.
+    let config = EngineConfig {
+        max_buffered_bytes: 2 * LIMIT as u64 + 1024,
+        body_timeout: Duration::from_secs(10),
+        ..EngineConfig::default()
+    };
+    let routes = Routes::all(Policy {
+        wait_timeout: Duration::from_secs(60),
+        ..Policy::default()
+    })
+    .unwrap();
+    let engine = Engine::with_config(Arc::new(MemoryStore::new()), routes, config);
+    let release = Arc::new(Notify::new());
+    let upstream = layered(&engine, {
+        let release = release.clone();
+        move |_, _request: Inbound| {
+            let release = release.clone();
+            async move {
+                release.notified().await;
+                reply(StatusCode::CREATED, "done")
+            }
+        }
+    });
+    // No length: a stream of one small chunk, or of none that never ends.
+    let unknown = |key: &str, sends: bool| {
+        let chunk =
+            futures::stream::iter(sends.then(|| Ok::<_, Infallible>(Bytes::from_static(b"{}"))));
+        let body = match sends {
+            true => Body::from_stream(chunk),
+            false => Body::from_stream(chunk.chain(futures::stream::pending())),
+        };
+        Request::post("/orders")
+            .header("idempotency-key", key)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .unwrap()
+    };
+    // The first holds its key; two duplicates wait on it, bodies read.
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        let upstream = upstream.clone();
+        waiting.push(tokio::spawn(async move {
+            upstream.send(unknown("held", true)).await
+        }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(engine.metrics().in_flight(), 1);
+    // Two idle bodies: each counted at the limit until its deadline.
+    let idle: Vec<_> = (0..2)
+        .map(|n| {
+            let upstream = upstream.clone();
+            tokio::spawn(async move { upstream.send(unknown(&format!("idle-{n}"), false)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        engine.metrics().overloaded(),
+        0,
+        "the waiting bodies held the budget"
+    );
+    for idle in idle {
+        let answer = idle.await.unwrap();
+        assert_eq!(answer.status, StatusCode::REQUEST_TIMEOUT, "{answer:?}");
+    }
+    // Room again for a new order of unknown length.
+    let next = tokio::spawn({
+        let upstream = upstream.clone();
+        async move { upstream.send(unknown("next", true)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        engine.metrics().in_flight(),
+        2,
+        "the next order was admitted"
+    );
+    release.notify_waiters();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    release.notify_waiters();
+    for answer in waiting {
+        assert_eq!(answer.await.unwrap().status, StatusCode::CREATED);
+    }
+    assert_eq!(next.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(engine.metrics().overloaded(), 0, "nobody was refused");
+}
+
 #[tokio::test]
 async fn the_same_key_for_a_different_request_is_refused() {
     for (status, mismatch_status) in [

@@ -77,7 +77,7 @@ impl IdempotencyProxy {
     async fn covered(&self, session: &mut Session, covered: &Covered) -> Result<bool> {
         // Room in the engine's buffer budget, held until decided; refused,
         // the body is not read (and the connection not reused).
-        let permit = match self
+        let mut permit = match self
             .engine
             .body_permit(covered, &session.req_header().headers)
         {
@@ -97,6 +97,7 @@ impl IdempotencyProxy {
                 return self.refuse_body(session, covered, failure).await;
             }
         };
+        permit.shrink_to(body.len() as u64);
         let head = request_head(session.req_header());
         let decision = self.engine.begin(covered, head, &body).await;
         drop(permit);

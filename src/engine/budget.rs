@@ -25,6 +25,17 @@ impl BodyPermit {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Gives back what the body read did not use: a body of unknown length
+    /// was counted at its route's limit, and a duplicate holds its permit
+    /// while it waits, so its room shrinks to the `bytes` it holds (never
+    /// grows).
+    pub fn shrink_to(&mut self, bytes: u64) {
+        if bytes < self.bytes {
+            self.engine.inner.metrics.unbuffer(self.bytes - bytes);
+            self.bytes = bytes;
+        }
+    }
 }
 
 impl Drop for BodyPermit {

@@ -243,6 +243,10 @@ pub(super) struct Dispatched<'r> {
 /// listed value.
 const OVERRIDE_FIELD: &str = "_method";
 
+/// The body field Slim's `MethodOverrideMiddleware` reads instead
+/// (`_METHOD`, a form's or a parsed JSON body's).
+const SLIM_OVERRIDE_FIELD: &str = "_METHOD";
+
 /// Every method a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
 /// upper-cased and distinct, in the order: the header's first listed
 /// value, the body's field (when `body` is given), the query's. Each
@@ -284,12 +288,17 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
         let content_type = formats::content_type(head.headers);
         let fields = body.framework_fields(content_type, OVERRIDE_FIELD);
         named.first_and_last(fields.into_iter());
+        let slim = body.framework_fields(content_type, SLIM_OVERRIDE_FIELD);
+        named.first_and_last(slim.into_iter());
         for value in array_overrides(body, content_type) {
             named.add(&value);
         }
         if formats::spells_json(head.headers) {
-            if let Some(name) = json_override(body.bytes) {
-                named.add(&name);
+            let escaped = memchr::memmem::find(body.bytes, br"\u").is_some();
+            for field in [OVERRIDE_FIELD, SLIM_OVERRIDE_FIELD] {
+                if let Some(name) = json_override(body.bytes, field, escaped) {
+                    named.add(&name);
+                }
             }
         }
     }
@@ -339,19 +348,19 @@ fn array_overrides(body: &View<'_>, content_type: &str) -> Vec<Vec<u8>> {
     }
 }
 
-/// The top-level `_method` member of a JSON body, as Laravel reads it.
-/// A body holding neither `_method` nor a `\u` escape is not walked: the
-/// other escapes (`\"`, `\n`, …) stand for no letter and no `_`, so
-/// without `\u` the member's name can only be spelled as is.
-fn json_override(body: &[u8]) -> Option<Vec<u8>> {
-    let spelled = memchr::memmem::find(body, OVERRIDE_FIELD.as_bytes()).is_some();
-    if !spelled && memchr::memmem::find(body, br"\u").is_none() {
+/// The top-level `field` member of a JSON body, as Laravel (`_method`)
+/// and Slim (`_METHOD`) read it. A body holding neither `field` nor a `\u`
+/// escape (`escaped`) is not walked: the other escapes (`\"`, `\n`, …)
+/// stand for no letter and no `_`, so without `\u` the member's name can
+/// only be spelled as is.
+fn json_override(body: &[u8], field: &str, escaped: bool) -> Option<Vec<u8>> {
+    if !escaped && memchr::memmem::find(body, field.as_bytes()).is_none() {
         return None;
     }
-    match key::json::value_at(body, &[OVERRIDE_FIELD]) {
+    match key::json::value_at(body, &[field]) {
         key::json::Found::String(name) => Some(name),
         // Express's `method-override` takes an array's first element.
-        key::json::Found::Other => match key::json::value_at(body, &[OVERRIDE_FIELD, "0"]) {
+        key::json::Found::Other => match key::json::value_at(body, &[field, "0"]) {
             key::json::Found::String(name) => Some(name),
             _ => None,
         },
@@ -405,7 +414,9 @@ fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
         formats::is_media_type(formats::content_type(head.headers), "multipart/form-data")
             && (matches!(body.kind, formats::Kind::BadMultipart)
                 || formats::read_more_than_one_way(head.headers))
-            && memchr::memmem::find(body.bytes, b"method").is_some()
+            && [&b"method"[..], b"METHOD"]
+                .iter()
+                .any(|spelled| memchr::memmem::find(body.bytes, spelled).is_some())
     };
     is_post(head.method) && ((may_name_in_body(head) && encoded()) || multipart())
 }

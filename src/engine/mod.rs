@@ -106,6 +106,12 @@ pub struct EngineConfig {
     /// running deployment) gives every key a new scope: a retry of a
     /// request made before the change executes again. Default none.
     pub key_secret: Option<KeySecret>,
+    /// The longest a covered request's body may take to arrive through
+    /// the layer, in all; then 408 `body-unreadable`, nothing reserved and
+    /// its room in `max_buffered_bytes` given back (a client that opens a
+    /// body and sends nothing never holds the budget for long). The proxy
+    /// has its own `body_timeout`. Default 30 s.
+    pub body_timeout: Duration,
     /// Encryption at rest of the stored outcomes (status, headers, body)
     /// with AES-256-GCM: every outcome stored is sealed with the keyring's
     /// current key, and a sealed record opens with the key whose id it
@@ -122,6 +128,7 @@ impl Default for EngineConfig {
             store_retry_after: 1,
             max_buffered_bytes: 64 * 1024 * 1024,
             key_secret: None,
+            body_timeout: Duration::from_secs(30),
             encryption: None,
         }
     }
@@ -182,6 +189,11 @@ impl Engine {
     /// The counters.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
+    }
+
+    /// [`EngineConfig::body_timeout`].
+    pub(crate) fn body_timeout(&self) -> Duration {
+        self.inner.config.body_timeout
     }
 
     /// The hasher every identity hash a store keeps must come from (scope

@@ -100,21 +100,25 @@ where
                 return Step::Done(Ok(refused.map(ResponseBody::full)));
             }
             // Room in the engine's buffer budget, held until decided.
-            let permit = match engine.body_permit(&covered, &parts.headers) {
+            let mut permit = match engine.body_permit(&covered, &parts.headers) {
                 Ok(permit) => permit,
                 Err(refused) => return Step::Done(Ok(refused.map(ResponseBody::full))),
             };
-            let body = match read_body(body, covered.max_body_bytes()).await {
+            let read = read_body(body, covered.max_body_bytes());
+            let read = tokio::time::timeout(engine.body_timeout(), read).await;
+            let body = match read.unwrap_or(Err(ReadError::TimedOut)) {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
                     let response = engine.body_too_large(&covered, &parts.headers);
                     return Step::Done(Ok(response.map(ResponseBody::full)));
                 }
-                Err(ReadError::Failed) => {
-                    let response = engine.body_unreadable(&covered, false, &parts.headers);
+                Err(failed) => {
+                    let timed_out = matches!(failed, ReadError::TimedOut);
+                    let response = engine.body_unreadable(&covered, timed_out, &parts.headers);
                     return Step::Done(Ok(response.map(ResponseBody::full)));
                 }
             };
+            permit.shrink_to(body.len() as u64);
             let principal = parts.extensions.get::<Principal>().map(|p| p.0.clone());
             let head = RequestHead {
                 method: &parts.method,
@@ -147,10 +151,16 @@ where
                 // `ResponseFuture` moves it to a task of its own.
                 Decision::Proceed(reservation) => {
                     // Ready within the execution's time, or nothing runs:
-                    // the key is free again, and the caller gets 504.
+                    // the key is free again, and the caller gets 504. One
+                    // deadline for both: the key is held for at most
+                    // `execution_timeout` in all.
                     let timeout = reservation.policy().policy().execution_timeout;
-                    match tokio::time::timeout(timeout, ready(&mut inner)).await {
-                        Ok(Ok(())) => Step::Execute(Box::pin(execute(inner, request, reservation))),
+                    let deadline = tokio::time::Instant::now() + timeout;
+                    match tokio::time::timeout_at(deadline, ready(&mut inner)).await {
+                        Ok(Ok(())) => {
+                            let execution = execute(inner, request, reservation, deadline);
+                            Step::Execute(Box::pin(execution))
+                        }
                         Ok(Err(error)) => {
                             reservation.release().await;
                             Step::Done(Err(error))
@@ -195,6 +205,7 @@ where
 enum ReadError {
     TooLarge,
     Failed,
+    TimedOut,
 }
 
 /// Collects a request body, refusing it as soon as it exceeds `limit`.
@@ -234,18 +245,19 @@ where
 
 /// Calls the inner service while holding the reservation and hands its
 /// answer to the engine's recorder; the answer is stored before the caller
-/// gets it. Past the route's `execution_timeout` (to the end of the
-/// recorded body) it stops waiting: 504, stored as the key's outcome.
+/// gets it. Past `deadline` (the route's `execution_timeout` from when the
+/// key was held; to the end of the recorded body) it stops waiting: 504,
+/// stored as the key's outcome.
 async fn execute<S, ReqB, ResB>(
     mut inner: S,
     request: Request<RequestBody<ReqB>>,
     reservation: Reservation,
+    deadline: tokio::time::Instant,
 ) -> Result<Response<ResponseBody<ResB, ResB::Error>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
     ResB: Body<Data = Bytes> + Unpin,
 {
-    let deadline = tokio::time::Instant::now() + reservation.policy().policy().execution_timeout;
     // What the 504 is written for (HTML or JSON), kept before the request
     // goes to the inner service.
     let mut accept = http::HeaderMap::new();

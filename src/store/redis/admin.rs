@@ -118,6 +118,11 @@ impl<S: Store> Admin for RedisCache<S> {
         self.inner_admin()?.principal_keys(principal, limit).await
     }
 
+    /// Deletes exactly the records whose copies were overwritten first
+    /// (one by one): a second query could pick others (a caller with more
+    /// than `limit` records, or one stored in between), deleted with their
+    /// copies still in Redis, and a purge run again would find nothing
+    /// left to overwrite.
     async fn purge_principal(
         &self,
         principal: &PrincipalHash,
@@ -125,8 +130,16 @@ impl<S: Store> Admin for RedisCache<S> {
     ) -> Result<Vec<ScopeKey>, StoreError> {
         let admin = self.inner_admin()?;
         let before = admin.principal_keys(principal, limit).await?;
-        self.purge_through(&before, || admin.purge_principal(principal, limit))
-            .await
+        let delete = || async {
+            let mut deleted = Vec::with_capacity(before.len());
+            for key in &before {
+                if admin.purge(key).await? {
+                    deleted.push(*key);
+                }
+            }
+            Ok(deleted)
+        };
+        self.purge_through(&before, delete).await
     }
 
     /// Only in-flight records are released, and those are never cached.
