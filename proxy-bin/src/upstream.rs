@@ -531,11 +531,26 @@ async fn write_request(
 /// `PUT` and `PATCH`): handlers ignore such bodies, and a server that does
 /// not skip what it did not read (Python's `http.server`) would run that
 /// body as a request of the client's making, past the proxy's rules, its
-/// answer waiting for the next client on the connection.
+/// answer waiting for the next client on the connection. Nor after an
+/// answer with both `Transfer-Encoding` and `Content-Length`: read as
+/// chunked here, it may have been framed by its length on the way (an
+/// intermediary in front of the upstream), and RFC 9112 (6.3) says such a
+/// connection must not be reused.
 fn framed_cleanly(session: &HttpSession, method: &http::Method, had_body: bool) -> bool {
     let Some(head) = session.resp_header() else {
         return false;
     };
+    // Pingora drops the `Content-Length` from such a head: read the raw one.
+    if head.headers.contains_key(header::TRANSFER_ENCODING) {
+        let raw = session.get_headers_raw_bytes();
+        let lengths = raw.split(|&b| b == b'\n').any(|line| {
+            line.get(..15)
+                .is_some_and(|name| name.eq_ignore_ascii_case(b"content-length:"))
+        });
+        if lengths {
+            return false;
+        }
+    }
     let status = head.status;
     if had_body && (status.is_client_error() || status.is_server_error()) {
         return false;

@@ -1025,6 +1025,49 @@ async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
     );
 }
 
+/// Scenario: an answer framed both ways (`Transfer-Encoding: chunked` and
+/// `Content-Length`), which RFC 9112 (6.3) calls a sign of smuggling: the
+/// proxy read it as chunked, but a hop in front of the upstream may have
+/// framed it by its length, and what follows on the connection is then
+/// another answer's bytes. The proxy pooled the connection, and the next
+/// order read an answer nobody asked for. Fix: not pooled.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_framed_two_ways_never_leaves_its_connection_pooled() {
+    use tokio::io::AsyncWriteExt;
+    let connections = Arc::new(AtomicUsize::new(0));
+    let (upstream, _) = raw_backend(move |mut conn| {
+        let first_connection = connections.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            let mut buf = Vec::new();
+            let mut answered = 0;
+            while read_request(&mut conn, &mut buf).await {
+                let answer: &[u8] = if first_connection && answered == 0 {
+                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n\
+                      2\r\nok\r\n0\r\n\r\n"
+                } else if first_connection && answered == 1 {
+                    b"HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nLEAKED\
+                      HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
+                } else {
+                    b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
+                };
+                answered += 1;
+                if conn.write_all(answer).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-two-framings").await;
+    let status = proxy.send("GET", "/status", &[], "").await;
+    assert_eq!(status.status, 200);
+    assert_eq!(
+        json_order(&proxy, "order-after-two-framings").await,
+        (201, "order-done".to_owned()),
+        "the order read an answer nobody asked for"
+    );
+}
+
 /// Scenario: an upstream refuses `POST /admin` (401) as soon as it has
 /// read the head, without reading the body, and keeps the connection open
 /// (Python's `http.server` does, for a handler that never reads the body).
