@@ -51,14 +51,15 @@ pub(crate) const METHOD_OVERRIDE: http::HeaderName =
 /// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`
 /// is a form to them.
 pub(crate) fn rack_form(content_type: &str) -> bool {
-    let media_type = content_type
-        .trim_start()
-        .split([';', ',', ' ', '\t'])
-        .next()
-        .unwrap_or_default();
+    let media_type = content_type.trim_start().as_bytes();
+    let end = media_type
+        .iter()
+        .position(|b| matches!(b, b';' | b',' | b' ' | b'\t'))
+        .unwrap_or(media_type.len());
+    let media_type = &media_type[..end];
     media_type.is_empty()
-        || media_type.eq_ignore_ascii_case("application/x-www-form-urlencoded")
-        || media_type.eq_ignore_ascii_case("multipart/form-data")
+        || media_type.eq_ignore_ascii_case(b"application/x-www-form-urlencoded")
+        || media_type.eq_ignore_ascii_case(b"multipart/form-data")
 }
 
 /// Whether some `Content-Type` line holds `/json` or `+json`, in any case
@@ -456,6 +457,8 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
 ///   either of those as the one name;
 /// * a name with whitespace or control bytes at either end, or control
 ///   bytes inside (Django strips the ends);
+/// * a `Content-Transfer-Encoding` line (Go decodes quoted-printable
+///   data, Django base64);
 /// * a quoted name holding `\` (an escape to some readers only) or
 ///   followed by anything but `;`, or an unquoted one that is not a plain
 ///   token (PHP cuts it at a space, Rack at `[`, and PHP strips `'`).
@@ -467,6 +470,15 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
     let mut disposition = None;
     for line in lines {
         if line.first().is_none_or(|b| matches!(b, b' ' | b'\t')) || !line.contains(&b':') {
+            return None;
+        }
+        // Go decodes a quoted-printable part (Django a base64 one): its
+        // data is not what another reader reads.
+        const CODING: &[u8] = b"content-transfer-encoding:";
+        if line
+            .get(..CODING.len())
+            .is_some_and(|name| name.eq_ignore_ascii_case(CODING))
+        {
             return None;
         }
         if line.len() > PREFIX.len()

@@ -1165,6 +1165,70 @@ async fn a_compressed_method_override_does_not_skip_a_required_route() {
     assert!(answers[1].replayed(), "{:?}", answers[1]);
 }
 
+/// Scenario: a route covering `PUT` and `POST` on `/orders/*` (neither
+/// required), and a client that sends one order compressed and its retry
+/// plain (or the other way). The compressed body may name a method the
+/// engine cannot read, and the engine took it to name `PUT`: the two were
+/// scoped as two methods, and both executed. Fix: such guesses decide
+/// only where their route is `required`; the retry is refused (422).
+#[tokio::test]
+async fn a_compressed_body_is_not_scoped_apart_from_the_same_body_plain() {
+    let policy = Policy {
+        methods: vec!["PUT".into(), "POST".into()],
+        ..Policy::default()
+    };
+    let routes = Routes::new().route("/orders/*", policy).unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("x-order", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let order = |gzipped: bool| {
+        let request = Request::post("/orders/7")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .header("idempotency-key", "k-plain-and-gz");
+        let (request, body) = match gzipped {
+            true => (
+                request.header(header::CONTENT_ENCODING, "gzip"),
+                gzip_stored(b"qty=2"),
+            ),
+            false => (request, b"qty=2".to_vec()),
+        };
+        request.body(Full::new(Bytes::from(body))).unwrap()
+    };
+    let first = app.send(order(true)).await;
+    let retry = app.send(order(false)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(app.calls(), 1, "both executed: {retry:?}");
+}
+
+/// Scenario: Slim 4's `MethodOverrideMiddleware` honours
+/// `X-Http-Method-Override` on every method, so `GET /orders/7` with
+/// `X-Http-Method-Override: PUT` runs as `PUT`. The engine read the header
+/// on a `POST` only: the keyless update passed through a required route.
+#[tokio::test]
+async fn a_method_override_header_on_another_method_does_not_skip_a_required_route() {
+    let engine = required_put_engine();
+    let app = layered(&engine, |n, _request| async move {
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("x-update", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let update = Request::get("/orders/7")
+        .header("x-http-method-override", "PUT")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let reply = app.send(update).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{reply:?}");
+    assert_eq!(app.calls(), 0);
+}
+
 /// The other spellings of a method override, and what is not one: the
 /// `X-HTTP-Method-Override` header (Express, Symfony) and a `_method` in
 /// the query (Symfony) or a multipart form are covered as the method they
@@ -1629,6 +1693,23 @@ async fn a_multipart_body_read_two_ways_does_not_skip_a_required_route() {
                 part("B", "\"n\""),
                 part("B", "\"_method\"")
             ),
+        ),
+        // Go: `name*=` decoded (`mime.ParseMediaType`), and a
+        // quoted-printable part decoded (`=50UT` is `PUT`).
+        (
+            "go, an extended name",
+            vec![b"multipart/form-data; boundary=B"],
+            format!(
+                "{}--B--\r\n",
+                part("B", "\"x\"; name*=UTF-8''%5F%6D%65%74%68%6F%64")
+            ),
+        ),
+        (
+            "go, a quoted-printable value",
+            vec![b"multipart/form-data; boundary=B"],
+            "--B\r\nContent-Disposition: form-data; name=\"_method\"\r\n\
+             Content-Transfer-Encoding: quoted-printable\r\n\r\n=50UT\r\n--B--\r\n"
+                .to_owned(),
         ),
     ];
     let skipped = keyless_posts_not_refused(&app, cases).await;

@@ -423,39 +423,62 @@ fn refused_target(request: &RequestHeader) -> Option<&'static str> {
 }
 
 impl IdempotencyProxy {
-    /// Whether `request`'s target starts like a network-path reference
-    /// (`//shop.example/pay`, or with `\` for a `/`, as WHATWG URLs read it)
-    /// and either reading of it is covered: as a path the proxy merges the
-    /// slashes (`/shop.example/pay`); Python's `urlsplit` and Node's
-    /// `new URL(target, base)` read a host and the path `/pay`. Such a
-    /// request is refused: no spelling skips a required route, or is
-    /// scoped apart from the path a backend serves.
+    /// Whether `request`'s target reads another way to WHATWG URL parsers
+    /// (Node's `new URL(target, base)`) or Python's `urlsplit`, and any
+    /// reading of it is covered: every `\` read as `/`, and a start of two
+    /// or more slashes read as a host (all leading slashes skipped, the
+    /// host up to the next `/`, `?` or `#`) and then the path
+    /// (`//shop.example/pay` and `///shop.example/pay` are `/pay`), where
+    /// the proxy merges the slashes (`/shop.example/pay`). Such a request
+    /// is refused: no spelling skips a required route, or is scoped apart
+    /// from the path a backend serves.
     fn network_path_covered(&self, request: &RequestHeader) -> bool {
         let target = request.raw_path();
-        let slash = |b: &u8| matches!(b, b'/' | b'\\');
-        if !(target.len() >= 2 && target[..2].iter().all(slash)) {
+        let slashes = target
+            .iter()
+            .take_while(|b| matches!(b, b'/' | b'\\'))
+            .count();
+        if slashes < 2 && !target.contains(&b'\\') {
             return false;
         }
-        let covered = |uri: &http::Uri| {
+        let covered = |path: Vec<u8>| {
+            let Ok(uri) = http::Uri::try_from(path) else {
+                return true;
+            };
             let head = RequestHead {
-                uri,
+                uri: &uri,
                 ..request_head(request)
             };
             matches!(self.engine.classify(&head), Coverage::Covered(_))
         };
-        // Past the host (up to the first `/`, `\`, `?` or `#`).
-        let rest = &target[2..];
-        let end = rest
+        let mapped: Vec<u8> = target
             .iter()
-            .position(|b| matches!(b, b'/' | b'\\' | b'?' | b'#'))
+            .map(|&b| if b == b'\\' { b'/' } else { b })
+            .collect();
+        if covered(
+            request
+                .uri
+                .path_and_query()
+                .map_or("/", |p| p.as_str())
+                .into(),
+        ) || covered(mapped.clone())
+        {
+            return true;
+        }
+        if slashes < 2 {
+            return false;
+        }
+        let rest = &mapped[slashes..];
+        let host = rest
+            .iter()
+            .position(|b| matches!(b, b'/' | b'?' | b'#'))
             .unwrap_or(rest.len());
-        let rest = &rest[end..];
+        let rest = &rest[host..];
         let path = match rest.first() {
-            Some(b'/' | b'\\') => rest.to_vec(),
+            Some(b'/') => rest.to_vec(),
             _ => [&b"/"[..], rest].concat(),
         };
-        let as_host = http::Uri::try_from(path).map_or(true, |uri| covered(&uri));
-        as_host || covered(&request.uri)
+        covered(path)
     }
 }
 

@@ -543,9 +543,10 @@ fn framed_cleanly(session: &HttpSession, method: &http::Method, had_body: bool) 
     // Pingora drops the `Content-Length` from such a head: read the raw one.
     if head.headers.contains_key(header::TRANSFER_ENCODING) {
         let raw = session.get_headers_raw_bytes();
+        // `Content-Length :` too: Pingora reads names with spaces after.
         let lengths = raw.split(|&b| b == b'\n').any(|line| {
-            line.get(..15)
-                .is_some_and(|name| name.eq_ignore_ascii_case(b"content-length:"))
+            let name = line.split(|&b| b == b':').next().unwrap_or_default();
+            line.contains(&b':') && name.trim_ascii().eq_ignore_ascii_case(b"content-length")
         });
         if lengths {
             return false;

@@ -1042,7 +1042,7 @@ async fn an_answer_framed_two_ways_never_leaves_its_connection_pooled() {
             let mut answered = 0;
             while read_request(&mut conn, &mut buf).await {
                 let answer: &[u8] = if first_connection && answered == 0 {
-                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n\
+                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length : 2\r\n\r\n\
                       2\r\nok\r\n0\r\n\r\n"
                 } else if first_connection && answered == 1 {
                     b"HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nLEAKED\
@@ -1250,6 +1250,9 @@ async fn request_targets_the_proxy_cannot_read_as_the_backend_does_are_refused()
         b"//evil.example/orders?x=1",
         b"//orders",
         b"/\\evil.example/orders",
+        b"///shop.example/orders",
+        b"/\\/shop.example/orders",
+        b"//shop.example/a\\..\\orders",
         b"/orders",
     ] {
         // The last: HTTP/1.1 without `Host`.

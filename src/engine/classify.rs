@@ -162,9 +162,14 @@ impl Engine {
         let routes = &self.inner.routes;
         let path = head.route_path();
         let mut methods = overrides(head, None);
-        methods.push(head.method.clone());
+        let mut add = |method: &Method| {
+            if !methods.contains(method) {
+                methods.push(method.clone());
+            }
+        };
+        add(head.method);
         if may_name_in_body(head) {
-            methods.extend_from_slice(routes.methods());
+            routes.methods().iter().for_each(add);
         }
         let mut found: Vec<&Arc<RoutePolicy>> = Vec::new();
         for method in &methods {
@@ -192,13 +197,19 @@ impl Engine {
         body: &View<'_>,
     ) -> Option<Dispatched<'r>> {
         let path = head.route_path();
-        let mut named = overrides(head, Some(body));
-        if names_unreadably(head, body) {
-            named.extend_from_slice(self.inner.routes.methods());
-        }
-        let named = named.into_iter().filter_map(|method| {
+        let named = overrides(head, Some(body)).into_iter().map(|m| (m, false));
+        // A body that may name a method no reading here can see: every
+        // method a route covers, but only where its route is `required`
+        // (it asks for a key); otherwise the readings seen decide, so an
+        // unreadable body is not scoped apart from the same body readable.
+        let unreadable = match names_unreadably(head, body) {
+            true => self.inner.routes.methods(),
+            false => &[],
+        };
+        let guessed = unreadable.iter().map(|m| (m.clone(), true));
+        let named = named.chain(guessed).filter_map(|(method, guessed)| {
             let route = self.inner.routes.find(&method, path)?;
-            Some((Some(method), route))
+            (!guessed || route.policy().required).then_some((Some(method), route))
         });
         let own = self
             .route_of(head)
@@ -255,13 +266,10 @@ const SLIM_OVERRIDE_FIELD: &str = "_METHOD";
 /// `_method` (`.method`, ` _method`), a JSON body's top-level member
 /// (whenever a `Content-Type` line spells JSON), a body Rack reads as a
 /// form although its type says otherwise ([`formats::rack_form`]: none, a
-/// form type cut at `,`, multipart without a boundary). Nothing for any
-/// other method.
+/// form type cut at `,`, multipart without a boundary). For any other
+/// method, only the header's (Slim 4 honours it on every method).
 fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     let mut named = Named(Vec::new());
-    if !is_post(head.method) {
-        return named.0;
-    }
     // Express reads the first listed value (of the header's lines, joined
     // as Node joins them); Symfony and Rack the whole value, which names a
     // method only when it lists one.
@@ -281,6 +289,9 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
             .map_or(start, |i| i + 1);
         named.add(&first[start..end]);
     }
+    if !is_post(head.method) {
+        return named.0;
+    }
     if let Some(body) = body {
         // A form's field, wherever a framework reads the body as a form,
         // and, whatever else reads it as a form, the member Laravel reads
@@ -294,9 +305,12 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
             named.add(&value);
         }
         if formats::spells_json(head.headers) {
-            let escaped = memchr::memmem::find(body.bytes, br"\u").is_some();
+            let spelled = override_spellings(body.bytes);
             for field in [OVERRIDE_FIELD, SLIM_OVERRIDE_FIELD] {
-                if let Some(name) = json_override(body.bytes, field, escaped) {
+                if !spelled.may_name(field) {
+                    continue;
+                }
+                if let Some(name) = json_override(body.bytes, field) {
                     named.add(&name);
                 }
             }
@@ -348,15 +362,53 @@ fn array_overrides(body: &View<'_>, content_type: &str) -> Vec<Vec<u8>> {
     }
 }
 
-/// The top-level `field` member of a JSON body, as Laravel (`_method`)
-/// and Slim (`_METHOD`) read it. A body holding neither `field` nor a `\u`
-/// escape (`escaped`) is not walked: the other escapes (`\"`, `\n`, …)
-/// stand for no letter and no `_`, so without `\u` the member's name can
-/// only be spelled as is.
-fn json_override(body: &[u8], field: &str, escaped: bool) -> Option<Vec<u8>> {
-    if !escaped && memchr::memmem::find(body, field.as_bytes()).is_none() {
-        return None;
+/// Which override members a JSON body may hold, from one pass over it: a
+/// member's name can only be spelled as is (`_method`, `_METHOD`) or with
+/// a `\u` escape; the other escapes (`\"`, `\n`, …) stand for no letter
+/// and no `_`.
+struct Spellings {
+    escaped: bool,
+    lower: bool,
+    upper: bool,
+}
+
+impl Spellings {
+    /// Whether the body may hold the member `field` (so it must be walked).
+    fn may_name(&self, field: &str) -> bool {
+        self.escaped
+            || match field == OVERRIDE_FIELD {
+                true => self.lower,
+                false => self.upper,
+            }
     }
+}
+
+fn override_spellings(body: &[u8]) -> Spellings {
+    let mut found = Spellings {
+        escaped: false,
+        lower: false,
+        upper: false,
+    };
+    for at in memchr::memchr2_iter(b'_', b'\\', body) {
+        let next = &body[at + 1..];
+        if body[at] == b'\\' {
+            found.escaped |= next.first() == Some(&b'u');
+        } else if next.starts_with(b"method") {
+            found.lower = true;
+        } else if next.starts_with(b"METHOD") {
+            found.upper = true;
+        }
+        if found.escaped {
+            break;
+        }
+    }
+    found
+}
+
+/// The top-level `field` member of a JSON body, as Laravel (`_method`)
+/// and Slim (`_METHOD`) read it (walked only where [`override_spellings`]
+/// says it may be there).
+fn json_override(body: &[u8], field: &str) -> Option<Vec<u8>> {
     match key::json::value_at(body, &[field]) {
         key::json::Found::String(name) => Some(name),
         // Express's `method-override` takes an array's first element.
@@ -399,9 +451,10 @@ impl Named {
 /// see it: a form or JSON body with a `Content-Encoding` (Express inflates
 /// it before `method-override` reads `_method`), or a multipart body
 /// malformed to this reader, or under a boundary PHP or Rack read
-/// otherwise, that spells `method` somewhere (a part PHP reads as
-/// `_method` by its last `name`, say). It is taken to name every method a
-/// route covers, so a required route's key is asked for.
+/// otherwise, that spells `method` or `METHOD` somewhere (a part PHP reads
+/// as `_method` by its last `name`, say) or holds an extended parameter
+/// (`name*=UTF-8''%5F%6D…`, which Go decodes). It is taken to name every
+/// method a required route covers, so that route's key is asked for.
 fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
     let encoded = || {
         super::headers::lists_coding_other_than(
@@ -414,11 +467,11 @@ fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
         formats::is_media_type(formats::content_type(head.headers), "multipart/form-data")
             && (matches!(body.kind, formats::Kind::BadMultipart)
                 || formats::read_more_than_one_way(head.headers))
-            && [&b"method"[..], b"METHOD"]
+            && [&b"method"[..], b"METHOD", b"*="]
                 .iter()
                 .any(|spelled| memchr::memmem::find(body.bytes, spelled).is_some())
     };
-    is_post(head.method) && ((may_name_in_body(head) && encoded()) || multipart())
+    is_post(head.method) && ((encoded() && may_name_in_body(head)) || multipart())
 }
 
 /// Whether `method` is `POST`, in any case (see [`RoutePolicy::applies_to`]).

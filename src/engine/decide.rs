@@ -240,7 +240,17 @@ impl Engine {
                     takeover,
                     sent,
                 }) => {
-                    match self.still_held(policy, head, &key, &owner, sent).await {
+                    // A caller that goes away while this is confirmed
+                    // leaves nothing held (no `Reservation` exists yet).
+                    let mut unconfirmed = Unconfirmed {
+                        engine: self,
+                        key,
+                        owner,
+                        armed: true,
+                    };
+                    let held = self.still_held(policy, head, &key, &owner, sent).await;
+                    unconfirmed.armed = false;
+                    match held {
                         Ok(true) => {}
                         // Taken over while the answer was on its way: look
                         // again, as a duplicate of the request holding it.
@@ -340,14 +350,18 @@ impl Engine {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = self.inner.store.clone();
+        let engine = self.clone();
         let limit = self.inner.config.store_timeout;
         let task = self.background_task(key, "releasing a lost reservation");
         runtime.spawn(async move {
-            let _task = task;
+            let store = &engine.inner.store;
             let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
+            drop(task);
             if !abandoned {
+                // Not waited for by a graceful shutdown while it sleeps:
+                // the lease bounds an orphan the process leaves.
                 tokio::time::sleep(limit).await;
+                let _task = engine.background_task(key, "releasing a lost reservation");
                 let _ = tokio::time::timeout(limit, store.release(&key, &owner)).await;
             }
         });
@@ -577,6 +591,24 @@ impl Engine {
         match policy.policy().fail_mode {
             FailMode::Open if !saw_held => Decision::Forward,
             _ => Decision::Respond(self.store_unavailable(head.headers)),
+        }
+    }
+}
+
+/// A reservation acquired but not yet confirmed ([`Engine::still_held`]):
+/// dropped armed (the caller went away meanwhile), it is released as a
+/// lost one.
+struct Unconfirmed<'a> {
+    engine: &'a Engine,
+    key: ScopeKey,
+    owner: OwnerToken,
+    armed: bool,
+}
+
+impl Drop for Unconfirmed<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine.release_lost(self.key, self.owner, false);
         }
     }
 }

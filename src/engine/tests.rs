@@ -613,6 +613,37 @@ async fn a_reservation_answered_after_its_lease_ran_out_never_runs_beside_its_ta
     taker.release().await;
 }
 
+/// A caller that goes away while its late reservation is being confirmed
+/// (the renewal in flight) leaves nothing held: no `Reservation` exists
+/// yet to release it, so the key stayed in flight for the rest of its
+/// lease and the retry was refused.
+#[tokio::test(start_paused = true)]
+async fn a_caller_gone_while_its_reservation_is_confirmed_leaves_nothing_held() {
+    let (engine, faults, policy) = faulty_engine(Policy {
+        lease: Duration::from_secs(3),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    // Answered after 2 s (two thirds of the lease), then the renewal that
+    // confirms it stalls.
+    faults.set_next(
+        Op::Reserve,
+        Fault::CommitThenStall(Duration::from_secs(2)),
+        1,
+    );
+    faults.set_next(Op::Renew, Fault::Stall(Duration::from_secs(10)), 1);
+    let gone = tokio::spawn({
+        let (engine, policy) = (engine.clone(), policy.clone());
+        async move { begin(&engine, &policy, "k").await }
+    });
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert_eq!(faults.calls(Op::Renew), 1, "the confirmation is in flight");
+    gone.abort();
+    let _ = gone.await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    proceed(begin(&engine, &policy, "k").await).release().await;
+}
+
 /// The memory store, whose first reservation fails at once (a connection
 /// reset) while the database runs the statement on and commits it 200 ms
 /// later.

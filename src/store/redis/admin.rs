@@ -119,10 +119,12 @@ impl<S: Store> Admin for RedisCache<S> {
     }
 
     /// Deletes exactly the records whose copies were overwritten first
-    /// (one by one): a second query could pick others (a caller with more
-    /// than `limit` records, or one stored in between), deleted with their
-    /// copies still in Redis, and a purge run again would find nothing
-    /// left to overwrite.
+    /// (one by one): a second query could pick others (a
+    /// caller with more than `limit` records, or one stored in between),
+    /// deleted with their copies still in Redis, and a purge run again
+    /// would find nothing left to overwrite. Returns every listed key, a
+    /// record that went meanwhile (swept, released) included: the caller
+    /// goes on while a batch comes back full.
     async fn purge_principal(
         &self,
         principal: &PrincipalHash,
@@ -131,13 +133,10 @@ impl<S: Store> Admin for RedisCache<S> {
         let admin = self.inner_admin()?;
         let before = admin.principal_keys(principal, limit).await?;
         let delete = || async {
-            let mut deleted = Vec::with_capacity(before.len());
             for key in &before {
-                if admin.purge(key).await? {
-                    deleted.push(*key);
-                }
+                admin.purge(key).await?;
             }
-            Ok(deleted)
+            Ok(before.clone())
         };
         self.purge_through(&before, delete).await
     }
