@@ -232,6 +232,19 @@ mod tests {
         super::subscriber(EnvFilter::new(directives), std::io::sink, false)
     }
 
+    /// Runs `f` with [`subscriber`]`(directives)` as this thread's default,
+    /// one test at a time, the callsites' cached interest rebuilt for it: a
+    /// test on another thread with another subscriber could otherwise
+    /// leave a callsite cached as always enabled.
+    fn with_subscriber(directives: &str, f: impl FnOnce()) {
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        tracing::subscriber::with_default(subscriber(directives), || {
+            tracing::callsite::rebuild_interest_cache();
+            f()
+        });
+    }
+
     /// Even `RUST_LOG=trace`, or a directive naming the module itself,
     /// keeps Pingora's head-printing modules at info.
     #[test]
@@ -240,7 +253,7 @@ mod tests {
             "trace",
             "pingora_core::protocols::http=trace,pingora_proxy=trace",
         ] {
-            tracing::subscriber::with_default(subscriber(directives), || {
+            with_subscriber(directives, || {
                 assert!(
                     !tracing::enabled!(target: "pingora_core::protocols::http::v1::client", tracing::Level::DEBUG),
                     "{directives}"
@@ -258,7 +271,7 @@ mod tests {
                 );
             });
         }
-        tracing::subscriber::with_default(subscriber("trace"), || {
+        with_subscriber("trace", || {
             assert!(tracing::enabled!(target: "idempotency_proxy", tracing::Level::TRACE));
         });
     }
@@ -268,12 +281,12 @@ mod tests {
     /// one a registry slot and a stack push on every poll.
     #[test]
     fn spans_below_the_level_are_disabled() {
-        tracing::subscriber::with_default(subscriber("warn"), || {
+        with_subscriber("warn", || {
             assert!(tracing::info_span!("request").is_disabled());
             assert!(tracing::info_span!(target: "tower_idempotency", "idempotency").is_disabled());
             assert!(!tracing::warn_span!("kept").is_disabled());
         });
-        tracing::subscriber::with_default(subscriber("info"), || {
+        with_subscriber("info", || {
             assert!(!tracing::info_span!("request").is_disabled());
         });
     }

@@ -253,8 +253,22 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                         )
                     })
                     .map(|e| t(&e.start))
-                    .max()
-                    .expect("the acquisition itself");
+                    .max();
+                let Some(refreshed) = refreshed else {
+                    // `ei` reserved the key only after `ej`'s reservation
+                    // was written, and ran first: `ej` ran on a
+                    // reservation taken over before its answer arrived.
+                    flag(
+                        "exclusive",
+                        None,
+                        format!(
+                            "exec {} ran on a reservation that exec {}'s request had taken \
+                             over before it started",
+                            ej.id, ei.id
+                        ),
+                    );
+                    continue;
+                };
                 // On the memory store (one exact clock) a lease runs out under
                 // a live owner only for a reason: its instance crashed, or a
                 // fault hit its renewals or its completion meanwhile. (SQL

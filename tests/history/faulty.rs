@@ -7,8 +7,10 @@
 //!   history.
 //! * [`Faulty`] is one engine instance's connection to it: runtime-switchable
 //!   faults (an error, a stall past `store_timeout`, a commit whose answer is
-//!   lost, a commit that lands late), and a "dead" switch for a crashed
-//!   instance (every later call hangs, nothing more reaches the store).
+//!   lost, a commit that lands late, an error whose statement commits after
+//!   it, an answer that arrives just under `store_timeout`), and a "dead"
+//!   switch for a crashed instance (every later call hangs, nothing more
+//!   reaches the store).
 //!
 //! [`Faulty`] is not the library's `FaultyStore` (`test-util`), although
 //! that one models an error (`Fault::Down`), a stall (`Fault::Stall`) and a
@@ -531,6 +533,12 @@ pub enum FaultKind {
     CommitThenTimeout,
     /// The call times out, and the store does the work later anyway.
     LateCommit,
+    /// The call fails at once (a reset connection), and the store does the
+    /// work a moment later anyway (the statement ran on at the server).
+    ErrorThenCommit,
+    /// The store does the work at once; the answer arrives just under
+    /// `store_timeout` later, possibly past the lease it started.
+    SlowAnswer,
 }
 
 /// Which operations a fault hits, and how.
@@ -644,6 +652,19 @@ impl Faulty {
                 });
                 tokio::time::sleep(past).await;
                 Err(StoreError::Timeout)
+            }
+            Some(FaultKind::ErrorThenCommit) => {
+                let later = self.store_timeout / 2;
+                tokio::spawn(async move {
+                    tokio::time::sleep(later).await;
+                    let _ = call.await;
+                });
+                Err(StoreError::Unavailable("injected fault: reset".into()))
+            }
+            Some(FaultKind::SlowAnswer) => {
+                let result = call.await;
+                tokio::time::sleep(self.store_timeout * 9 / 10).await;
+                result
             }
         };
         if self.is_dead() {

@@ -318,6 +318,8 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
                 FaultKind::Stall,
                 FaultKind::CommitThenTimeout,
                 FaultKind::LateCommit,
+                FaultKind::ErrorThenCommit,
+                FaultKind::SlowAnswer,
             ],
         );
         // Everything (a partition), or a random few operations.
