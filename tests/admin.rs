@@ -330,6 +330,40 @@ async fn a_purged_record_is_not_replayed_from_redis() {
     assert_eq!(hits(&cache), before, "no hit for a purged record");
 }
 
+/// A caller with more records than one purge batch (1,000), through the
+/// Redis cache: every record goes, batch after batch, and none is answered
+/// from Redis afterwards (each batch deletes exactly the records whose
+/// copies it overwrote first).
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_principal_purge_through_redis_takes_every_batch() {
+    let cache = fixtures::redis_cache(MemoryStore::new());
+    let engine = engine(Arc::new(cache.clone()));
+    const RECORDS: usize = 1_500;
+    for n in 0..RECORDS {
+        let request = sent("/orders", &format!("batch-{n}"), Some("carol"));
+        answer(begin(&engine, &request, "{}").await, "stored").await;
+    }
+    cache.settled().await;
+    let sample = [0, 999, 1_000, RECORDS - 1];
+    for n in sample {
+        let request = sent("/orders", &format!("batch-{n}"), Some("carol"));
+        assert_eq!(replayed(begin(&engine, &request, "{}").await), "stored");
+    }
+    assert_eq!(
+        engine.purge_principal(b"carol").await.unwrap(),
+        RECORDS as u64
+    );
+    assert_eq!(engine.counts().await.unwrap().completed, 0, "all purged");
+    for n in sample {
+        let request = sent("/orders", &format!("batch-{n}"), Some("carol"));
+        assert!(
+            matches!(begin(&engine, &request, "{}").await, Decision::Proceed(_)),
+            "record {n} was answered after its purge"
+        );
+    }
+}
+
 /// With Redis unreachable, a purge through the cache deletes nothing and
 /// says why, so the operator can purge again.
 #[cfg(feature = "redis")]
