@@ -457,8 +457,8 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
 ///   either of those as the one name;
 /// * a name with whitespace or control bytes at either end, or control
 ///   bytes inside (Django strips the ends);
-/// * a `Content-Transfer-Encoding` line (Go decodes quoted-printable
-///   data, Django base64);
+/// * a `Content-Transfer-Encoding` other than `7bit`, `8bit` or `binary`
+///   (Go decodes quoted-printable data, Django base64);
 /// * a quoted name holding `\` (an escape to some readers only) or
 ///   followed by anything but `;`, or an unquoted one that is not a plain
 ///   token (PHP cuts it at a space, Rack at `[`, and PHP strips `'`).
@@ -473,13 +473,22 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
             return None;
         }
         // Go decodes a quoted-printable part (Django a base64 one): its
-        // data is not what another reader reads.
+        // data is not what another reader reads. `7bit`, `8bit` and
+        // `binary` (Apache HttpClient writes one on every part) are the
+        // data as it is.
         const CODING: &[u8] = b"content-transfer-encoding:";
-        if line
+        let coding = line
             .get(..CODING.len())
-            .is_some_and(|name| name.eq_ignore_ascii_case(CODING))
-        {
-            return None;
+            .filter(|name| name.eq_ignore_ascii_case(CODING))
+            .map(|_| line[CODING.len()..].trim_ascii());
+        if let Some(coding) = coding {
+            let identity = [&b"7bit"[..], b"8bit", b"binary"];
+            if !identity
+                .iter()
+                .any(|plain| coding.eq_ignore_ascii_case(plain))
+            {
+                return None;
+            }
         }
         if line.len() > PREFIX.len()
             && line[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
@@ -626,7 +635,7 @@ mod tests {
 
     #[test]
     fn multipart_parts_and_fields() {
-        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"email\"\r\n\r\na@b.c\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nhello\r\n--XyZ--\r\n";
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"email\"\r\n\r\na@b.c\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\nContent-Transfer-Encoding: binary\r\n\r\nhello\r\n--XyZ--\r\n";
         let parts = multipart_parts(body, "XyZ").unwrap();
         assert_eq!(parts.len(), 2);
         assert_eq!(parts[1].name, b"file");

@@ -215,8 +215,9 @@ impl ProxyHttp for IdempotencyProxy {
         }
         if self.network_path_covered(request) {
             session.set_keepalive(None);
-            let reason = "The request target starts with `//`, which backends may read as \
-                          a host and a path: send the path with one leading slash.";
+            let reason = "The request target's path starts with `//` or holds `\\`, which \
+                          backends read as a host or as `/`: send the path with one leading \
+                          slash and `/` between its segments.";
             write_response(session, bad_request(reason)).await?;
             return Ok(true);
         }
@@ -438,7 +439,12 @@ impl IdempotencyProxy {
             .iter()
             .take_while(|b| matches!(b, b'/' | b'\\'))
             .count();
-        if slashes < 2 && !target.contains(&b'\\') {
+        // The path only: a `\` in the query is the query's.
+        let path_end = target
+            .iter()
+            .position(|b| matches!(b, b'?' | b'#'))
+            .unwrap_or(target.len());
+        if slashes < 2 && !target[..path_end].contains(&b'\\') {
             return false;
         }
         let covered = |path: Vec<u8>| {
@@ -453,7 +459,8 @@ impl IdempotencyProxy {
         };
         let mapped: Vec<u8> = target
             .iter()
-            .map(|&b| if b == b'\\' { b'/' } else { b })
+            .enumerate()
+            .map(|(at, &b)| if b == b'\\' && at < path_end { b'/' } else { b })
             .collect();
         if covered(
             request

@@ -1286,6 +1286,14 @@ async fn request_targets_the_proxy_cannot_read_as_the_backend_does_are_refused()
     )
     .await;
     assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    // A `\` in the query is the query's.
+    let answer = raw_exchange(
+        proxy.addr,
+        b"POST /orders?note=C:\\tmp HTTP/1.1\r\nHost: shop.example\r\nIdempotency-Key: q-1\r\n\
+          Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
 }
 
 /// A WebSocket upgrade still goes through Pingora's path now that it asks

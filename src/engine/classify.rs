@@ -187,9 +187,11 @@ impl Engine {
     /// each method it names ([`overrides`]) that a route covers, in order;
     /// then its own method (`None`) under its own method's route, else
     /// under `covered` (the route it was classified under) when that
-    /// covers it. Backends disagree on which spelling wins, so the first
-    /// candidate whose route is `required` decides, else the first. `None`
-    /// when there is none: the request is not covered after all.
+    /// covers it; then, for a body that may name a method unreadably
+    /// ([`names_unreadably`]), every method a route covers. Backends
+    /// disagree on which spelling wins, so the first candidate whose route
+    /// is `required` decides, else the first. `None` when there is none:
+    /// the request is not covered after all.
     pub(super) fn dispatched<'r>(
         &'r self,
         covered: &'r Arc<RoutePolicy>,
@@ -197,27 +199,28 @@ impl Engine {
         body: &View<'_>,
     ) -> Option<Dispatched<'r>> {
         let path = head.route_path();
-        let named = overrides(head, Some(body)).into_iter().map(|m| (m, false));
+        let find = |method: Method| {
+            let route = self.inner.routes.find(&method, path)?;
+            Some((Some(method), route))
+        };
+        let named = overrides(head, Some(body)).into_iter().filter_map(find);
+        let own = self
+            .route_of(head)
+            .or_else(|| covered.applies_to(head.method).then_some(covered))
+            .map(|route| (None, route));
         // A body that may name a method no reading here can see: every
-        // method a route covers, but only where its route is `required`
-        // (it asks for a key); otherwise the readings seen decide, so an
-        // unreadable body is not scoped apart from the same body readable.
+        // method a route covers, after its own route, so the same body
+        // compressed and plain share a scope wherever it has one, and a
+        // required route still asks for its key.
         let unreadable = match names_unreadably(head, body) {
             true => self.inner.routes.methods(),
             false => &[],
         };
-        let guessed = unreadable.iter().map(|m| (m.clone(), true));
-        let named = named.chain(guessed).filter_map(|(method, guessed)| {
-            let route = self.inner.routes.find(&method, path)?;
-            (!guessed || route.policy().required).then_some((Some(method), route))
-        });
-        let own = self
-            .route_of(head)
-            .or_else(|| covered.applies_to(head.method).then_some(covered));
+        let guessed = unreadable.iter().cloned().filter_map(find);
         let mut first = None;
         let mut required = None;
         let mut max_body_bytes = usize::MAX;
-        for (method, route) in named.chain(own.map(|route| (None, route))) {
+        for (method, route) in named.chain(own).chain(guessed) {
             max_body_bytes = max_body_bytes.min(route.max_body_bytes());
             if required.is_none() && route.policy().required {
                 required = Some((method.clone(), route));

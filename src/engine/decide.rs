@@ -250,16 +250,16 @@ impl Engine {
                     };
                     let held = self.still_held(policy, head, &key, &owner, sent).await;
                     unconfirmed.armed = false;
-                    match held {
-                        Ok(true) => {}
+                    let sent = match held {
+                        Ok(Some(since)) => since,
                         // Taken over while the answer was on its way: look
                         // again, as a duplicate of the request holding it.
-                        Ok(false) => {
+                        Ok(None) => {
                             waiting.waited = true;
                             continue;
                         }
                         Err(refused) => return refused,
-                    }
+                    };
                     self.inner.metrics.record(Event::Executed);
                     tracing::debug!(takeover, "idempotency key reserved");
                     return Decision::Proceed(Reservation::new(
@@ -306,13 +306,15 @@ impl Engine {
     }
 
     /// Whether the reservation `owner` acquired by a call sent at `sent` is
-    /// still held. The store started its lease when it ran the call; an
-    /// answer that took half the lease or more to arrive (a slow commit, a
-    /// stalled connection) may come after the lease ran out and another
-    /// request took the key over, so it is confirmed by an owner-checked
-    /// renewal first: `false` when the key is someone else's now, the 503
-    /// when the store cannot say (released in the background, since it may
-    /// be ours still).
+    /// still held, and since when its lease runs. The store started its
+    /// lease when it ran the call; an answer that took half the lease or
+    /// more to arrive (a slow commit, a stalled connection) may come after
+    /// the lease ran out and another request took the key over, so it is
+    /// confirmed by an owner-checked renewal first, and that renewal's own
+    /// answer is judged the same way (at most three times): `None` when the
+    /// key is someone else's now, the 503 when the store cannot say or
+    /// keeps answering too late for the lease (released in the background,
+    /// since it may be ours still).
     async fn still_held(
         &self,
         policy: &RoutePolicy,
@@ -320,22 +322,32 @@ impl Engine {
         key: &ScopeKey,
         owner: &OwnerToken,
         sent: Instant,
-    ) -> Result<bool, Decision> {
+    ) -> Result<Option<Instant>, Decision> {
         let lease = policy.policy().lease;
-        if sent.elapsed() < lease / 2 {
-            return Ok(true);
-        }
-        tracing::debug!("idempotency reservation answered late; confirming it");
-        match self
-            .store_call(self.inner.store.renew(key, owner, lease))
-            .await
-        {
-            Ok(held) => Ok(held),
-            Err(error) => {
-                self.release_lost(*key, *owner, false);
-                Err(self.store_failed(policy, head, &error, true))
+        let mut since = sent;
+        for _ in 0..3 {
+            if since.elapsed() < lease / 2 {
+                return Ok(Some(since));
+            }
+            tracing::debug!("idempotency reservation answered late; confirming it");
+            let renewing = Instant::now();
+            match self
+                .store_call(self.inner.store.renew(key, owner, lease))
+                .await
+            {
+                Ok(true) => since = renewing,
+                Ok(false) => return Ok(None),
+                Err(error) => {
+                    self.release_lost(*key, *owner, false);
+                    return Err(self.store_failed(policy, head, &error, true));
+                }
             }
         }
+        if since.elapsed() < lease / 2 {
+            return Ok(Some(since));
+        }
+        self.release_lost(*key, *owner, false);
+        Err(self.store_failed(policy, head, &StoreError::Timeout, true))
     }
 
     /// Releases, owner-checked and in the background, a reservation whose
@@ -344,8 +356,9 @@ impl Engine {
     /// again after `store_timeout`; or, when the call was `abandoned` still
     /// running, once at once (the [`Unanswered`] guard releases again when
     /// it ends). Each release is bounded by `store_timeout` and never
-    /// touches anyone else's record; a graceful shutdown waits for them
-    /// ([`Engine::drain`]).
+    /// touches anyone else's record; a graceful shutdown waits for each
+    /// release under way ([`Engine::drain`]), not for the wait before the
+    /// second (a process that exits then leaves the orphan to its lease).
     fn release_lost(&self, key: ScopeKey, owner: OwnerToken, abandoned: bool) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;

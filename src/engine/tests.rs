@@ -613,6 +613,43 @@ async fn a_reservation_answered_after_its_lease_ran_out_never_runs_beside_its_ta
     taker.release().await;
 }
 
+/// The renewal that confirms a late reservation answer is itself answered
+/// late: it renewed the lease when it ran, but the lease ran out again on
+/// the way back and a retry took the key over. The first request must not
+/// run beside it on the strength of that stale "renewed".
+#[tokio::test(start_paused = true)]
+async fn a_late_confirmation_is_confirmed_again() {
+    let (engine, faults, policy) = faulty_engine(Policy {
+        lease: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    // Reserved at 0, answered at 200; renewed at 200 (its lease to 500),
+    // answered at 600.
+    faults.set_next(
+        Op::Reserve,
+        Fault::CommitThenStall(Duration::from_millis(200)),
+        1,
+    );
+    faults.set_next(
+        Op::Renew,
+        Fault::CommitThenStall(Duration::from_millis(400)),
+        1,
+    );
+    let late = tokio::spawn({
+        let (engine, policy) = (engine.clone(), policy.clone());
+        async move { begin(&engine, &policy, "k").await }
+    });
+    tokio::time::sleep(Duration::from_millis(550)).await;
+    let taker = proceed(begin(&engine, &policy, "k").await);
+    assert_eq!(
+        problem_type(late.await.unwrap()).1,
+        "urn:tower-idempotency:in-flight",
+        "the late confirmation ran beside the request that took the key over"
+    );
+    taker.release().await;
+}
+
 /// A caller that goes away while its late reservation is being confirmed
 /// (the renewal in flight) leaves nothing held: no `Reservation` exists
 /// yet to release it, so the key stayed in flight for the rest of its

@@ -572,6 +572,38 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         }
     }
 
+    // 1c. An execution starts only while its reservation is its own: no
+    //     other owner acquired the key between this one's acquisition and
+    //     the execution's start (a late answer, or a late confirmation, run
+    //     beside its taker). On the memory store only: on a SQL store real
+    //     time passes while the schedule's clock stands still, and there the
+    //     lease alone decides.
+    if !real {
+        for exec in &history.execs {
+            let Some(acq) = held.get(&exec.request) else {
+                continue;
+            };
+            let taken = store.iter().find(|l| {
+                l.op == Op::Reserve
+                    && l.key == acq.key
+                    && l.owner != acq.owner
+                    && matches!(l.answer, Answer::Acquired(_))
+                    && l.end.seq > acq.end.seq
+                    && l.end.seq < exec.start.seq
+            });
+            if let Some(taken) = taken {
+                flag(
+                    "exclusive",
+                    None,
+                    format!(
+                        "exec {} started after request {:?} had taken its key over",
+                        exec.id, taken.request
+                    ),
+                );
+            }
+        }
+    }
+
     // 6. A request refused with 503 ("not executed") leaves nothing behind:
     //    a reservation it committed before it gave up (the store answered
     //    too late) must not hold the key against the next request. The
