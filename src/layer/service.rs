@@ -104,9 +104,11 @@ where
                 Ok(permit) => permit,
                 Err(refused) => return Step::Done(Ok(refused.map(ResponseBody::full))),
             };
-            let read = read_body(body, covered.max_body_bytes());
-            let read = tokio::time::timeout(engine.body_timeout(), read).await;
-            let body = match read.unwrap_or(Err(ReadError::TimedOut)) {
+            let read = within(
+                engine.body_timeout(),
+                read_body(body, covered.max_body_bytes()),
+            );
+            let body = match read.await.unwrap_or(Err(ReadError::TimedOut)) {
                 Ok(body) => body,
                 Err(ReadError::TooLarge) => {
                     let response = engine.body_too_large(&covered, &parts.headers);
@@ -192,6 +194,19 @@ fn original_uri<'a>(
         return uri;
     }
     uri
+}
+
+/// `future`'s output, or `None` past `limit`; one that is ready at once
+/// (a body already whole) needs no timer.
+async fn within<F: std::future::Future>(
+    limit: std::time::Duration,
+    future: F,
+) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    match std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await {
+        Poll::Ready(output) => Some(output),
+        Poll::Pending => tokio::time::timeout(limit, future).await.ok(),
+    }
 }
 
 /// Waits until `service` is ready for a call.
