@@ -44,10 +44,13 @@ pub enum ProblemKind {
     /// `max_buffered_bytes`); refused before the body is read, nothing
     /// reserved. 503 with `Retry-After`.
     Overloaded,
-    /// The upstream could not be reached or broke the connection; the key
-    /// was released. 502.
+    /// The upstream could not be reached or broke the connection. 502. The
+    /// key was released when the request head never reached it, and is
+    /// kept as the outcome ("executed, outcome unknown") once it may have.
     UpstreamUnavailable,
-    /// The upstream did not answer in time; the key was released. 504.
+    /// The upstream (or, in the layer, the inner service) did not answer
+    /// in time. 504. Kept as the key's outcome once the request may have
+    /// run; released when nothing ran (an inner service never ready).
     UpstreamTimeout,
     /// The request body has a transfer coding other than `chunked` (such
     /// as `gzip, chunked`), which the engine does not decode; refused
