@@ -264,6 +264,21 @@ pub fn relayed_head(request: &RequestHeader, head: &ResponseHeader) -> ResponseH
     for name in headers::not_relayed(&head.headers) {
         head.remove_header(&name);
     }
+    // A 1xx or 204 has no body, nor (RFC 9110, 8.6 and 9112, 6.1) the
+    // framing of one, and a 304 no `Transfer-Encoding`: relayed, they would
+    // promise a body to a client or a front proxy that pools its
+    // connection to this one.
+    let status = head.status;
+    if headers::bodiless(status) {
+        head.remove_header(&http::header::TRANSFER_ENCODING);
+        if status != http::StatusCode::NOT_MODIFIED {
+            head.remove_header(&http::header::CONTENT_LENGTH);
+        }
+    }
+    // Chunks need HTTP/1.1 (an HTTP/1.0 upstream that chunked anyway).
+    if head.headers.contains_key(http::header::TRANSFER_ENCODING) {
+        head.set_version(http::Version::HTTP_11);
+    }
     if framed_by_close(request, &head) {
         head.set_version(http::Version::HTTP_11);
         let _ = head.append_header(http::header::TRANSFER_ENCODING, "chunked");

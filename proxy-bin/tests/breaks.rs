@@ -1068,6 +1068,39 @@ async fn an_answer_framed_two_ways_never_leaves_its_connection_pooled() {
     );
 }
 
+/// Scenario: an upstream answers `204 No Content` with
+/// `Transfer-Encoding: chunked` (or a `Content-Length`), framing a body a
+/// 204 never has. The proxy relayed the head as it came: a client or a
+/// front proxy that pools its connection to this one reads the next
+/// answer as this one's body. Fix: a 1xx or 204 is relayed without
+/// framing headers (a 304 keeps its `Content-Length`, which describes the
+/// representation).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bodiless_answer_is_relayed_without_framing() {
+    use tokio::io::AsyncWriteExt;
+    let (upstream, _) = raw_backend(move |mut conn| async move {
+        let mut buf = Vec::new();
+        while read_request(&mut conn, &mut buf).await {
+            let answer: &[u8] =
+                b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n";
+            if conn.write_all(answer).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-bodiless-framing").await;
+    let answer = raw_exchange(
+        proxy.addr,
+        b"GET /status HTTP/1.1\r\nHost: shop.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 204"), "{answer}");
+    let head = answer.to_ascii_lowercase();
+    assert!(!head.contains("transfer-encoding"), "{answer}");
+    assert!(!head.contains("content-length: 5"), "{answer}");
+}
+
 /// Scenario: an upstream refuses `POST /admin` (401) as soon as it has
 /// read the head, without reading the body, and keeps the connection open
 /// (Python's `http.server` does, for a handler that never reads the body).
