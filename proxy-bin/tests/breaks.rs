@@ -990,6 +990,23 @@ async fn a_connection_is_not_reused_past_the_idle_time_the_upstream_announces() 
 /// error answer to a request with a body).
 #[tokio::test(flavor = "multi_thread")]
 async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
+    // The 49 bytes the 204 declares are the `LEAKED` answer's.
+    let upstream = leaking_backend(b"HTTP/1.1 204 No Content\r\nContent-Length: 49\r\n\r\n").await;
+    let proxy = orders_proxy(upstream, "breaks-late-bytes").await;
+    let status = proxy.send("GET", "/status", &[], "").await;
+    assert_eq!(status.status, 204);
+    assert_eq!(
+        json_order(&proxy, "order-after-204").await,
+        (201, "order-done".to_owned()),
+        "the order read another answer's late bytes"
+    );
+}
+
+/// A backend whose first connection answers its first request with
+/// `first`, and its second with a whole `201 LEAKED` answer before the
+/// real one (the bytes a hop that framed `first` otherwise would read as
+/// its body); every other request gets `201 order-done`. Returns its URL.
+async fn leaking_backend(first: &'static [u8]) -> String {
     use tokio::io::AsyncWriteExt;
     let connections = Arc::new(AtomicUsize::new(0));
     let (upstream, _) = raw_backend(move |mut conn| {
@@ -999,9 +1016,8 @@ async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
             let mut answered = 0;
             while read_request(&mut conn, &mut buf).await {
                 let answer: &[u8] = if first_connection && answered == 0 {
-                    b"HTTP/1.1 204 No Content\r\nContent-Length: 49\r\n\r\n"
+                    first
                 } else if first_connection && answered == 1 {
-                    // The 49 bytes the 204 declared, then the answer.
                     b"HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nLEAKED\
                       HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
                 } else {
@@ -1015,14 +1031,7 @@ async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
         }
     })
     .await;
-    let proxy = orders_proxy(upstream, "breaks-late-bytes").await;
-    let status = proxy.send("GET", "/status", &[], "").await;
-    assert_eq!(status.status, 204);
-    assert_eq!(
-        json_order(&proxy, "order-after-204").await,
-        (201, "order-done".to_owned()),
-        "the order read another answer's late bytes"
-    );
+    upstream
 }
 
 /// Scenario: an answer framed both ways (`Transfer-Encoding: chunked` and
@@ -1033,30 +1042,10 @@ async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
 /// order read an answer nobody asked for. Fix: not pooled.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_answer_framed_two_ways_never_leaves_its_connection_pooled() {
-    use tokio::io::AsyncWriteExt;
-    let connections = Arc::new(AtomicUsize::new(0));
-    let (upstream, _) = raw_backend(move |mut conn| {
-        let first_connection = connections.fetch_add(1, Ordering::SeqCst) == 0;
-        async move {
-            let mut buf = Vec::new();
-            let mut answered = 0;
-            while read_request(&mut conn, &mut buf).await {
-                let answer: &[u8] = if first_connection && answered == 0 {
-                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length : 2\r\n\r\n\
-                      2\r\nok\r\n0\r\n\r\n"
-                } else if first_connection && answered == 1 {
-                    b"HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nLEAKED\
-                      HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
-                } else {
-                    b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done"
-                };
-                answered += 1;
-                if conn.write_all(answer).await.is_err() {
-                    return;
-                }
-            }
-        }
-    })
+    let upstream = leaking_backend(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length : 2\r\n\r\n\
+          2\r\nok\r\n0\r\n\r\n",
+    )
     .await;
     let proxy = orders_proxy(upstream, "breaks-two-framings").await;
     let status = proxy.send("GET", "/status", &[], "").await;

@@ -4,7 +4,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -471,14 +470,9 @@ impl Engine {
         };
         let started = std::time::Instant::now();
         let call = pending.call.as_mut().expect("set above");
-        // A store that answers at once (the memory store) needs no timer.
-        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
-        let (result, abandoned) = match first {
-            Poll::Ready(result) => (result, false),
-            Poll::Pending => match tokio::time::timeout(limit, call).await {
-                Ok(result) => (result, false),
-                Err(_) => (Err(StoreError::Timeout), true),
-            },
+        let (result, abandoned) = match super::within(limit, call.as_mut()).await {
+            Some(result) => (result, false),
+            None => (Err(StoreError::Timeout), true),
         };
         self.inner.metrics.observe_store(started.elapsed());
         let error = match result {

@@ -191,7 +191,8 @@ impl Engine {
         &self.inner.metrics
     }
 
-    /// [`EngineConfig::body_timeout`].
+    /// [`EngineConfig::body_timeout`] (the layer's; the proxy has its own).
+    #[cfg(feature = "layer")]
     pub(crate) fn body_timeout(&self) -> Duration {
         self.inner.config.body_timeout
     }
@@ -210,16 +211,21 @@ impl Engine {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let started = std::time::Instant::now();
-        let mut call = std::pin::pin!(call);
-        // A store that answers at once (the memory store) needs no timer.
-        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
-        let result = match first {
-            Poll::Ready(result) => result,
-            Poll::Pending => tokio::time::timeout(self.inner.config.store_timeout, call)
-                .await
-                .unwrap_or(Err(StoreError::Timeout)),
-        };
+        let result = within(self.inner.config.store_timeout, call)
+            .await
+            .unwrap_or(Err(StoreError::Timeout));
         self.inner.metrics.observe_store(started.elapsed());
         result
+    }
+}
+
+/// `future`'s output, or `None` past `limit`. One that is ready on its
+/// first poll (the memory store's calls, a request body already whole)
+/// arms no timer.
+pub(crate) async fn within<F: Future>(limit: Duration, future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    match std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await {
+        Poll::Ready(output) => Some(output),
+        Poll::Pending => tokio::time::timeout(limit, future).await.ok(),
     }
 }

@@ -598,16 +598,23 @@ async fn a_reservation_answered_after_its_lease_ran_out_never_runs_beside_its_ta
         Fault::CommitThenStall(Duration::from_millis(500)),
         1,
     );
+    late_request_meets_its_taker(&engine, &policy, Duration::from_millis(350)).await;
+}
+
+/// Sends a request for key `k` whose reservation is answered late (the
+/// faults set by the caller), and another `after` later that takes the
+/// key over: the late one must find it in flight, never run beside it.
+async fn late_request_meets_its_taker(engine: &Engine, policy: &Covered, after: Duration) {
     let late = tokio::spawn({
         let (engine, policy) = (engine.clone(), policy.clone());
         async move { begin(&engine, &policy, "k").await }
     });
-    tokio::time::sleep(Duration::from_millis(350)).await;
-    let taker = proceed(begin(&engine, &policy, "k").await);
+    tokio::time::sleep(after).await;
+    let taker = proceed(begin(engine, policy, "k").await);
     assert_eq!(
         problem_type(late.await.unwrap()).1,
         "urn:tower-idempotency:in-flight",
-        "the late answer ran beside the request that took its lease over"
+        "the late request ran beside the request that took the key over"
     );
     assert_eq!(engine.metrics().in_flight(), 1, "one execution");
     taker.release().await;
@@ -636,18 +643,7 @@ async fn a_late_confirmation_is_confirmed_again() {
         Fault::CommitThenStall(Duration::from_millis(400)),
         1,
     );
-    let late = tokio::spawn({
-        let (engine, policy) = (engine.clone(), policy.clone());
-        async move { begin(&engine, &policy, "k").await }
-    });
-    tokio::time::sleep(Duration::from_millis(550)).await;
-    let taker = proceed(begin(&engine, &policy, "k").await);
-    assert_eq!(
-        problem_type(late.await.unwrap()).1,
-        "urn:tower-idempotency:in-flight",
-        "the late confirmation ran beside the request that took the key over"
-    );
-    taker.release().await;
+    late_request_meets_its_taker(&engine, &policy, Duration::from_millis(550)).await;
 }
 
 /// A caller that goes away while its late reservation is being confirmed

@@ -104,7 +104,7 @@ where
                 Ok(permit) => permit,
                 Err(refused) => return Step::Done(Ok(refused.map(ResponseBody::full))),
             };
-            let read = within(
+            let read = crate::engine::within(
                 engine.body_timeout(),
                 read_body(body, covered.max_body_bytes()),
             );
@@ -194,19 +194,6 @@ fn original_uri<'a>(
         return uri;
     }
     uri
-}
-
-/// `future`'s output, or `None` past `limit`; one that is ready at once
-/// (a body already whole) needs no timer.
-async fn within<F: std::future::Future>(
-    limit: std::time::Duration,
-    future: F,
-) -> Option<F::Output> {
-    let mut future = std::pin::pin!(future);
-    match std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await {
-        Poll::Ready(output) => Some(output),
-        Poll::Pending => tokio::time::timeout(limit, future).await.ok(),
-    }
 }
 
 /// Waits until `service` is ready for a call.
