@@ -15,11 +15,12 @@ apt_install() {
 command -v cmake >/dev/null 2>&1 || apt_install cmake
 # The framework backends of proxy-bin/tests/frameworks.rs: PHP's built-in
 # server (the Laravel stand-in), headless Chromium with its driver, Django
-# (PyPI) and Express (npm, from the committed lock file).
+# and gunicorn (PyPI) and Express (npm, from the committed lock file).
 command -v php >/dev/null 2>&1 || apt_install php-cli
 command -v chromium >/dev/null 2>&1 || apt_install chromium
 command -v chromedriver >/dev/null 2>&1 || apt_install chromium-driver
 python3 -c 'import django' >/dev/null 2>&1 || python3 -m pip install --quiet 'django>=5.2,<6'
+python3 -c 'import gunicorn' >/dev/null 2>&1 || python3 -m pip install --quiet 'gunicorn>=23'
 express_dir="$(dirname "$0")/../proxy-bin/tests/frameworks/express"
 [ -d "$express_dir/node_modules/express" ] || (cd "$express_dir" && npm ci --no-audit --no-fund --silent)
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server

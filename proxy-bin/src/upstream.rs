@@ -14,6 +14,7 @@ use pingora_core::protocols::Stream;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_error::{Error, ErrorType};
 use pingora_http::{RequestHeader, ResponseHeader};
+use tower_idempotency::engine::headers;
 
 /// Timeouts for talking to the upstream.
 #[derive(Clone, Copy, Debug)]
@@ -203,8 +204,13 @@ impl Upstream {
     /// Adds the forwarding headers every request to the upstream carries:
     /// `X-Forwarded-For` (the client appended to any earlier hops),
     /// `X-Forwarded-Proto` (kept when a front proxy set it, else `http`),
-    /// and `Host` (the client's is kept; the upstream's when it sent none).
+    /// and `Host` (the client's is kept; the upstream's when it sent none);
+    /// and removes the headers a backend may route by instead of the
+    /// target ([`headers::path_overriding`]), which the engine did not.
     pub fn add_forwarding_headers(&self, request: &mut RequestHeader, client: Option<SocketAddr>) {
+        for name in headers::path_overriding(&request.headers) {
+            request.remove_header(&name);
+        }
         if let Some(client) = client {
             let ip = client.ip().to_string();
             let value = match request
@@ -560,7 +566,7 @@ fn framed_cleanly(session: &HttpSession, method: &http::Method, had_body: bool) 
     if had_body && !carries_bodies.contains(method) {
         return false;
     }
-    let bodiless = tower_idempotency::engine::headers::bodiless(status);
+    let bodiless = headers::bodiless(status);
     let declares_body = head.headers.contains_key(header::TRANSFER_ENCODING)
         || (status != http::StatusCode::NOT_MODIFIED
             && head

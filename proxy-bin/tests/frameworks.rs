@@ -332,6 +332,71 @@ macro_rules! form_suite {
 form_suite!(laravel, Framework::Laravel);
 form_suite!(django, Framework::Django);
 
+/// Scenario (from a review of the proxy's path readings): gunicorn, which
+/// trusts a proxy on `127.0.0.1` by default, takes WSGI's `SCRIPT_NAME`
+/// from a request header of that name and routes Django by the rest of
+/// the path: `POST /x/contact` with `SCRIPT_NAME: /x` runs the contact
+/// view. The proxy classified `/x/contact` (no route), forwarded the
+/// header, and each copy of the form was a record. Impact ("once"), behind
+/// a backend we did not write. The proxy now never forwards such headers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_script_name_header_never_routes_a_form_around_its_route() {
+    let app = App::start_with(Framework::Django, 20, &[("SERVER", "gunicorn")]);
+    // The attack works against the backend itself: one record.
+    let mut direct = FormClient::new(app.addr);
+    let page = direct.get("/contact").await;
+    let fields = form_fields(&page, VALID);
+    let rewritten = [("script_name", "/x")];
+    let reply = direct
+        .post_form_with("/x/contact", &fields, &rewritten)
+        .await;
+    assert_eq!(reply.status, 302, "{reply:?}");
+    assert_eq!(app.records().await, 1, "gunicorn routes by SCRIPT_NAME");
+    let dir = temp_dir("frameworks");
+    let proxy = Proxy::start(ProxyArgs::new(app.url(), DJANGO, &dir))
+        .await
+        .owning(dir);
+    let mut browser = FormClient::new(proxy.addr);
+    let page = browser.get("/contact").await;
+    let fields = form_fields(&page, VALID);
+    for _ in 0..2 {
+        browser
+            .post_form_with("/x/contact", &fields, &rewritten)
+            .await;
+    }
+    assert!(
+        app.records().await <= 2,
+        "at most one record through the proxy"
+    );
+}
+
+/// Scenario (from a review of the proxy's path readings): Laravel behind
+/// nginx or Apache routes `/index.php/contact` as `/contact` (Symfony's
+/// path info). The proxy read no route there, so the same form sent twice
+/// to that spelling was two records. Now it is read as the front
+/// controller routes it: one record, the second answer a replay.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_front_controller_spelling_is_the_form_route() {
+    let Stack { app, proxy } = stack(Framework::Laravel, LARAVEL, 20).await;
+    for path in ["/index.php/contact", "/ind%65x.php/contact"] {
+        let mut browser = FormClient::new(proxy.addr);
+        let page = browser.get("/contact").await;
+        let fields = form_fields(&page, VALID);
+        let first = browser.post_form(path, &fields).await;
+        assert_thanks(&first, false);
+        let again = browser.post_form(path, &fields).await;
+        assert_thanks(&again, true);
+        let missing: Vec<_> = fields
+            .iter()
+            .filter(|(name, _)| name != "submission_token")
+            .cloned()
+            .collect();
+        let refused = browser.post_form(path, &missing).await;
+        assert_eq!(refused.status, 400, "{path}: {refused:?}");
+    }
+    assert_eq!(app.records().await, 2);
+}
+
 /// Scenario (from a review of success criteria): the German seed's form,
 /// its thanks page `/kontakt/bestätigt` written in the route as it reads.
 /// Django redirects there with the path escaped, as every framework does

@@ -482,6 +482,42 @@ async fn uncovered_bodies_of_any_size_and_head_requests_pass_through() {
     assert_eq!(backend.hits("/plain/sized"), 5);
 }
 
+/// Headers a backend may route by instead of the target (gunicorn's
+/// `SCRIPT_NAME`, Yii's `X-Rewrite-Url`) never reach it, on any of the
+/// proxy's three ways upstream: a covered request, a small plain one (the
+/// direct path) and a large one (Pingora's streaming path).
+#[tokio::test(flavor = "multi_thread")]
+async fn headers_that_rename_the_path_are_never_forwarded() {
+    let (_backend, proxy) = start("path-headers", FORMS).await;
+    let key = uuid();
+    let rename = [
+        ("script_name", "/x"),
+        ("path-info", "/contact"),
+        ("x-rewrite-url", "/contact"),
+        ("x-original-url", "/contact"),
+        ("x-custom", "kept"),
+    ];
+    let covered: Vec<_> = rename
+        .iter()
+        .copied()
+        .chain([("idempotency-key", key.as_str())])
+        .collect();
+    let large = "b".repeat(200 * 1024);
+    for (method, path, headers, body) in [
+        ("POST", "/echo", &covered[..], "covered".to_owned()),
+        ("PUT", "/plain/sized", &rename[..], "small".to_owned()),
+        ("PUT", "/plain/sized", &rename[..], large),
+    ] {
+        let reply = proxy.send(method, path, headers, body).await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+        let seen = &reply.json()["headers"];
+        assert_eq!(seen["x-custom"], "kept", "{path}");
+        for (name, _) in &rename[..4] {
+            assert!(seen.get(name).is_none(), "{path}: {name} forwarded");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn covered_requests_carry_forwarding_headers_and_their_body() {
     let (backend, proxy) = start("forwarding", FORMS).await;

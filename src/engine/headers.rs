@@ -137,6 +137,39 @@ fn not_forwarded_unless(
     names
 }
 
+/// The request headers a backend may take the request's path from instead
+/// of its target, which the proxy never forwards: the engine routes a
+/// request by its target, so a client could otherwise have a covered route
+/// run under a target no route covers. gunicorn (23 and later, trusting
+/// the proxy on `127.0.0.1` by default) sets WSGI's `SCRIPT_NAME` and
+/// `PATH_INFO` from headers so named (`-` read as `_`, any case), which
+/// Django and Flask route by; Yii reads the path from `X-Rewrite-Url`,
+/// Zend and older Symfony from `X-Original-Url` too. Found by a scan of
+/// the names, which allocates only when one is there.
+pub fn path_overriding(request: &HeaderMap) -> Vec<HeaderName> {
+    let overrides = |name: &HeaderName| {
+        let name = name.as_str().as_bytes();
+        let wsgi = |variable: &[u8]| {
+            name.len() == variable.len()
+                && name
+                    .iter()
+                    .zip(variable)
+                    .all(|(&b, &v)| b == v || (b == b'-' && v == b'_'))
+        };
+        wsgi(b"script_name")
+            || wsgi(b"path_info")
+            || name == b"x-rewrite-url"
+            || name == b"x-original-url"
+    };
+    let mut names: Vec<HeaderName> = Vec::new();
+    for name in request.keys() {
+        if overrides(name) && !names.contains(name) {
+            names.push(name.clone());
+        }
+    }
+    names
+}
+
 /// The response headers not relayed to the client: the connection headers
 /// and every header `Connection` lists. Framing (`Transfer-Encoding`,
 /// `Content-Length`) is left to the server that writes the response.
@@ -229,6 +262,35 @@ mod tests {
                 "Connection-listed"
             );
         }
+    }
+
+    #[test]
+    fn headers_that_name_another_path_are_found_with_dash_or_underscore() {
+        let request = map(&[
+            ("script_name", "/x"),
+            ("script-name", "/y"),
+            ("path_info", "/contact"),
+            ("x-rewrite-url", "/contact"),
+            ("x-original-url", "/contact"),
+            ("x-script-name", "/z"),
+            ("path-infos", "/z"),
+            ("content-type", "text/plain"),
+        ]);
+        let found: Vec<String> = path_overriding(&request)
+            .iter()
+            .map(|name| name.to_string())
+            .collect();
+        assert_eq!(
+            found,
+            [
+                "script_name",
+                "script-name",
+                "path_info",
+                "x-rewrite-url",
+                "x-original-url"
+            ]
+        );
+        assert!(path_overriding(&map(&[("host", "a")])).is_empty());
     }
 
     #[test]

@@ -60,6 +60,30 @@ pub(super) fn strip_format_suffix(path: &str) -> Option<&str> {
     (dot > segment && !suffix.is_empty()).then(|| &path[..dot])
 }
 
+/// The path a PHP front controller routes `path` by, when a segment of
+/// `path` ends in `.php` and more follows it (`/index.php/contact` is
+/// `/contact`): the server hands the rest to the script as `PATH_INFO`
+/// (nginx's `fastcgi_split_path_info`, Apache's `AcceptPathInfo`), and
+/// Laravel and Symfony route by it. The first such segment; a caller that
+/// reads the result again finds the later ones (nginx splits at the last).
+/// The suffix is matched in any case, which covers more than a
+/// case-sensitive server reads.
+pub(super) fn front_controller_path(path: &str) -> Option<&str> {
+    let bytes = path.as_bytes();
+    let mut segment = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if b != b'/' {
+            continue;
+        }
+        let name = &bytes[segment..i];
+        if name.len() > 4 && name[name.len() - 4..].eq_ignore_ascii_case(b".php") {
+            return Some(&path[i..]);
+        }
+        segment = i + 1;
+    }
+    None
+}
+
 /// The host a request's key is scoped by: the URI's authority and the
 /// `Host` header, each without port or trailing dot, lowercased — one of
 /// them when the other is missing or names the same host, both (joined by

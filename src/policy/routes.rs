@@ -6,8 +6,8 @@ use std::sync::Arc;
 use http::Method;
 
 use super::paths::{
-    decode_escapes, decode_slashes, has_encoded_dot, has_encoded_slash, normalize,
-    strip_format_suffix, strip_segment_parameters,
+    decode_escapes, decode_slashes, front_controller_path, has_encoded_dot, has_encoded_slash,
+    normalize, strip_format_suffix, strip_segment_parameters,
 };
 use super::{invalid, Policy, PolicyError, RoutePolicy};
 
@@ -375,15 +375,25 @@ impl Routes {
     }
 
     /// [`Routes::find`] for one spelling: dots decoded, and kept; each
-    /// also without a format suffix.
+    /// also without a format suffix, and as the PHP front controller in it
+    /// routes it (`/index.php/contact` as `/contact`).
+    ///
+    /// A route that leaves the full path alone (`enabled = false` for
+    /// `/legacy.php/**`) decides for it, as for a format suffix.
     fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        let decoded = self.decide_formatted(method, &normalize(path, self.case_insensitive, true));
-        if !has_encoded_dot(path) {
-            return decoded;
+        let normal = normalize(path, self.case_insensitive, true);
+        let mut found = self.decide_formatted(method, &normal);
+        if has_encoded_dot(path) {
+            found = prefer(found, || {
+                self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
+            });
         }
-        prefer(decoded, || {
-            self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
-        })
+        match front_controller_path(&normal) {
+            Some(routed) if !matches!(self.decide(method, &normal), Decision::LeftAlone(_)) => {
+                prefer(found, || self.find_spelled(method, routed))
+            }
+            _ => found,
+        }
     }
 
     /// [`Routes::decide`] for normalised `path`, and when no route matches

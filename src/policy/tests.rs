@@ -224,6 +224,53 @@ fn an_exclusion_of_the_full_path_wins_over_its_format_suffix() {
     assert!(routes.find(&Method::POST, "/v1/other.json").is_none());
 }
 
+/// Laravel and Symfony behind nginx or Apache route `/index.php/contact`
+/// as `/contact` (the script's `PATH_INFO`): a path is also read as the
+/// PHP front controller in it routes it, in any spelling of the script's
+/// name, so a `required` route is never reached around.
+#[test]
+fn a_php_front_controller_path_is_read_as_it_routes() {
+    let required = Policy {
+        required: true,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/contact", required)
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    for covered in [
+        "/index.php/contact",
+        "/ind%65x.php/contact",
+        "/index%2Ephp/contact",
+        "/INDEX.PHP/contact",
+        "/public/index.php/contact",
+        "/index.php/app.php/contact",
+        "/index.php/contact;x=1",
+        "/index.php//contact/",
+    ] {
+        let found = routes.find(&Method::POST, covered);
+        assert!(found.is_some_and(|p| p.policy().required), "{covered}");
+    }
+    for other in [
+        "/index.php",
+        "/index.php/other",
+        "/.php/contact",
+        "/indexphp/contact",
+    ] {
+        let found = routes.find(&Method::POST, other);
+        assert!(found.is_some_and(|p| !p.policy().required), "{other}");
+    }
+    // An exclusion of the full path leaves it alone.
+    let routes = Routes::new()
+        .exclude("/legacy.php/**")
+        .unwrap()
+        .route("/contact", Policy::default())
+        .unwrap();
+    assert!(routes.find(&Method::POST, "/legacy.php/contact").is_none());
+    assert!(routes.find(&Method::POST, "/index.php/contact").is_some());
+}
+
 #[test]
 fn silent_gaps_are_refused_at_start() {
     let empty = Policy {

@@ -61,6 +61,12 @@ impl App {
     /// `delay_ms` slows each accepted submission down (so that a double
     /// click overlaps the first request).
     pub fn start(framework: Framework, delay_ms: u64) -> App {
+        App::start_with(framework, delay_ms, &[])
+    }
+
+    /// [`App::start`] with extra environment variables (`SERVER=gunicorn`
+    /// runs the Django app under gunicorn instead of `runserver`).
+    pub fn start_with(framework: Framework, delay_ms: u64, env: &[(&str, &str)]) -> App {
         let dir = crate::common::temp_dir(&format!("{framework:?}").to_lowercase());
         let addr = free_port();
         let port = addr.port().to_string();
@@ -97,6 +103,7 @@ impl App {
             }
         };
         command
+            .envs(env.iter().copied())
             .env("SUBMIT_DELAY_MS", delay_ms.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -216,24 +223,29 @@ impl FormClient {
     /// Like [`FormClient::post_form`] without taking the answer's cookies
     /// (for concurrent posts from one page).
     pub async fn post_form_raw(&self, path: &str, fields: &[(String, String)]) -> Reply {
+        self.post_form_with(path, fields, &[]).await
+    }
+
+    /// [`FormClient::post_form_raw`] with `extra` headers.
+    pub async fn post_form_with(
+        &self,
+        path: &str,
+        fields: &[(String, String)],
+        extra: &[(&str, &str)],
+    ) -> Reply {
         let body = serde_urlencoded::to_string(fields).unwrap();
         let cookie = self.cookie_header();
         let origin = format!("http://{}", self.addr);
-        send(
-            &self.http,
-            self.addr,
-            "POST",
-            path,
-            &[
-                ("cookie", &cookie),
-                ("content-type", "application/x-www-form-urlencoded"),
-                ("accept", "text/html,*/*;q=0.8"),
-                ("origin", &origin),
-                ("referer", &format!("{origin}/contact")),
-            ],
-            body,
-        )
-        .await
+        let referer = format!("{origin}/contact");
+        let mut headers = vec![
+            ("cookie", cookie.as_str()),
+            ("content-type", "application/x-www-form-urlencoded"),
+            ("accept", "text/html,*/*;q=0.8"),
+            ("origin", &origin),
+            ("referer", &referer),
+        ];
+        headers.extend_from_slice(extra);
+        send(&self.http, self.addr, "POST", path, &headers, body).await
     }
 }
 

@@ -7,7 +7,8 @@ kept: CSRF protection on, an invalid form is re-rendered with 200 (errors and
 the entered values, the same hidden token), a valid one redirects (302) to
 the thanks page.
 
-Run: ``python3 app.py PORT DB_PATH`` (``runserver``, threaded, no reloader);
+Run: ``python3 app.py PORT DB_PATH`` (``runserver``, threaded, no reloader;
+with ``SERVER=gunicorn``, under gunicorn);
 ``SUBMIT_DELAY_MS`` slows each accepted submission down (default 20).
 ``GET /_stats`` answers the record and notification counts as JSON, for the
 tests only.
@@ -144,4 +145,22 @@ if __name__ == "__main__":
 
     call_command("migrate", run_syncdb=True, verbosity=0)
     connection.close()
-    call_command("runserver", f"127.0.0.1:{PORT}", use_reloader=False, use_threading=True)
+    if os.environ.get("SERVER") == "gunicorn":
+        # Django as it is deployed: under gunicorn, which trusts the proxy
+        # on 127.0.0.1 (`forwarded_allow_ips`) to set SCRIPT_NAME by a
+        # header of that name, and routes by the rest of the path.
+        from django.core.wsgi import get_wsgi_application
+        from gunicorn.app.base import BaseApplication
+
+        class Gunicorn(BaseApplication):
+            def load_config(self):
+                self.cfg.set("bind", f"127.0.0.1:{PORT}")
+                self.cfg.set("workers", 1)
+                self.cfg.set("threads", 8)
+
+            def load(self):
+                return get_wsgi_application()
+
+        Gunicorn().run()
+    else:
+        call_command("runserver", f"127.0.0.1:{PORT}", use_reloader=False, use_threading=True)

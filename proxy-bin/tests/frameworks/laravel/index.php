@@ -43,6 +43,12 @@ unset($_SESSION['_flash']);
 
 $method = $_SERVER['REQUEST_METHOD'];
 $path = parse_url($_SERVER['REQUEST_URI'], PHP_URL_PATH);
+// Laravel routes by Symfony's getPathInfo(): behind nginx or Apache the
+// front controller's own name, spelled as is or percent-encoded, is the
+// base URL, so /index.php/contact is the route /contact.
+if (preg_match('#^/index\.php(/.*)?$#', rawurldecode($path), $m)) {
+    $path = $m[1] ?? '/';
+}
 $base = 'http://' . $_SERVER['HTTP_HOST'];
 
 function e($s) { return htmlspecialchars((string) $s, ENT_QUOTES); }
