@@ -103,10 +103,25 @@ pub fn fingerprint_view(
         Some(query) => put(&mut hasher, format!("{path}?{query}").as_bytes()),
         None => put(&mut hasher, path.as_bytes()),
     }
+    // A body whose type backends read more than one way is hashed raw; so
+    // is a form whose fields they decode differently.
+    let kind = match &body.kind {
+        _ if formats::read_more_than_one_way(headers) => &Kind::Opaque,
+        Kind::Form(_) if !formats::form_read_one_way(body.bytes) => &Kind::Opaque,
+        kind => kind,
+    };
     for name in fingerprint_headers {
         for value in headers.get_all(name) {
             put(&mut hasher, name.as_str().as_bytes());
-            put(&mut hasher, value.as_bytes());
+            match kind {
+                // Hashed by its parts, a multipart body is the same request
+                // whatever boundary framed it: browsers, curl and Python's
+                // `requests` draw a new one for every submission.
+                Kind::Multipart(_) if name == header::CONTENT_TYPE => {
+                    put(&mut hasher, &without_boundary(value.as_bytes()))
+                }
+                _ => put(&mut hasher, value.as_bytes()),
+            }
         }
     }
     // The method a `POST` names in this header is the one backends run,
@@ -126,13 +141,6 @@ pub fn fingerprint_view(
             put(&mut hasher, value.as_bytes());
         }
     }
-    // A body whose type backends read more than one way is hashed raw; so
-    // is a form whose fields they decode differently.
-    let kind = match &body.kind {
-        _ if formats::read_more_than_one_way(headers) => &Kind::Opaque,
-        Kind::Form(_) if !formats::form_read_one_way(body.bytes) => &Kind::Opaque,
-        kind => kind,
-    };
     match kind {
         Kind::Json => match canonicalize(body.bytes, exclude.json, true, Buffers::take()) {
             Some(canonical) => {
@@ -227,6 +235,23 @@ fn sort_as_backends_read<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
     }
 }
 
+/// A multipart content type without its `boundary` parameter (in any
+/// case), its other parameters as sent.
+fn without_boundary(content_type: &[u8]) -> Vec<u8> {
+    let mut kept = Vec::with_capacity(content_type.len());
+    for (i, piece) in content_type.split(|&b| b == b';').enumerate() {
+        let name = piece.split(|&b| b == b'=').next().unwrap_or_default();
+        if i > 0 && name.trim_ascii().eq_ignore_ascii_case(b"boundary") {
+            continue;
+        }
+        if i > 0 {
+            kept.push(b';');
+        }
+        kept.extend_from_slice(piece);
+    }
+    kept
+}
+
 fn excluded(names: &[String], name: &[u8]) -> bool {
     names.iter().any(|n| n.as_bytes() == name)
 }
@@ -268,6 +293,51 @@ mod tests {
                 form: &[],
             },
         )
+    }
+
+    fn multipart_fp(boundary: &str, parts: &[(&str, &str)], extra: &str) -> Fingerprint {
+        let mut headers = HeaderMap::new();
+        let content_type = format!("multipart/form-data; boundary={boundary}{extra}");
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_str(&content_type).unwrap(),
+        );
+        let mut body = String::new();
+        for (name, data) in parts {
+            body.push_str(&format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{data}\r\n"
+            ));
+        }
+        body.push_str(&format!("--{boundary}--\r\n"));
+        fingerprint(
+            &Method::POST,
+            &Uri::from_static("/uploads"),
+            &headers,
+            &[http::header::CONTENT_TYPE],
+            body.as_bytes(),
+            Exclusions::default(),
+        )
+    }
+
+    /// Browsers draw a new boundary for every submission of a multipart
+    /// form: a double click sent the same parts under two boundaries, and
+    /// the second got 422 (a changed request). The boundary is no part of
+    /// the fingerprint; the parts and the other parameters are.
+    #[test]
+    fn a_multipart_body_is_the_same_request_under_any_boundary() {
+        let parts = [("title", "Report"), ("amount", "12")];
+        let first = multipart_fp("----WebKitFormBoundaryAAA", &parts, "");
+        assert_eq!(first, multipart_fp("----WebKitFormBoundaryBBB", &parts, ""));
+        let changed = [("title", "Report"), ("amount", "13")];
+        assert_ne!(
+            first,
+            multipart_fp("----WebKitFormBoundaryBBB", &changed, "")
+        );
+        assert_ne!(first, multipart_fp("b", &parts, "; charset=latin1"));
+        assert_eq!(
+            multipart_fp("a", &parts, "; charset=latin1"),
+            multipart_fp("b", &parts, "; charset=latin1")
+        );
     }
 
     /// PHP's `max_input_vars` counts every field sent: a form of 1001

@@ -482,6 +482,42 @@ async fn uncovered_bodies_of_any_size_and_head_requests_pass_through() {
     assert_eq!(backend.hits("/plain/sized"), 5);
 }
 
+/// A browser draws a new multipart boundary for every submission: the
+/// same upload sent twice with one key (a double click, a retry by
+/// `fetch(FormData)`) is one execution and a replay, not a 422.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_multipart_retry_under_a_new_boundary_is_a_replay() {
+    let (backend, proxy) = start("multipart-boundary", FORMS).await;
+    let key = uuid();
+    let send = |boundary: &'static str, amount: &'static str| {
+        let content_type = format!("multipart/form-data; boundary={boundary}");
+        let body = format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n{amount}\r\n--{boundary}--\r\n"
+        );
+        let (proxy, key) = (&proxy, key.clone());
+        async move {
+            let headers = [
+                ("idempotency-key", key.as_str()),
+                ("content-type", &content_type),
+            ];
+            proxy.send("POST", "/echo", &headers, body).await
+        }
+    };
+    let first = send("----WebKitFormBoundaryAAA", "12").await;
+    assert_eq!((first.status, first.replayed()), (200, false));
+    let again = send("----WebKitFormBoundaryBBB", "12").await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (200, true),
+        "{}",
+        again.text()
+    );
+    assert_eq!(again.body, first.body);
+    let changed = send("----WebKitFormBoundaryCCC", "13").await;
+    assert_eq!(changed.status, 422);
+    assert_eq!(backend.hits("/echo"), 1);
+}
+
 /// Headers a backend may route by instead of the target (gunicorn's
 /// `SCRIPT_NAME`, Yii's `X-Rewrite-Url`) never reach it, on any of the
 /// proxy's three ways upstream: a covered request, a small plain one (the
