@@ -47,7 +47,7 @@
 use http::{header, HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::formats::{self, Kind, View, METHOD_OVERRIDE};
+use crate::formats::{self, Kind, View, METHOD_OVERRIDES};
 use crate::store::Fingerprint;
 
 pub use crate::formats::parse_pointer;
@@ -127,9 +127,12 @@ pub fn fingerprint_view(
     // The method a `POST` names in this header is the one backends run,
     // whichever method the engine covers it as: a retry naming another
     // (or none) is another request.
-    if !fingerprint_headers.contains(&METHOD_OVERRIDE) {
-        for value in headers.get_all(&METHOD_OVERRIDE) {
-            put(&mut hasher, METHOD_OVERRIDE.as_str().as_bytes());
+    for name in &METHOD_OVERRIDES {
+        if fingerprint_headers.contains(name) {
+            continue;
+        }
+        for value in headers.get_all(name) {
+            put(&mut hasher, name.as_str().as_bytes());
             put(&mut hasher, value.as_bytes());
         }
     }

@@ -46,6 +46,17 @@ pub fn content_type(headers: &HeaderMap) -> &str {
 pub(crate) const METHOD_OVERRIDE: http::HeaderName =
     http::HeaderName::from_static("x-http-method-override");
 
+/// Every header by which a request may name the method it is run as: the
+/// common [`METHOD_OVERRIDE`], and the two other names Express's
+/// `method-override` documents (`X-HTTP-Method`, which OData and
+/// Microsoft's APIs use too, and `X-Method-Override`). Each is read like
+/// it, fingerprinted and forwarded.
+pub(crate) const METHOD_OVERRIDES: [http::HeaderName; 3] = [
+    METHOD_OVERRIDE,
+    http::HeaderName::from_static("x-http-method"),
+    http::HeaderName::from_static("x-method-override"),
+];
+
 /// Whether Rack or PHP read a body of `content_type` as a form: they cut
 /// the media type at `;`, `,` or a space (PHP) and take an absent or empty
 /// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`

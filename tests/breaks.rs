@@ -2225,6 +2225,69 @@ async fn a_required_route_wins_over_every_reading_that_disagrees() {
     assert_eq!(app.calls(), 0);
 }
 
+/// From a review of the method readings: the override header repeated
+/// (nginx before 1.23 hands PHP-FPM every line and PHP keeps the last:
+/// Laravel runs `PATCH` then `DELETE` as a `DELETE`), and the other names
+/// Express's `method-override` documents (`X-HTTP-Method`,
+/// `X-Method-Override`), which the engine neither classified nor
+/// fingerprinted: each keyless request ran unprotected where a required
+/// route covers the method it names, and a keyed retry naming another
+/// method was answered with the first one's response.
+#[tokio::test]
+async fn every_override_header_and_line_names_a_method() {
+    let policy = |methods: &[&str], required: bool| Policy {
+        methods: methods.iter().map(|m| m.to_string()).collect(),
+        required,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/orders", policy(&["DELETE", "PUT"], true))
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("x-update", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    });
+    let cases: [&[(&str, &str)]; 4] = [
+        &[
+            ("x-http-method-override", "PATCH"),
+            ("x-http-method-override", "DELETE"),
+        ],
+        &[("x-http-method", "DELETE")],
+        &[("x-method-override", "delete")],
+        &[("x-http-method", "PATCH"), ("x-http-method", "GET, DELETE")],
+    ];
+    for lines in cases {
+        let mut request = Request::post("/orders/7");
+        for (name, value) in lines {
+            request = request.header(*name, *value);
+        }
+        let reply = app
+            .send(request.body(Full::new(Bytes::new())).unwrap())
+            .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{lines:?}");
+    }
+    assert_eq!(app.calls(), 0);
+    let keyed = |method: &'static str| {
+        Request::post("/orders/7")
+            .header("idempotency-key", "k-7")
+            .header("x-http-method", method)
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    assert_eq!(app.send(keyed("DELETE")).await.status, StatusCode::OK);
+    assert!(app.send(keyed("DELETE")).await.replayed());
+    // Another method is another request (scoped under its own route).
+    let other = app.send(keyed("PUT")).await;
+    assert_eq!(other.status, StatusCode::OK);
+    assert!(!other.replayed(), "{other:?}");
+    assert_eq!(app.calls(), 2);
+}
+
 /// Bodies the backend reads as two different requests that the fingerprint
 /// read as one, from a review of the fingerprint: the second is answered
 /// with the first's response (its change silently dropped) where it must

@@ -261,9 +261,9 @@ const OVERRIDE_FIELD: &str = "_method";
 /// (`_METHOD`, a form's or a parsed JSON body's).
 const SLIM_OVERRIDE_FIELD: &str = "_METHOD";
 
-/// Every method a `POST` names ([`OVERRIDE_FIELD`], [`OVERRIDE_HEADER`]),
-/// upper-cased and distinct, in the order: the header's first listed
-/// value, the body's field (when `body` is given), the query's. Each
+/// Every method a `POST` names ([`OVERRIDE_FIELD`], [`formats::METHOD_OVERRIDES`]),
+/// upper-cased and distinct, in the order: the headers' values (see below),
+/// the body's field (when `body` is given), the query's. Each
 /// backend's reading counts: the first and the last of a repeated field
 /// (PHP and Rack read the last, others the first), fields PHP reads as
 /// `_method` (`.method`, ` _method`), a JSON body's top-level member
@@ -275,22 +275,25 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     let mut named = Named(Vec::new());
     // Express reads the first listed value (of the header's lines, joined
     // as Node joins them); Symfony and Rack the whole value, which names a
-    // method only when it lists one.
-    if let Some(value) = head.headers.get(formats::METHOD_OVERRIDE) {
-        let first = value
-            .as_bytes()
-            .split(|&b| b == b',')
-            .next()
-            .unwrap_or_default();
-        // JavaScript's `trim` also drops NBSP, VT and FF (Node reads
-        // header bytes as Latin-1).
-        let blank = |b: &u8| b.is_ascii_whitespace() || matches!(b, 0x0b | 0x0c | 0xa0);
-        let start = first.iter().position(|b| !blank(b)).unwrap_or(first.len());
-        let end = first
+    // method only when it lists one: of the first line, or of the last
+    // (nginx before 1.23 hands PHP-FPM every line, and PHP keeps the
+    // last). The first and the last listed value of the first and the last
+    // line cover them all, whatever the length of the list.
+    for name in &formats::METHOD_OVERRIDES {
+        let lines = head.headers.get_all(name);
+        let ends = lines
             .iter()
-            .rposition(|b| !blank(b))
-            .map_or(start, |i| i + 1);
-        named.add(&first[start..end]);
+            .next()
+            .into_iter()
+            .chain(lines.iter().next_back());
+        for line in ends {
+            let mut listed = line.as_bytes().split(|&b| b == b',');
+            let first = listed.next().unwrap_or_default();
+            named.add(trim_as_javascript(first));
+            if let Some(last) = listed.next_back() {
+                named.add(trim_as_javascript(last));
+            }
+        }
     }
     if !is_post(head.method) {
         return named.0;
@@ -424,6 +427,18 @@ fn json_override(body: &[u8], field: &str) -> Option<Vec<u8>> {
 }
 
 /// The distinct methods a request names, in order.
+/// `value` trimmed as JavaScript's `trim` does, which also drops NBSP, VT
+/// and FF (Node reads header bytes as Latin-1).
+fn trim_as_javascript(value: &[u8]) -> &[u8] {
+    let blank = |b: &u8| b.is_ascii_whitespace() || matches!(b, 0x0b | 0x0c | 0xa0);
+    let start = value.iter().position(|b| !blank(b)).unwrap_or(value.len());
+    let end = value
+        .iter()
+        .rposition(|b| !blank(b))
+        .map_or(start, |i| i + 1);
+    &value[start..end]
+}
+
 struct Named(Vec<Method>);
 
 impl Named {

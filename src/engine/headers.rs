@@ -88,7 +88,7 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// The request headers not forwarded with a buffered body: the connection
 /// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
 /// `Upgrade`, `Expect`), and every header `Connection` lists except
-/// `Host`, `Content-Type`, `Content-Encoding` and `X-HTTP-Method-Override`. The
+/// `Host`, `Content-Type`, `Content-Encoding` and the method-override headers (`X-HTTP-Method-Override`, `X-HTTP-Method`, `X-Method-Override`). The
 /// caller removes them (and sets `Content-Length` for the body it sends).
 ///
 /// Those say how to read the body and which method it is: the engine read
@@ -117,12 +117,8 @@ fn not_forwarded_unless(
 ) -> Vec<HeaderName> {
     // `Host` too: the scope's host is read from it (RFC 9110, 7.6.1: a
     // proxy must not drop it for a `Connection` listing).
-    const READ_BY_THE_ENGINE: [HeaderName; 4] = [
-        header::CONTENT_TYPE,
-        header::CONTENT_ENCODING,
-        crate::formats::METHOD_OVERRIDE,
-        header::HOST,
-    ];
+    const READ_BY_THE_ENGINE: [HeaderName; 3] =
+        [header::CONTENT_TYPE, header::CONTENT_ENCODING, header::HOST];
     let mut names: Vec<HeaderName> = CONNECTION_SCOPED
         .iter()
         .chain(&HOP_FRAMING)
@@ -132,6 +128,7 @@ fn not_forwarded_unless(
         connection_listed(request)
             .into_iter()
             .filter(|name| !READ_BY_THE_ENGINE.contains(name) && !read(name))
+            .filter(|name| !crate::formats::METHOD_OVERRIDES.contains(name))
             .filter(|name| !CONNECTION_SCOPED.contains(name) && !HOP_FRAMING.contains(name)),
     );
     names
