@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
+use tower_idempotency::policy::PathPattern;
 use tower_idempotency::{EngineConfig, Policy, PolicyError, Routes};
 
 use crate::outbox::config::{OutboxFile, OutboxSettings};
@@ -351,7 +352,8 @@ impl Config {
             let Some(path) = path else {
                 return Err(at(&route_span, "a [[route]] needs a `path`".into()));
             };
-            let unreachable = enabled.then(|| shadowing(&exclusions, path.get_ref()));
+            let unreachable = enabled
+                .then(|| shadowing(&exclusions, path.get_ref(), file.case_insensitive_paths));
             if let Some(Some((earlier, line))) = unreachable {
                 return Err(at(
                     &path.span(),
@@ -390,20 +392,30 @@ impl Config {
 }
 
 /// The earlier exclusion (pattern, line) that leaves every path `pattern`
-/// matches alone, if one does: a prefix `p` shadows `p` itself and what is
-/// under it (`/` shadows everything), and a glob whose literal beginning
-/// lies under `p` (`/api/*/submit` under `/api`). Matched as written, so
-/// this finds the plain mistakes, not every one.
-fn shadowing<'e>(exclusions: &'e [(String, usize)], pattern: &str) -> Option<&'e (String, usize)> {
-    let literal = &pattern[..pattern.find('*').unwrap_or(pattern.len())];
-    let glob = literal.len() < pattern.len();
+/// matches alone, if one does, judged by the engine's own matcher on
+/// paths standing for all that `pattern` matches: a prefix itself and a
+/// path three segments under it, a glob with each `*` one segment and
+/// each `**` three. Their segments are `%`, which no pattern holds
+/// (escapes are refused), so only an exclusion's wildcard or prefix
+/// matches them: `/api/**` or `/api` leaves `/api/pay` alone, `/api/*`
+/// only `/api/pay` itself. Under `case_insensitive_paths`, in any case.
+fn shadowing<'e>(
+    exclusions: &'e [(String, usize)],
+    pattern: &str,
+    case_insensitive: bool,
+) -> Option<&'e (String, usize)> {
+    let fold = |p: &str| match case_insensitive {
+        true => p.to_ascii_lowercase(),
+        false => p.to_owned(),
+    };
+    let pattern = fold(pattern);
+    let samples = match pattern.contains('*') {
+        true => vec![pattern.replace("**", "%/%/%").replace('*', "%")],
+        false => vec![format!("{}/%/%/%", pattern.trim_end_matches('/')), pattern],
+    };
     exclusions.iter().find(|(earlier, _)| {
-        let under = |path: &str| {
-            path.strip_prefix(earlier.as_str())
-                .is_some_and(|rest| rest.starts_with('/') || earlier == "/")
-        };
-        !earlier.contains('*')
-            && (earlier == "/" || under(literal) || (!glob && pattern == earlier))
+        PathPattern::parse(&fold(earlier))
+            .is_ok_and(|earlier| samples.iter().all(|path| earlier.matches(path)))
     })
 }
 
@@ -554,6 +566,46 @@ mod tests {
         for later in ["/apis", "/api*", "/other"] {
             let text = format!("{plain}[[route]]\npath = \"{later}\"\n");
             assert!(Config::parse(&text).is_ok(), "{later}");
+        }
+        // Glob exclusions, and exclusions in another case under
+        // case-insensitive routing (from a review of the configuration:
+        // both loaded, and the required route protected nothing).
+        for (exclusion, later, folded) in [
+            ("/api/**", "/api/pay", false),
+            ("/api/**", "/api/*/submit", false),
+            ("/**", "/contact", false),
+            ("/api/*", "/api/x*", false),
+            ("/API", "/api/pay", true),
+            ("/Api/**", "/API/pay", true),
+        ] {
+            let flag = if folded {
+                "case_insensitive_paths = true\n"
+            } else {
+                ""
+            };
+            let text = format!(
+                "{flag}[[route]]\npath = \"{exclusion}\"\nenabled = false\n\n\
+                 [[route]]\npath = \"{later}\"\nrequired = true\n"
+            );
+            let (_, message) = error(&text);
+            assert!(
+                message.contains("can never apply"),
+                "{exclusion} {later}: {message}"
+            );
+        }
+        // Exclusions that leave only some of a route's paths alone.
+        for (exclusion, later) in [
+            ("/api/*", "/api/pay"),
+            ("/api/*", "/api/**"),
+            ("/api/*/internal", "/api/*/submit"),
+            ("/API", "/api/pay"),
+            ("/api/pay/x", "/api/pay"),
+        ] {
+            let text = format!(
+                "[[route]]\npath = \"{exclusion}\"\nenabled = false\n\n\
+                 [[route]]\npath = \"{later}\"\nrequired = true\n"
+            );
+            assert!(Config::parse(&text).is_ok(), "{exclusion} {later}");
         }
         // A redundant exclusion is harmless.
         let text = format!("{plain}[[route]]\npath = \"/api/health\"\nenabled = false\n");
