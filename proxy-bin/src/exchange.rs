@@ -162,15 +162,39 @@ impl Exchange {
     /// end of the response (or frees the key when the upstream failed
     /// before answering, and keeps it as "executed, response incomplete"
     /// when it broke off after its head).
+    ///
+    /// While it holds a key, the exchange ends at the route's
+    /// `execution_timeout`, as the layer's does: an upstream that keeps its
+    /// connection busy (interim `102 Processing` answers, a body trickled a
+    /// byte at a time) would otherwise hold the key in flight for as long
+    /// as it likes, each read within `read_timeout`. Then the key keeps
+    /// "executed, outcome unknown" (a 504 every retry replays), and a client
+    /// that has the head already is cut.
     pub async fn run(
         mut self,
         request: RequestHeader,
         body: Bytes,
         reservation: Option<Reservation>,
     ) {
-        let mut session = match self.upstream.send(&request, &body).await {
-            Ok(session) => session,
-            Err(failure) => {
+        let deadline = reservation.as_ref().map(|reservation| {
+            tokio::time::Instant::now() + reservation.policy().policy().execution_timeout
+        });
+        let sending = self.upstream.send(&request, &body);
+        let sent = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, sending).await,
+            None => Ok(sending.await),
+        };
+        let mut session = match sent {
+            Ok(Ok(session)) => session,
+            Err(_) => {
+                tracing::warn!("upstream did not answer within the route's execution_timeout");
+                if let Some(reservation) = reservation {
+                    let problem = reservation.execution_timed_out(&request.headers).await;
+                    self.send(Frame::Failed(problem), false).await;
+                }
+                return;
+            }
+            Ok(Err(failure)) => {
                 tracing::warn!(error = %crate::logs::Redacted(&failure.error), timed_out = failure.timed_out, sent = failure.sent, "upstream failed");
                 let (timed_out, headers) = (failure.timed_out, &request.headers);
                 // The engine releases the key only if the upstream cannot
@@ -200,7 +224,24 @@ impl Exchange {
         // connection starts then, not once the outcome is stored.
         let mut finished = None;
         loop {
-            match session.read_body_bytes().await {
+            let holding = recorder.as_ref().is_some_and(Recorder::is_recording);
+            let read = match deadline {
+                Some(deadline) if holding => {
+                    match tokio::time::timeout_at(deadline, session.read_body_bytes()).await {
+                        Ok(read) => read,
+                        Err(_) => {
+                            tracing::warn!("upstream did not finish its answer within the route's execution_timeout");
+                            if let Some(recording) = recorder.take() {
+                                recording.execution_timed_out(&request.headers).await;
+                            }
+                            self.send(Frame::Abort, false).await;
+                            return;
+                        }
+                    }
+                }
+                _ => session.read_body_bytes().await,
+            };
+            match read {
                 Ok(Some(chunk)) => {
                     if let Some(recording) = &mut recorder {
                         // Past the storage cap the recorder stores the

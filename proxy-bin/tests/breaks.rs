@@ -1389,3 +1389,61 @@ async fn an_upgrade_still_switches_protocols() {
     .unwrap();
     assert_eq!(&echoed, b"ping");
 }
+
+/// Scenario (from a review of the response path): an upstream that keeps
+/// its connection busy without ever finishing — interim `102 Processing`
+/// answers every 200 ms, or a body trickled a byte at a time — never
+/// trips `read_timeout` (each read is quick), and the exchange held its
+/// key in flight for as long as the upstream liked: every retry got 409
+/// `in-flight`, the client's task and the connection stayed taken. Impact
+/// (availability; a key stuck). Now the exchange ends at the route's
+/// `execution_timeout`, as the layer's does, and the key keeps "executed,
+/// outcome unknown": the retry is replayed the 504, the order ran once.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_that_never_finishes_holds_its_key_no_longer_than_execution_timeout() {
+    use tokio::io::AsyncWriteExt;
+    for trickle in [false, true] {
+        let (upstream, calls) = raw_backend(move |mut conn| async move {
+            if !read_request(&mut conn, &mut Vec::new()).await {
+                return;
+            }
+            if trickle {
+                let head = b"HTTP/1.1 201 Created\r\nContent-Length: 1000\r\n\r\n";
+                let _ = conn.write_all(head).await;
+            }
+            for _ in 0..150 {
+                let bytes: &[u8] = match trickle {
+                    true => b"x",
+                    false => b"HTTP/1.1 102 Processing\r\n\r\n",
+                };
+                if conn.write_all(bytes).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        })
+        .await;
+        let dir = temp_dir("breaks-stall");
+        let config = "[proxy]\nread_timeout = \"10s\"\n\n[[route]]\npath = \"/orders\"\n\
+                      methods = [\"POST\"]\nexecution_timeout = \"1s\"\n";
+        let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+            .await
+            .owning(dir);
+        let key = format!("order-stall-{trickle}");
+        let headers = [
+            ("idempotency-key", key.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let first = common::spawn_post(proxy.addr, "/orders", &headers, "{}");
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        let retry = proxy.send("POST", "/orders", &headers, "{}").await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (504, true),
+            "trickle {trickle}: {}",
+            retry.text()
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "trickle {trickle}");
+        first.abort();
+    }
+}
