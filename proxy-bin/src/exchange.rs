@@ -20,7 +20,7 @@ use std::pin::{pin, Pin};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::Response;
+use http::{header, Response};
 use pingora_error::{Error, ErrorType, Result};
 use pingora_http::{RequestHeader, ResponseHeader};
 use pingora_proxy::Session;
@@ -105,7 +105,10 @@ pub async fn relay(
     // A chunk's place is given back once it is written.
     while let Some(Relayed { frame, _room }) = frames.recv().await {
         match frame {
-            Frame::Head(head) => session.write_response_header(head, false).await?,
+            Frame::Head(mut head) => {
+                for_client(session.req_header().version, &mut head);
+                session.write_response_header(head, false).await?
+            }
             Frame::Body(chunk) => session.write_response_body(Some(chunk), false).await?,
             Frame::End => {
                 session.write_response_body(None, true).await?;
@@ -325,6 +328,19 @@ pub fn relayed_head(request: &RequestHeader, head: &ResponseHeader) -> ResponseH
         let _ = head.append_header(http::header::TRANSFER_ENCODING, "chunked");
     }
     head
+}
+
+/// `head` as a client speaking `version` reads it: an HTTP/1.0 client
+/// knows no `Transfer-Encoding` (RFC 9112, 6.1: a server must not send it
+/// chunks; it would keep the chunk framing as the body), so a chunked body
+/// is sent to it framed by the connection's close, which Pingora then
+/// closes. *Limit* (README): such a client cannot tell a cut from the end.
+pub fn for_client(version: http::Version, head: &mut ResponseHeader) {
+    if version == http::Version::HTTP_10 && head.headers.contains_key(header::TRANSFER_ENCODING) {
+        head.remove_header(&header::TRANSFER_ENCODING);
+        // Beside a transfer coding a length frames nothing (RFC 9112, 6.3).
+        head.remove_header(&header::CONTENT_LENGTH);
+    }
 }
 
 /// Whether the upstream's response body ends only where its connection

@@ -293,6 +293,18 @@ impl ProxyHttp for IdempotencyProxy {
         Ok(())
     }
 
+    /// The head of an answer relayed on Pingora's path, as the client
+    /// reads it ([`exchange::for_client`]: no chunks to HTTP/1.0).
+    async fn response_filter(
+        &self,
+        session: &mut Session,
+        upstream_response: &mut ResponseHeader,
+        _ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        exchange::for_client(session.req_header().version, upstream_response);
+        Ok(())
+    }
+
     async fn fail_to_proxy(
         &self,
         session: &mut Session,

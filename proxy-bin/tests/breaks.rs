@@ -1447,3 +1447,60 @@ async fn an_upstream_that_never_finishes_holds_its_key_no_longer_than_execution_
         first.abort();
     }
 }
+
+/// Sends `request` (raw bytes) on a new connection and reads until the
+/// proxy closes it: the answer as an HTTP/1.0 client reads it.
+async fn exchange_raw(addr: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let read = conn.read_to_end(&mut answer);
+    tokio::time::timeout(std::time::Duration::from_secs(10), read)
+        .await
+        .expect("the proxy closes the connection")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Scenario (from a review of the response path): an HTTP/1.0 client (it
+/// reads a body to the connection's close and knows no chunks) sends an
+/// order; the upstream answers chunked. The proxy relayed the chunks as
+/// they came, and the client kept `4\r\ndone\r\n0\r\n\r\n` as its body
+/// while retries were replayed `done`: the first caller's answer was not
+/// the stored one. Impact ("never loses a response"). Now an HTTP/1.0
+/// client gets the body framed by the close, on the covered path and on
+/// Pingora's path for uncovered requests alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_1_0_client_never_gets_chunks() {
+    let (upstream, calls) = closing_backend(
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n4\r\ndone\r\n0\r\n\r\n",
+    )
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-http10-client").await;
+    let order = "POST /orders HTTP/1.0\r\nHost: shop.example\r\nIdempotency-Key: order-10\r\n\
+                 Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+    let plain = "POST /status HTTP/1.0\r\nHost: shop.example\r\nContent-Length: 2\r\n\r\n{}";
+    for request in [order, plain] {
+        let answer = exchange_raw(proxy.addr, request).await;
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+        assert!(
+            head.starts_with("HTTP/1.") && head.contains(" 201"),
+            "{answer}"
+        );
+        assert!(
+            !head.to_ascii_lowercase().contains("transfer-encoding"),
+            "{answer}"
+        );
+        assert_eq!(body, "done", "{request}");
+    }
+    let retry = exchange_raw(proxy.addr, order).await;
+    let (head, body) = retry.split_once("\r\n\r\n").expect("a head");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("idempotent-replayed: true"),
+        "{retry}"
+    );
+    assert_eq!(body, "done");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
