@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tower_idempotency::engine::{headers, Ended, Execution, Flow, Recorder, Reservation};
 use tower_idempotency::Engine;
 
-use crate::proxy::write_response;
+use crate::proxy::{write_body, write_head, write_response};
 use crate::shutdown::Active;
 use crate::upstream::Upstream;
 
@@ -107,11 +107,11 @@ pub async fn relay(
         match frame {
             Frame::Head(mut head) => {
                 for_client(session.req_header().version, &mut head);
-                session.write_response_header(head, false).await?
+                write_head(session, head, false).await?
             }
-            Frame::Body(chunk) => session.write_response_body(Some(chunk), false).await?,
+            Frame::Body(chunk) => write_body(session, Some(chunk), false).await?,
             Frame::End => {
-                session.write_response_body(None, true).await?;
+                write_body(session, None, true).await?;
                 return Ok(true);
             }
             Frame::Failed(response) => {

@@ -23,7 +23,7 @@ use tower_idempotency::Engine;
 
 use crate::body::read_body;
 use crate::exchange::relayed_head;
-use crate::proxy::write_response;
+use crate::proxy::{write_body, write_head, write_response};
 use crate::upstream::Upstream;
 
 /// The largest request body the direct path reads before it forwards the
@@ -98,10 +98,10 @@ pub async fn forward(
     };
     let answered = exchange.resp_header().expect("a response head was read");
     let head = relayed_head(&request, answered);
-    session.write_response_header(Box::new(head), false).await?;
+    write_head(session, Box::new(head), false).await?;
     let finished = loop {
         match exchange.read_body_bytes().await {
-            Ok(Some(chunk)) => session.write_response_body(Some(chunk), false).await?,
+            Ok(Some(chunk)) => write_body(session, Some(chunk), false).await?,
             // The upstream's idle clock for the connection starts here.
             Ok(None) => break std::time::Instant::now(),
             Err(error) => {
@@ -110,7 +110,7 @@ pub async fn forward(
             }
         }
     };
-    session.write_response_body(None, true).await?;
+    write_body(session, None, true).await?;
     upstream.release(exchange, finished).await;
     Ok(true)
 }

@@ -17,6 +17,7 @@
 //!   of its answer; a client that goes away does not stop it: it then runs
 //!   on in a task of its own, and the response is still stored.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -541,11 +542,43 @@ pub async fn write_response(session: &mut Session, response: Response<Bytes>) ->
     if !headers::bodiless(head.status) {
         head.insert_header(header::CONTENT_LENGTH, body.len())?;
     }
-    session
-        .write_response_header(Box::new(head), body.is_empty())
-        .await?;
-    if !body.is_empty() {
-        session.write_response_body(Some(body), true).await?;
+    let end = body.is_empty();
+    write_head(session, Box::new(head), end).await?;
+    if !end {
+        write_body(session, Some(body), true).await?;
     }
     Ok(())
+}
+
+/// Writes a response head to the client within the session's write
+/// timeout. Pingora bounds a body chunk's write by it, but not a head's,
+/// nor the last chunk and flush that end a body: a client that stops
+/// reading just there held its task (and a paced exchange, its upstream
+/// connection) for good.
+pub async fn write_head(session: &mut Session, head: Box<ResponseHeader>, end: bool) -> Result<()> {
+    let limit = session.get_write_timeout();
+    within(limit, session.write_response_header(head, end)).await
+}
+
+/// Writes a body chunk (`None`: no more) to the client, and with `end` its
+/// end, within the session's write timeout (see [`write_head`]).
+pub async fn write_body(session: &mut Session, chunk: Option<Bytes>, end: bool) -> Result<()> {
+    let limit = session.get_write_timeout();
+    within(limit, session.write_response_body(chunk, end)).await
+}
+
+/// `write` within `limit` (none: unbounded); the timer is made only when
+/// the write has to wait.
+async fn within(limit: Option<Duration>, write: impl Future<Output = Result<()>>) -> Result<()> {
+    let Some(limit) = limit else {
+        return write.await;
+    };
+    match pingora_timeout::timeout(limit, write).await {
+        Ok(written) => written,
+        Err(_) => Error::e_explain(
+            ErrorType::WriteTimedout,
+            "the client took none of its answer",
+        )
+        .map_err(|e| e.into_down()),
+    }
 }

@@ -147,14 +147,20 @@ impl Signals {
         let deadline = Instant::now() + self.timeout;
         // SIGINT while draining cuts the drain short, as it would have
         // before (the handler installed above keeps its default action
-        // from ever running).
+        // from ever running). Its listener is made here, on the engine's
+        // runtime, which runs on through the drain: one made in the task
+        // missed a SIGINT sent before the task first ran.
         let drain = self.drain.clone();
-        self.runtime.spawn(async move {
-            if let Ok(mut int) = signal(SignalKind::interrupt()) {
+        let int = {
+            let _runtime = self.runtime.enter();
+            signal(SignalKind::interrupt())
+        };
+        if let Ok(mut int) = int {
+            self.runtime.spawn(async move {
                 int.recv().await;
                 interrupted(drain.active(), "SIGINT while draining: exiting at once");
-            }
-        });
+            });
+        }
         let signals = Signals {
             drain: self.drain.clone(),
             engine: self.engine.clone(),
