@@ -245,7 +245,17 @@ fn run_keys(args: &KeysArgs) -> Result<serde_json::Value, Failure> {
     let op = args.command.op()?;
     let config = match &args.config {
         Some(path) => Config::load(path).map_err(|error| Failure::Input(error.to_string()))?,
-        None => Config::builtin(),
+        None => {
+            if op.computes_scopes() {
+                // Not refused: a proxy run without a file uses these too.
+                eprintln!(
+                    "warning: no --config: scopes are computed with the built-in routes and \
+                     no key secret; a proxy configured otherwise stores its records under \
+                     other scopes, which this does not find (pass the proxy's --config)"
+                );
+            }
+            Config::builtin()
+        }
     };
     let settings = &config.proxy;
     let store = args

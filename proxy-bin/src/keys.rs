@@ -105,6 +105,22 @@ pub enum Target {
     Query(Query),
 }
 
+impl Op {
+    /// Whether it finds its records by a scope computed from what the
+    /// client sent (a key and path, a principal), which takes the proxy's
+    /// routes and key secret: under another configuration it names other
+    /// records, or none.
+    pub fn computes_scopes(&self) -> bool {
+        match self {
+            Op::Lookup { target, .. } | Op::Purge(target) | Op::Release(target) => {
+                matches!(target, Target::Query(_))
+            }
+            Op::PurgePrincipal(_) => true,
+            Op::InFlight { .. } | Op::Counts => false,
+        }
+    }
+}
+
 /// One operation.
 #[derive(Clone, Debug)]
 pub enum Op {

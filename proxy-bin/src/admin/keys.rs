@@ -108,6 +108,19 @@ async fn parse(session: &mut ServerSession, path: &str, query: &str) -> Result<O
                     .into(),
             )
         })?;
+        // A field beside it (a `host`, a `route`) would narrow nothing: the
+        // purge takes every record of this principal, on every host and
+        // route; refused, so no one believes otherwise.
+        let mut fields = body
+            .as_object()
+            .into_iter()
+            .flat_map(|fields| fields.keys());
+        if let Some(other) = fields.find(|name| *name != "principal") {
+            return Err(Failure::Input(format!(
+                "unknown field `{other}`: a purge takes only `principal`, and removes its \
+                 records on every host and route"
+            )));
+        }
         return Ok(Op::PurgePrincipal(principal));
     }
     let with_body = match body
