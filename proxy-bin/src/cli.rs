@@ -138,17 +138,35 @@ struct PrincipalArgs {
     /// With --jwt-sub: the token's `iss`, if it has one.
     #[arg(long, value_name = "ISS", requires = "jwt_sub")]
     jwt_iss: Option<String>,
+    /// With --jwt-sub, once per tenant claim of the route
+    /// (`tenant_claims`): the claim as the token holds it, `NAME=VALUE`;
+    /// the value read as JSON when it is JSON (`org_id=7` is the number;
+    /// `org_id='"7"'` the string), else as text.
+    #[arg(long, value_name = "NAME=VALUE", requires = "jwt_sub")]
+    jwt_claim: Vec<String>,
 }
 
 impl PrincipalArgs {
-    fn input(&self) -> Option<PrincipalInput> {
+    fn input(&self) -> Result<Option<PrincipalInput>, Failure> {
         if let Some(sub) = &self.jwt_sub {
-            return Some(PrincipalInput::Jwt {
+            let mut tenant = std::collections::BTreeMap::new();
+            for claim in &self.jwt_claim {
+                let Some((name, value)) = claim.split_once('=') else {
+                    return Err(Failure::Input(format!(
+                        "--jwt-claim `{claim}`: expected NAME=VALUE, such as org_id=org_a"
+                    )));
+                };
+                let value = serde_json::from_str(value)
+                    .unwrap_or_else(|_| serde_json::Value::String(value.to_owned()));
+                tenant.insert(name.to_owned(), value);
+            }
+            return Ok(Some(PrincipalInput::Jwt {
                 sub: sub.clone(),
                 iss: self.jwt_iss.clone(),
-            });
+                tenant,
+            }));
         }
-        self.principal.clone().map(PrincipalInput::Raw)
+        Ok(self.principal.clone().map(PrincipalInput::Raw))
     }
 }
 
@@ -164,7 +182,7 @@ impl TargetArgs {
             method: self.method.clone(),
             path: self.path.clone().unwrap_or_default(),
             host: self.host.clone(),
-            principal: self.principal.input(),
+            principal: self.principal.input()?,
             ..Query::default()
         };
         for header in &self.headers {
@@ -189,7 +207,7 @@ impl KeysCommand {
             KeysCommand::Purge(target) => Op::Purge(target.target()?),
             KeysCommand::Release(target) => Op::Release(target.target()?),
             KeysCommand::PurgePrincipal(principal) => {
-                Op::PurgePrincipal(principal.input().ok_or_else(|| {
+                Op::PurgePrincipal(principal.input()?.ok_or_else(|| {
                     Failure::Input(
                         "purge-principal: give --principal VALUE or --jwt-sub SUB [--jwt-iss ISS]"
                             .into(),

@@ -11,7 +11,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tower_idempotency::engine::{AdminError, RequestHead};
-use tower_idempotency::policy::principal::jwt_principal;
+use tower_idempotency::policy::principal::jwt_principal_in;
 use tower_idempotency::store::{Outcome, RecordInfo, ScopeKey};
 use tower_idempotency::Engine;
 
@@ -62,6 +62,10 @@ pub enum PrincipalInput {
         /// The token's `iss`, if it has one.
         #[serde(default)]
         iss: Option<String>,
+        /// Its route's `tenant_claims` as the token holds them (`null` for
+        /// one it lacks); none for a route without them.
+        #[serde(default)]
+        tenant: BTreeMap<String, serde_json::Value>,
     },
 }
 
@@ -87,7 +91,9 @@ impl PrincipalInput {
     fn bytes(&self) -> Vec<u8> {
         match self {
             PrincipalInput::Raw(text) => text.as_bytes().to_vec(),
-            PrincipalInput::Jwt { sub, iss } => jwt_principal(iss.as_deref(), sub),
+            PrincipalInput::Jwt { sub, iss, tenant } => {
+                jwt_principal_in(iss.as_deref(), sub, tenant)
+            }
         }
     }
 }

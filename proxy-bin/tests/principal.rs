@@ -56,13 +56,17 @@ fn hs256(sub: &str) -> String {
     )
 }
 
+/// The operator API's token.
+const ADMIN_TOKEN: &str = "an-operator-token-of-some-length";
+
 fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
 }
 
-/// Four routes: `/api/rsa` (RS256 and ES256 public keys), `/api/gw` (a
-/// trusted gateway's `x-user-id`), `/api` (HS256 from a file, issuer
-/// checked), and `/slow` (HS256 from the `JWT_SECRET` variable).
+/// Five routes: `/api/rsa` (RS256 and ES256 public keys), `/api/gw` (a
+/// trusted gateway's `x-user-id`), `/api/org` (HS256 from the `JWT_SECRET`
+/// variable, the `org_id` claim naming the tenant), `/api` (HS256 from a
+/// file, issuer checked), and `/slow` (HS256 from `JWT_SECRET`).
 fn config(dir: &Path) -> String {
     let secret = dir.join("jwt-secret");
     std::fs::write(&secret, [SECRET, b"\n"].concat()).unwrap();
@@ -79,6 +83,10 @@ principal = {{ jwt = {{ rs256_public_key_file = "{rsa}", es256_public_key_file =
 [[route]]
 path = "/api/gw"
 principal = {{ header = "x-user-id" }}
+
+[[route]]
+path = "/api/org"
+principal = {{ jwt = {{ hs256_secret_env = "JWT_SECRET", tenant_claims = ["org_id"] }} }}
 
 [[route]]
 path = "/api"
@@ -100,6 +108,7 @@ async fn start(name: &str) -> (Backend, Proxy) {
     let config = config(&dir);
     let proxy = Proxy::start_with(ProxyArgs::new(backend.url(), &config, &dir), |command| {
         command.env("JWT_SECRET", std::str::from_utf8(SECRET).unwrap());
+        command.env("IDEMPOTENCY_ADMIN_TOKEN", ADMIN_TOKEN);
     })
     .await
     .owning(dir);
@@ -164,6 +173,68 @@ async fn a_refreshed_token_replays_and_another_sub_executes_apart() {
     let b = pay(&proxy, "/api/rsa/pay", &key, &by_ec).await;
     assert_eq!((a.status, a.replayed(), b.replayed()), (201, false, true));
     assert_eq!(backend.hits("/api/rsa/pay"), 1);
+}
+
+/// Scenario (from a review of scopes): Auth0 Organizations and Clerk keep
+/// one `sub` across a user's organisations, and the backend picks the
+/// tenant from `org_id`. The principal was `(iss, sub)` alone, so the same
+/// key in organisation B was replayed organisation A's invoice (leak), and
+/// B's was never created. With `tenant_claims = ["org_id"]` each
+/// organisation is its own scope; a purge names the organisation too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_claim_keeps_one_users_organisations_apart() {
+    let (backend, proxy) = start("principal-tenant").await;
+    let key = uuid();
+    let in_org = |org: serde_json::Value| {
+        let claims = match org {
+            serde_json::Value::Null => serde_json::json!({}),
+            org => serde_json::json!({ "org_id": org }),
+        };
+        token(
+            Algorithm::HS256,
+            &EncodingKey::from_secret(SECRET),
+            "alice",
+            claims,
+        )
+    };
+    let a = pay(&proxy, "/api/org/invoices", &key, &in_org("org_a".into())).await;
+    let b = pay(&proxy, "/api/org/invoices", &key, &in_org("org_b".into())).await;
+    assert_eq!(
+        (a.status, b.status, b.replayed()),
+        (201, 201, false),
+        "{}",
+        b.text()
+    );
+    assert_ne!(a.body, b.body);
+    let none = pay(
+        &proxy,
+        "/api/org/invoices",
+        &key,
+        &in_org(serde_json::Value::Null),
+    )
+    .await;
+    assert!(!none.replayed());
+    let again = pay(&proxy, "/api/org/invoices", &key, &in_org("org_a".into())).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, a.body);
+    assert_eq!(backend.hits("/api/org/invoices"), 3);
+    // Purged in organisation A only: B's record stays.
+    let purge =
+        serde_json::json!({ "principal": { "sub": "alice", "tenant": { "org_id": "org_a" } } });
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    let headers = [
+        ("authorization", bearer.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let purged = proxy
+        .admin_send("POST", "/keys/purge-principal", &headers, purge.to_string())
+        .await;
+    assert_eq!(purged.json()["purged"], 1, "{}", purged.text());
+    let b_again = pay(&proxy, "/api/org/invoices", &key, &in_org("org_b".into())).await;
+    assert!(b_again.replayed());
+    let a_again = pay(&proxy, "/api/org/invoices", &key, &in_org("org_a".into())).await;
+    assert!(!a_again.replayed());
+    assert_eq!(backend.hits("/api/org/invoices"), 4);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -202,7 +202,7 @@ impl Engine {
     /// Deletes every record stored for `principal` (as the route resolves
     /// it: a trusted header's value, the layer's
     /// [`Principal`](crate::Principal), or
-    /// [`jwt_principal`](crate::policy::principal::jwt_principal)), in any
+    /// [`jwt_principal_in`](crate::policy::principal::jwt_principal_in)), in any
     /// state, in batches; returns how many. Records of routes without a
     /// principal, or written before the store kept principals, are not
     /// found.

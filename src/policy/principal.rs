@@ -27,6 +27,7 @@
 //! carry no key on a route where it is optional, are forwarded unchecked:
 //! the engine is not an authenticator.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -133,6 +134,14 @@ pub struct JwtPolicy {
     /// 5 min.
     #[serde(with = "humantime_serde")]
     pub leeway: Duration,
+    /// Claims naming the tenant a token acts for (`org_id`: Auth0
+    /// Organizations and Clerk keep one `sub` across a user's
+    /// organisations, and the backend picks the tenant from this claim).
+    /// Their values are part of the principal ([`jwt_principal_in`]), so
+    /// one user's keys in two organisations never share a scope; a claim
+    /// the token lacks counts as `null`. Default none: `(iss, sub)` alone.
+    #[serde(deserialize_with = "one_or_many")]
+    pub tenant_claims: Vec<String>,
 }
 
 impl Default for JwtPolicy {
@@ -146,6 +155,7 @@ impl Default for JwtPolicy {
             issuer: Vec::new(),
             audience: Vec::new(),
             leeway: Duration::from_secs(30),
+            tenant_claims: Vec::new(),
         }
     }
 }
@@ -196,6 +206,8 @@ struct JwtVerifier {
     header: HeaderName,
     /// Per algorithm: its validation rules and keys (never empty).
     by_algorithm: Vec<(Validation, Vec<DecodingKey>)>,
+    /// [`JwtPolicy::tenant_claims`].
+    tenant_claims: Vec<String>,
 }
 
 /// Secrets and keys are never printed.
@@ -337,9 +349,20 @@ impl JwtPolicy {
         {
             return Err(invalid("an empty `issuer` or `audience`"));
         }
+        if let Some(claim) = self
+            .tenant_claims
+            .iter()
+            .find(|claim| claim.is_empty() || matches!(claim.as_str(), "sub" | "iss"))
+        {
+            return Err(invalid(format!(
+                "`tenant_claims` names `{claim}`: name the claims beside `iss` and `sub` \
+                 that pick the tenant (such as `org_id`)"
+            )));
+        }
         Ok(JwtVerifier {
             header: header_name(&self.header)?,
             by_algorithm,
+            tenant_claims: self.tenant_claims.clone(),
         })
     }
 
@@ -411,8 +434,23 @@ fn public_pem(path: &std::path::Path, setting: &str) -> Result<Vec<u8>, PolicyEr
 /// so a gateway header spelled like a JWT principal (`[null,"alice"]`) is
 /// never the same caller, neither for a scope nor for a purge.
 pub fn jwt_principal(iss: Option<&str>, sub: &str) -> Vec<u8> {
+    jwt_principal_in(iss, sub, &BTreeMap::new())
+}
+
+/// [`jwt_principal`] for a route with [`JwtPolicy::tenant_claims`]: the
+/// tenant claims' values (`null` for one the token lacks), by name, follow
+/// `(iss, sub)`. An operator purging such a caller gives them too. With no
+/// tenant claims, the same bytes as [`jwt_principal`].
+pub fn jwt_principal_in(
+    iss: Option<&str>,
+    sub: &str,
+    tenant: &BTreeMap<String, serde_json::Value>,
+) -> Vec<u8> {
     let mut principal = b"\0jwt\0".to_vec();
     principal.extend(serde_json::to_vec(&(iss, sub)).unwrap_or_default());
+    if !tenant.is_empty() {
+        principal.extend(serde_json::to_vec(tenant).unwrap_or_default());
+    }
     principal
 }
 
@@ -421,6 +459,9 @@ struct Claims {
     sub: String,
     #[serde(default)]
     iss: Option<String>,
+    /// The others, read only for [`JwtPolicy::tenant_claims`].
+    #[serde(flatten)]
+    others: BTreeMap<String, serde_json::Value>,
 }
 
 impl PrincipalSource {
@@ -482,9 +523,17 @@ impl JwtVerifier {
         for key in keys {
             match jsonwebtoken::decode::<Claims>(token, key, validation) {
                 Ok(data) if data.claims.sub.is_empty() => return Resolved::Invalid("empty sub"),
-                Ok(data) => {
-                    let principal = jwt_principal(data.claims.iss.as_deref(), &data.claims.sub);
-                    return Resolved::Found(principal);
+                Ok(mut data) => {
+                    let tenant: BTreeMap<String, serde_json::Value> = self
+                        .tenant_claims
+                        .iter()
+                        .map(|name| {
+                            let value = data.claims.others.remove(name).unwrap_or_default();
+                            (name.clone(), value)
+                        })
+                        .collect();
+                    let (iss, sub) = (data.claims.iss.as_deref(), &data.claims.sub);
+                    return Resolved::Found(jwt_principal_in(iss, sub, &tenant));
                 }
                 Err(error) => {
                     use jsonwebtoken::errors::ErrorKind;
