@@ -629,7 +629,12 @@ fn a_bad_outbox_configuration_is_refused_naming_its_key() {
     let dir = temp_dir("outbox-bad");
     let good =
         "[outbox]\ndatabase = \"sqlite://x.db\"\n\n[[outbox.destination]]\ntopic = \"crm\"\n";
-    let cases: [(&str, &str, &[&str]); 8] = [
+    let cases: [(&str, &str, &[&str]); 9] = [
+        (
+            "url = \"http://crm:hunter2@crm.example/h\"\n",
+            ":6:",
+            &["`url`", "credentials", "secret_env"],
+        ),
         (
             "url = \"http://a/h\"\nsecret = \"whsec_abc\"\n",
             ":7:",
@@ -693,7 +698,7 @@ fn a_bad_outbox_configuration_is_refused_naming_its_key() {
                 );
             }
             assert!(
-                !stderr.contains("whsec_abc"),
+                !stderr.contains("whsec_abc") && !stderr.contains("hunter2"),
                 "the secret is never repeated"
             );
         }
@@ -903,4 +908,161 @@ async fn a_dozen_listening_destinations_still_deliver() {
     let effects = receiver.effects();
     assert_eq!(effects.len(), 10);
     assert!(effects.values().all(|count| *count == 1), "{effects:?}");
+}
+
+// ------------------------------------------------------- refused or bounded
+
+/// `idempotency-proxy outbox ARGS` in `dir`, given 20 s to exit; `None`
+/// (and killed) if it was still running.
+fn exits_within(dir: &Path, args: &[&str]) -> Option<Output> {
+    let mut child = binary()
+        .current_dir(dir)
+        .arg("outbox")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().ok();
+            child.wait().ok();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
+/// `outbox run` on a file with `[outbox]` but no `database` and no
+/// `[proxy] store` created an empty `./idempotency.db` (the proxy's default
+/// store) and polled it for ever: no application enqueues there. It is
+/// refused, naming the ways to give one, and creates nothing.
+#[test]
+fn outbox_run_without_an_outbox_database_refuses_and_creates_nothing() {
+    let dir = temp_dir("outbox-nodb");
+    std::fs::write(
+        dir.join("outbox.toml"),
+        "[outbox]\n[[outbox.destination]]\ntopic = \"crm\"\nurl = \"http://127.0.0.1:9/h\"\n",
+    )
+    .unwrap();
+    let output = exits_within(&dir, &["run", "--config", "outbox.toml"]);
+    let created: Vec<_> = std::fs::read_dir(&*dir)
+        .unwrap()
+        .flatten()
+        .map(|entry| entry.file_name())
+        .filter(|name| name != "outbox.toml")
+        .collect();
+    assert!(created.is_empty(), "nothing is created: {created:?}");
+    let output = output.expect("`outbox run` refuses at once");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    for needle in [
+        "outbox.toml",
+        "no outbox database",
+        "`database`",
+        "[proxy] `store`",
+        "--store",
+    ] {
+        assert!(stderr.contains(needle), "`{needle}` in {stderr}");
+    }
+}
+
+/// `outbox run` skipped the `[proxy]` checks the proxy applies to the same
+/// file (its `shutdown_timeout` bounds the workers' shutdown): it refuses
+/// what the proxy refuses.
+#[test]
+fn outbox_run_refuses_the_proxy_settings_the_proxy_refuses() {
+    let dir = temp_dir("outbox-check");
+    let file = "[proxy]\nshutdown_timeout = \"500000000000y\"\n\n[outbox]\n\
+                database = \"sqlite://outbox.db\"\n\n[[outbox.destination]]\n\
+                topic = \"crm\"\nurl = \"http://127.0.0.1:9/h\"\n";
+    std::fs::write(dir.join("outbox.toml"), file).unwrap();
+    let output = exits_within(&dir, &["run", "--config", "outbox.toml"])
+        .expect("`outbox run` refuses at once");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("`shutdown_timeout`") && stderr.contains("at most 100 years"),
+        "{stderr}"
+    );
+    assert!(!dir.join("outbox.db").exists(), "refused before opening");
+}
+
+macro_rules! sweep_test {
+    ($($name:ident: $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let dir = temp_dir("outbox-sweep");
+            let db = match stringify!($db) {
+                "postgres" => Db::postgres().await,
+                _ => Db::sqlite(&dir).await,
+            };
+            a_backlog_of_delivered_rows_is_swept_in_one_pass(db, dir).await;
+        }
+    )*};
+}
+
+sweep_test! {
+    retention_keeps_up_with_more_than_a_batch_per_sweep_interval_postgres: postgres;
+    retention_keeps_up_with_more_than_a_batch_per_sweep_interval_sqlite: sqlite;
+}
+
+/// The sweeper deleted one batch (500 rows) per `sweep_interval` (60 s)
+/// per worker: above about 8 deliveries a second, delivered rows piled up
+/// for ever. 2,000 expired rows are gone after one sweep (the next is a
+/// minute later); a row younger than `retention` stays.
+async fn a_backlog_of_delivered_rows_is_swept_in_one_pass(db: Db, dir: TempDir) {
+    let config = dir.join("outbox.toml");
+    std::fs::write(
+        &config,
+        outbox_config(
+            Some(db.url()),
+            "http://127.0.0.1:9",
+            &["crm"],
+            "retention = \"1h\"\n",
+        ),
+    )
+    .unwrap();
+    // A first run creates the table.
+    let mut first = Runner::start(&dir, &config);
+    db.wait_for_table().await;
+    assert!(first.terminate(), "a clean exit");
+    let (pg, lite) = (
+        "INSERT INTO outbox_messages (topic, source, payload, state, completed_at)
+         SELECT 'crm', 'old-' || g, '\\x7b7d'::bytea, 'completed', now() - interval '2 hours'
+         FROM generate_series(1, 2000) g
+         UNION ALL SELECT 'crm', 'fresh', '\\x7b7d'::bytea, 'completed', now()",
+        "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 2000)
+         INSERT INTO outbox_messages (topic, source, payload, state, completed_at)
+         SELECT 'crm', 'old-' || n, X'7B7D', 'completed', unixepoch('subsec') - 7200 FROM g
+         UNION ALL SELECT 'crm', 'fresh', X'7B7D', 'completed', unixepoch('subsec')",
+    );
+    let inserted = match &db {
+        Db::Pg(pool, _) => sqlx::query(pg).execute(pool).await.unwrap().rows_affected(),
+        Db::Lite(pool, _) => sqlx::query(lite)
+            .execute(pool)
+            .await
+            .unwrap()
+            .rows_affected(),
+    };
+    assert_eq!(inserted, 2001);
+
+    let _second = Runner::start(&dir, &config);
+    // Its first sweep runs as its worker starts; the next one a minute later.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = db.count("state = 'completed'").await;
+        if left == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{left} delivered rows left after the first sweep"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(db.count("source = 'fresh'").await, 1, "a young row stays");
+    db.close().await;
 }

@@ -84,7 +84,8 @@ pub struct WorkerConfig {
     /// Delivered rows older than this are swept; `None` keeps them.
     /// Dead rows are never swept. Default 7 days.
     pub retention: Option<Duration>,
-    /// How often the sweeper runs. Default 60 s.
+    /// How often the sweeper runs; each run deletes batch after batch
+    /// until a short one comes back. Default 60 s.
     pub sweep_interval: Duration,
     /// On shutdown, how long running deliveries may finish; the rows of
     /// those still running then are given back (`retryable`, due now).
@@ -220,8 +221,9 @@ impl<D: Deliverer> Worker<D> {
         let wakeup = Wakeup::new(&outbox, config.listen).await;
         let (cancel, cancelled) = watch::channel(false);
         let mut tasks = JoinSet::new();
-        let mut next_rescue = Instant::now();
-        let mut next_sweep = Instant::now();
+        // `None`: an interval too long for the clock, never due again.
+        let mut next_rescue = Some(Instant::now());
+        let mut next_sweep = Some(Instant::now());
         tokio::pin!(shutdown);
 
         loop {
@@ -229,8 +231,8 @@ impl<D: Deliverer> Worker<D> {
                 log_panic(result);
             }
             let now = Instant::now();
-            if now >= next_rescue {
-                next_rescue = now + config.rescue_interval;
+            if next_rescue.is_some_and(|at| now >= at) {
+                next_rescue = now.checked_add(config.rescue_interval);
                 match outbox.rescue(config.batch).await {
                     Ok(ids) if !ids.is_empty() => {
                         tracing::info!(rows = ids.len(), "outbox: re-queued expired leases")
@@ -240,11 +242,12 @@ impl<D: Deliverer> Worker<D> {
                 }
             }
             if let Some(retention) = config.retention {
-                if now >= next_sweep {
-                    next_sweep = now + config.sweep_interval;
-                    if let Err(error) = outbox.sweep(retention, config.batch).await {
-                        tracing::warn!(%error, "outbox: sweep failed");
-                    }
+                if next_sweep.is_some_and(|at| now >= at) {
+                    next_sweep = match sweep(&outbox, retention, config.batch).await {
+                        Swept::Done => now.checked_add(config.sweep_interval),
+                        // More left: go on at the next turn, after a claim.
+                        Swept::Paused => Some(Instant::now()),
+                    };
                 }
             }
 
@@ -306,6 +309,51 @@ impl<D: Deliverer> Worker<D> {
             let _ = cancel.send(true);
             while let Some(result) = tasks.join_next().await {
                 log_panic(result);
+            }
+        }
+    }
+}
+
+/// The longest one turn of the sweeper deletes for before the worker
+/// claims again (a sweep cut short goes on at its next turn).
+const SWEEP_BUDGET: Duration = Duration::from_secs(1);
+
+/// How a sweep ended.
+enum Swept {
+    /// A short batch came back (or a statement failed): nothing left for
+    /// now.
+    Done,
+    /// [`SWEEP_BUDGET`] ran out with full batches still coming back.
+    Paused,
+}
+
+/// Deletes the delivered rows older than `retention`, `batch` per
+/// statement, while full batches come back (as the engine's sweeper does),
+/// so retention keeps up with any completion rate rather than one batch
+/// per `sweep_interval`; for at most [`SWEEP_BUDGET`], so claims never
+/// wait long behind a backlog.
+async fn sweep(outbox: &Outbox, retention: Duration, batch: usize) -> Swept {
+    let batch = batch.max(1);
+    let started = Instant::now();
+    let mut swept = 0;
+    loop {
+        match outbox.sweep(retention, batch).await {
+            Ok(n) => {
+                swept += n;
+                if (n as usize) < batch {
+                    if swept > 0 {
+                        tracing::debug!(rows = swept, "outbox: swept delivered rows");
+                    }
+                    return Swept::Done;
+                }
+                if started.elapsed() >= SWEEP_BUDGET {
+                    tracing::debug!(rows = swept, "outbox: swept delivered rows; more left");
+                    return Swept::Paused;
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "outbox: sweep failed");
+                return Swept::Done;
             }
         }
     }
@@ -574,6 +622,46 @@ mod tests {
         // A huge Retry-After is capped.
         let huge = Some(Duration::from_secs(86_400));
         assert_eq!(backoff.delay(1, huge), Duration::from_secs(600));
+    }
+
+    /// `rescue_interval = "500000000000y"` panicked the worker: its next
+    /// run overflowed the clock. An interval too long for the clock never
+    /// comes due instead.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn an_interval_too_long_for_the_clock_never_comes_due() {
+        struct Nothing;
+        #[async_trait::async_trait]
+        impl Deliverer for Nothing {
+            async fn deliver(
+                &self,
+                _: &Delivery,
+            ) -> Result<crate::outbox::Delivered, DeliveryError> {
+                Err(DeliveryError::permanent("never called"))
+            }
+            fn topics(&self) -> Option<Vec<String>> {
+                Some(vec!["none".to_owned()])
+            }
+        }
+        let path = std::env::temp_dir().join(format!(
+            "tower-idempotency-worker-{}-{:?}.db",
+            std::process::id(),
+            std::time::SystemTime::now()
+        ));
+        let outbox = Outbox::connect(path.to_str().unwrap()).await.unwrap();
+        let worker = Worker::new(outbox, Nothing).config(WorkerConfig {
+            poll_interval: Duration::from_millis(10),
+            rescue_interval: Duration::MAX,
+            sweep_interval: Duration::MAX,
+            listen: false,
+            ..WorkerConfig::default()
+        });
+        let run = tokio::spawn(worker.run(tokio::time::sleep(Duration::from_millis(200))));
+        let ran = run.await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+        assert!(ran.is_ok(), "the worker panicked: {ran:?}");
     }
 
     #[test]

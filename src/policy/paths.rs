@@ -70,6 +70,8 @@ pub(super) fn strip_format_suffix(path: &str) -> Option<&str> {
 /// case-sensitive server reads.
 pub(super) fn front_controller_path(path: &str) -> Option<&str> {
     let bytes = path.as_bytes();
+    // Most paths hold no dot: found at once.
+    memchr::memchr(b'.', bytes)?;
     let mut segment = 0;
     for (i, &b) in bytes.iter().enumerate() {
         if b != b'/' {

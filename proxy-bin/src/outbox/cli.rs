@@ -182,9 +182,18 @@ async fn open(target: &Target) -> Result<Outbox, String> {
     workers::open(&url, 0).await
 }
 
-/// `outbox run`: the workers alone until SIGTERM or SIGINT.
+/// `outbox run`: the workers alone until SIGTERM or SIGINT. The file is
+/// checked as the proxy checks it (`[proxy]` included: its
+/// `shutdown_timeout` bounds the workers' shutdown). Without `--store`, the
+/// file must name the database (`[outbox] database` or `[proxy] store`):
+/// the proxy's default store is never assumed, so a file that names none
+/// creates nothing.
 async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
     let config = Config::load(path)?;
+    let resolved = config.proxy.clone().resolve();
+    resolved
+        .check()
+        .map_err(|error| format!("{}: {error}", path.display()))?;
     let Some(settings) = &config.outbox else {
         return Err(format!(
             "{}: no [outbox] table: add [outbox] and its [[outbox.destination]] entries",
@@ -194,6 +203,15 @@ async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn s
     };
     let database = match store {
         Some(url) => checked(&url)?,
+        None if settings.database.is_none() && config.proxy.store.is_none() => {
+            return Err(format!(
+                "{}: no outbox database is configured: set `database` in [outbox] or \
+                 [proxy] `store`, or pass --store postgres://URL | sqlite://PATH \
+                 (`outbox run` does not assume the proxy's default store)",
+                path.display()
+            )
+            .into())
+        }
         None => database_of(&config, path)?,
     };
     let secrets = settings.secrets(path)?;
@@ -211,7 +229,7 @@ async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn s
         _ = int.recv() => {}
     }
     tracing::info!("stopping the outbox workers");
-    let timeout = config.proxy.clone().resolve().shutdown_timeout;
+    let timeout = resolved.shutdown_timeout;
     if tokio::time::timeout(timeout, workers.shutdown())
         .await
         .is_err()

@@ -127,6 +127,25 @@ pub type Refusal = (Option<usize>, String);
 
 const TABLE: &str = "[[outbox.destination]]";
 
+/// The longest any `[outbox]` duration may be: the cap of the `[proxy]`
+/// durations (`Resolved::check`), far inside what the workers add them to
+/// (a huge `rescue_interval` overflowed the clock and panicked the worker;
+/// a huge `lease` left PostgreSQL's time range and failed every claim).
+const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The `[proxy]` `shutdown_timeout` of the file, or its default: the most
+/// the workers' shutdown may take, in the proxy and in `outbox run` alike
+/// (it has no flag). Read from the whole text, which parsed already.
+fn shutdown_timeout(text: &str) -> Duration {
+    #[derive(Deserialize)]
+    struct File {
+        #[serde(default)]
+        proxy: crate::config::ProxySettings,
+    }
+    let file = toml::from_str::<File>(text).map(|file| file.proxy);
+    file.unwrap_or_default().resolve().shutdown_timeout
+}
+
 impl OutboxFile {
     /// Checks the table; `text` is the whole file (for line numbers).
     pub fn check(self, text: &str) -> Result<OutboxSettings, Refusal> {
@@ -156,14 +175,21 @@ impl OutboxFile {
             Some(n) => n.into_inner(),
             None => defaults.concurrency,
         };
-        let positive = |value: Option<Duration>, key: &str, default: Duration| match value {
-            Some(d) if d.is_zero() => Err((
-                None,
-                format!("[outbox] `{key}`: must be longer than zero (e.g. \"1s\")"),
-            )),
-            Some(d) => Ok(d),
-            None => Ok(default),
+        let bounded = |value: Option<Duration>, key: &str| match value {
+            Some(d) if d > MAX_DURATION => {
+                Err((None, format!("[outbox] `{key}`: must be at most 100 years")))
+            }
+            _ => Ok(value),
         };
+        let positive =
+            |value: Option<Duration>, key: &str, default: Duration| match bounded(value, key)? {
+                Some(d) if d.is_zero() => Err((
+                    None,
+                    format!("[outbox] `{key}`: must be longer than zero (e.g. \"1s\")"),
+                )),
+                Some(d) => Ok(d),
+                None => Ok(default),
+            };
         let worker = WorkerConfig {
             concurrency,
             lease: positive(self.lease, "lease", defaults.lease)?,
@@ -173,8 +199,9 @@ impl OutboxFile {
                 "rescue_interval",
                 defaults.rescue_interval,
             )?,
-            shutdown_grace: self.shutdown_grace.unwrap_or(defaults.shutdown_grace),
-            retention: match self.retention {
+            shutdown_grace: bounded(self.shutdown_grace, "shutdown_grace")?
+                .unwrap_or(defaults.shutdown_grace),
+            retention: match bounded(self.retention, "retention")? {
                 Some(d) if d.is_zero() => None,
                 Some(d) => Some(d),
                 None => defaults.retention,
@@ -182,6 +209,28 @@ impl OutboxFile {
             listen: self.listen.unwrap_or(defaults.listen),
             ..defaults
         };
+        // The process exits at `shutdown_timeout`: a grace as long leaves
+        // no time to give back the rows of the deliveries still running,
+        // which then wait for the rescuer. (A zero timeout is refused by
+        // the `[proxy]` checks.)
+        let timeout = shutdown_timeout(text);
+        let mut worker = worker;
+        if self.shutdown_grace.is_none() && worker.shutdown_grace >= timeout {
+            // The default grace, under a shorter timeout: half of it.
+            worker.shutdown_grace = timeout / 2;
+        }
+        if !timeout.is_zero() && worker.shutdown_grace >= timeout {
+            return Err((
+                None,
+                format!(
+                    "[outbox] `shutdown_grace` ({}) must be shorter than [proxy] \
+                     `shutdown_timeout` ({}), which ends the process: the rows of \
+                     deliveries still running after the grace are given back within it",
+                    humantime::format_duration(worker.shutdown_grace),
+                    humantime::format_duration(timeout)
+                ),
+            ));
+        }
         if self.destination.is_empty() {
             return Err((
                 None,
@@ -303,6 +352,10 @@ impl OutboxFile {
                     "must be longer than zero (e.g. \"10s\")",
                 ));
             }
+            let durations = [("backoff_max", backoff.max), ("timeout", timeout)];
+            if let Some((key, _)) = durations.iter().find(|(_, d)| *d > MAX_DURATION) {
+                return Err(refuse(None, key, "must be at most 100 years"));
+            }
             destinations.push(DestinationSettings {
                 topic: topic.into_inner(),
                 url,
@@ -332,6 +385,13 @@ fn check_url(url: &str) -> Result<http::Uri, String> {
         .parse()
         .map_err(|_| "not a URL (e.g. \"http://crm.internal/hooks\")".to_owned())?;
     match uri.scheme_str() {
+        // The client drops `user:password@`: every delivery would meet 401.
+        Some("http") if uri.authority().is_some_and(|a| a.as_str().contains('@')) => Err(
+            "credentials in the URL are never sent (no `Authorization` goes out): remove \
+             them and sign the deliveries with `secret_env` or `secret_file` instead, \
+             which the receiver verifies"
+                .to_owned(),
+        ),
         Some("http") if uri.host().is_some() => Ok(uri),
         Some("https") => Err("https:// is not supported by the proxy's deliverer yet: \
                               deliver over http:// to a TLS-terminating sidecar, or use \
@@ -473,6 +533,103 @@ mod tests {
                     backoff_base = \"0s\"\n";
         let (_, message) = Config::parse(text).unwrap_err();
         assert!(message.contains("`backoff_base`"), "{message}");
+    }
+
+    fn destination(extra: &str) -> String {
+        format!("[outbox]\n[[outbox.destination]]\ntopic = \"t\"\nurl = \"http://a/h\"\n{extra}")
+    }
+
+    /// A duration too long for the clock panicked the worker (`rescue_interval`:
+    /// the next run overflowed `Instant`) or failed every claim (`lease`,
+    /// past PostgreSQL's range): every `[outbox]` duration is refused above
+    /// the `[proxy]` cap, naming its key.
+    #[test]
+    fn a_duration_too_long_for_the_clock_is_refused_naming_its_key() {
+        let huge = "\"500000000000y\"";
+        for key in [
+            "lease",
+            "poll_interval",
+            "rescue_interval",
+            "retention",
+            "shutdown_grace",
+        ] {
+            let text =
+                destination("").replacen("[outbox]\n", &format!("[outbox]\n{key} = {huge}\n"), 1);
+            let (_, message) = Config::parse(&text).unwrap_err();
+            assert!(
+                message.contains(&format!("`{key}`")) && message.contains("at most 100 years"),
+                "{key}: {message}"
+            );
+        }
+        for key in ["backoff_max", "timeout"] {
+            let (line, message) =
+                Config::parse(&destination(&format!("{key} = {huge}\n"))).unwrap_err();
+            assert_eq!(line, Some(2), "{key}: {message}");
+            assert!(
+                message.contains(&format!("`{key}`")) && message.contains("at most 100 years"),
+                "{key}: {message}"
+            );
+        }
+        let text = destination("").replacen("[outbox]\n", "[outbox]\nlease = \"36500d\"\n", 1);
+        assert!(Config::parse(&text).is_ok(), "the cap itself is allowed");
+    }
+
+    /// The HTTP client drops a URL's `user:password@` (no `Authorization`
+    /// is sent): every delivery met 401 and every row went dead. Refused,
+    /// pointing at signing; the password is never repeated.
+    #[test]
+    fn credentials_in_a_destination_url_are_refused() {
+        for url in [
+            "http://user:hunter2@crm/hooks",
+            "http://hunter2@crm:8080/hooks",
+        ] {
+            let text = destination("").replace("http://a/h", url);
+            let (line, message) = Config::parse(&text).unwrap_err();
+            assert_eq!(line, Some(4), "{message}");
+            assert!(
+                message.contains("`url`")
+                    && message.contains("credentials")
+                    && message.contains("secret_env"),
+                "{message}"
+            );
+            assert!(!message.contains("hunter2"), "{message}");
+        }
+    }
+
+    /// The process ends at `shutdown_timeout` whatever the workers do: a
+    /// `shutdown_grace` as long leaves no time to give the rows back (they
+    /// wait for the rescuer, after their lease), so it is refused.
+    #[test]
+    fn a_shutdown_grace_not_shorter_than_shutdown_timeout_is_refused() {
+        let with = |proxy: &str, outbox: &str| {
+            destination("").replacen(
+                "[outbox]\n",
+                &format!("[proxy]\n{proxy}[outbox]\n{outbox}"),
+                1,
+            )
+        };
+        for (proxy, outbox) in [
+            ("shutdown_timeout = \"5s\"\n", "shutdown_grace = \"5s\"\n"),
+            ("shutdown_timeout = \"5s\"\n", "shutdown_grace = \"1m\"\n"),
+            // The defaults: a 30 s timeout.
+            ("", "shutdown_grace = \"30s\"\n"),
+        ] {
+            let (_, message) = Config::parse(&with(proxy, outbox)).unwrap_err();
+            assert!(
+                message.contains("`shutdown_grace`") && message.contains("`shutdown_timeout`"),
+                "{proxy}{outbox}: {message}"
+            );
+        }
+        assert!(Config::parse(&with(
+            "shutdown_timeout = \"5s\"\n",
+            "shutdown_grace = \"4s\"\n"
+        ))
+        .is_ok());
+        assert!(Config::parse(&with("", "shutdown_grace = \"29s\"\n")).is_ok());
+        // The default grace (10 s) under a shorter timeout is half of it.
+        let config = Config::parse(&with("shutdown_timeout = \"5s\"\n", "")).unwrap();
+        let outbox = config.outbox.unwrap();
+        assert_eq!(outbox.worker.shutdown_grace, Duration::from_millis(2500));
     }
 
     #[test]
