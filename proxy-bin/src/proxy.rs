@@ -326,9 +326,15 @@ impl ProxyHttp for IdempotencyProxy {
                 self.engine.upstream_failed(true, request)
             }
             (ErrorSource::Upstream, _) => self.engine.upstream_failed(false, request),
+            // A client that took none of its answer in time ([`write_head`])
+            // is gone too: an error page written to it would block again,
+            // with no timeout, and after a partial head.
             (
                 ErrorSource::Downstream,
-                ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed,
+                ErrorType::WriteError
+                | ErrorType::WriteTimedout
+                | ErrorType::ReadError
+                | ErrorType::ConnectionClosed,
             ) => return gone,
             _ => {
                 let code = match error.etype() {

@@ -204,13 +204,8 @@ impl Upstream {
     /// Adds the forwarding headers every request to the upstream carries:
     /// `X-Forwarded-For` (the client appended to any earlier hops),
     /// `X-Forwarded-Proto` (kept when a front proxy set it, else `http`),
-    /// and `Host` (the client's is kept; the upstream's when it sent none);
-    /// and removes the headers a backend may route by instead of the
-    /// target ([`headers::path_overriding`]), which the engine did not.
+    /// and `Host` (the client's is kept; the upstream's when it sent none).
     pub fn add_forwarding_headers(&self, request: &mut RequestHeader, client: Option<SocketAddr>) {
-        for name in headers::path_overriding(&request.headers) {
-            request.remove_header(&name);
-        }
         if let Some(client) = client {
             let ip = client.ip().to_string();
             let value = match request

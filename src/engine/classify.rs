@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Method, Uri};
 
-use super::Engine;
+use super::{headers, Engine};
 use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
@@ -150,7 +150,25 @@ impl Engine {
     /// if any: the rule the operator's lookups ([`Engine::scope_of`])
     /// use, which name the method the backend dispatched.
     pub(super) fn route_of(&self, head: &RequestHead<'_>) -> Option<&Arc<RoutePolicy>> {
-        self.inner.routes.find(head.method, head.route_path())
+        let readings = headers::path_readings(head.headers, head.route_path());
+        self.find(head.method, head, &readings)
+    }
+
+    /// The route of `method` on the request's path, or on a path a header
+    /// names for the backend ([`headers::path_readings`], given as
+    /// `readings`): of those, the first `required` route, else the first.
+    fn find(
+        &self,
+        method: &Method,
+        head: &RequestHead<'_>,
+        readings: &[String],
+    ) -> Option<&Arc<RoutePolicy>> {
+        let routes = &self.inner.routes;
+        let mut found = routes.find(method, head.route_path());
+        for path in readings {
+            found = crate::policy::prefer(found, || routes.find(method, path));
+        }
+        found
     }
 
     /// Every route a request may be dispatched under, read before its
@@ -160,7 +178,7 @@ impl Engine {
     /// a route lists; for any other method, its own.
     fn routes_of(&self, head: &RequestHead<'_>) -> Vec<&Arc<RoutePolicy>> {
         let routes = &self.inner.routes;
-        let path = head.route_path();
+        let readings = headers::path_readings(head.headers, head.route_path());
         let mut methods = overrides(head, None);
         let mut add = |method: &Method| {
             if !methods.contains(method) {
@@ -173,7 +191,7 @@ impl Engine {
         }
         let mut found: Vec<&Arc<RoutePolicy>> = Vec::new();
         for method in &methods {
-            if let Some(route) = routes.find(method, path) {
+            if let Some(route) = self.find(method, head, &readings) {
                 if !found.iter().any(|known| Arc::ptr_eq(known, route)) {
                     found.push(route);
                 }
@@ -198,14 +216,14 @@ impl Engine {
         head: &RequestHead<'_>,
         body: &View<'_>,
     ) -> Option<Dispatched<'r>> {
-        let path = head.route_path();
+        let readings = headers::path_readings(head.headers, head.route_path());
         let find = |method: Method| {
-            let route = self.inner.routes.find(&method, path)?;
+            let route = self.find(&method, head, &readings)?;
             Some((Some(method), route))
         };
         let named = overrides(head, Some(body)).into_iter().filter_map(find);
         let own = self
-            .route_of(head)
+            .find(head.method, head, &readings)
             .or_else(|| covered.applies_to(head.method).then_some(covered))
             .map(|route| (None, route));
         // A body that may name a method no reading here can see: every

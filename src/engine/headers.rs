@@ -134,37 +134,76 @@ fn not_forwarded_unless(
     names
 }
 
-/// The request headers a backend may take the request's path from instead
-/// of its target, which the proxy never forwards: the engine routes a
-/// request by its target, so a client could otherwise have a covered route
-/// run under a target no route covers. gunicorn (23 and later, trusting
-/// the proxy on `127.0.0.1` by default) sets WSGI's `SCRIPT_NAME` and
-/// `PATH_INFO` from headers so named (`-` read as `_`, any case), which
-/// Django and Flask route by; Yii reads the path from `X-Rewrite-Url`,
-/// Zend and older Symfony from `X-Original-Url` too. Found by a scan of
-/// the names, which allocates only when one is there.
-pub fn path_overriding(request: &HeaderMap) -> Vec<HeaderName> {
-    let overrides = |name: &HeaderName| {
-        let name = name.as_str().as_bytes();
-        let wsgi = |variable: &[u8]| {
-            name.len() == variable.len()
-                && name
-                    .iter()
-                    .zip(variable)
-                    .all(|(&b, &v)| b == v || (b == b'-' && v == b'_'))
+/// The paths a backend may route a request by besides its target's
+/// `path`, read from headers that servers and frameworks take from a
+/// trusted proxy: `SCRIPT_NAME` (gunicorn sets WSGI's `SCRIPT_NAME` from a
+/// header so named, trusting a proxy on `127.0.0.1` by default, and
+/// Django and Flask route by the rest of the path), `X-Script-Name` (the
+/// Flask `ReverseProxied` recipe) and `X-Forwarded-Prefix` each strip
+/// their value from the front of the path; `PATH_INFO`, `X-Original-Url`
+/// (Zend, older Symfony) and `X-Rewrite-Url` (Yii) name the path itself.
+/// Names match with `-` or `_`. The engine covers a request when any
+/// reading is covered (a mount behind a front proxy that sets them keeps
+/// working: they are forwarded as they came). Empty, with no allocation,
+/// for a request without such a header.
+pub fn path_readings(request: &HeaderMap, path: &str) -> Vec<String> {
+    let mut readings: Vec<String> = Vec::new();
+    for (name, value) in request {
+        let Some(reading) = path_header(name) else {
+            continue;
         };
-        wsgi(b"script_name")
-            || wsgi(b"path_info")
-            || name == b"x-rewrite-url"
-            || name == b"x-original-url"
-    };
-    let mut names: Vec<HeaderName> = Vec::new();
-    for name in request.keys() {
-        if overrides(name) && !names.contains(name) {
-            names.push(name.clone());
+        let Ok(value) = std::str::from_utf8(value.as_bytes()) else {
+            continue;
+        };
+        let value = value.trim();
+        let routed = match reading {
+            PathHeader::Prefix => {
+                let prefix = value.trim_end_matches('/');
+                match path.strip_prefix(prefix) {
+                    Some(rest) if !prefix.is_empty() && rest.is_empty() => "/".to_owned(),
+                    Some(rest) if !prefix.is_empty() && rest.starts_with('/') => rest.to_owned(),
+                    _ => continue,
+                }
+            }
+            PathHeader::Whole => {
+                let whole = value.split(['?', '#']).next().unwrap_or_default();
+                match whole.starts_with('/') {
+                    true => whole.to_owned(),
+                    false => continue,
+                }
+            }
+        };
+        if routed != path && !readings.contains(&routed) {
+            readings.push(routed);
         }
     }
-    names
+    readings
+}
+
+/// How a header of [`path_readings`] names a path.
+enum PathHeader {
+    /// Its value is cut from the front of the path.
+    Prefix,
+    /// Its value is the path (and maybe a query).
+    Whole,
+}
+
+fn path_header(name: &HeaderName) -> Option<PathHeader> {
+    let name = name.as_str().as_bytes();
+    let spelled = |expected: &[u8]| {
+        name.len() == expected.len()
+            && name
+                .iter()
+                .zip(expected)
+                .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
+    };
+    if spelled(b"script-name") || spelled(b"x-script-name") || spelled(b"x-forwarded-prefix") {
+        Some(PathHeader::Prefix)
+    } else if spelled(b"path-info") || spelled(b"x-original-url") || spelled(b"x-rewrite-url") {
+        Some(PathHeader::Whole)
+    } else {
+        None
+    }
 }
 
 /// The response headers not relayed to the client: the connection headers
@@ -262,32 +301,40 @@ mod tests {
     }
 
     #[test]
-    fn headers_that_name_another_path_are_found_with_dash_or_underscore() {
-        let request = map(&[
-            ("script_name", "/x"),
-            ("script-name", "/y"),
-            ("path_info", "/contact"),
-            ("x-rewrite-url", "/contact"),
-            ("x-original-url", "/contact"),
-            ("x-script-name", "/z"),
-            ("path-infos", "/z"),
-            ("content-type", "text/plain"),
-        ]);
-        let found: Vec<String> = path_overriding(&request)
-            .iter()
-            .map(|name| name.to_string())
-            .collect();
+    fn headers_that_route_by_another_path_are_read_as_readings() {
+        let readings =
+            |pairs: &[(&'static str, &'static str)], path: &str| path_readings(&map(pairs), path);
         assert_eq!(
-            found,
-            [
-                "script_name",
-                "script-name",
-                "path_info",
-                "x-rewrite-url",
-                "x-original-url"
-            ]
+            readings(&[("script_name", "/x")], "/x/contact"),
+            ["/contact"]
         );
-        assert!(path_overriding(&map(&[("host", "a")])).is_empty());
+        assert_eq!(
+            readings(&[("x-script-name", "/x/")], "/x/contact"),
+            ["/contact"]
+        );
+        assert_eq!(readings(&[("x-forwarded-prefix", "/app")], "/app"), ["/"]);
+        assert_eq!(readings(&[("script-name", "/x")], "/xy/contact"), [""; 0]);
+        assert_eq!(readings(&[("script_name", "")], "/x/contact"), [""; 0]);
+        assert_eq!(
+            readings(&[("x-original-url", "/contact?a=1")], "/plain"),
+            ["/contact"]
+        );
+        assert_eq!(
+            readings(&[("x_rewrite_url", "/contact")], "/plain"),
+            ["/contact"]
+        );
+        assert_eq!(
+            readings(&[("path_info", "/contact")], "/plain"),
+            ["/contact"]
+        );
+        assert_eq!(
+            readings(&[("x-original-url", "contact")], "/plain"),
+            [""; 0]
+        );
+        assert_eq!(
+            readings(&[("x-script-names", "/x"), ("host", "a")], "/x/contact"),
+            [""; 0]
+        );
     }
 
     #[test]

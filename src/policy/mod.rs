@@ -18,6 +18,7 @@ mod status;
 mod tests;
 
 pub use paths::{normalize_path, scope_host};
+pub(crate) use routes::prefer;
 pub use routes::{PathPattern, Route, Routes};
 pub use status::StatusSet;
 

@@ -446,7 +446,7 @@ impl Routes {
 
 /// Of two readings' routes, `found` unless it is not `required` and
 /// `other` (asked only then) is; else whichever is covered, `found` first.
-fn prefer<'a>(
+pub(crate) fn prefer<'a>(
     found: Option<&'a Arc<RoutePolicy>>,
     other: impl FnOnce() -> Option<&'a Arc<RoutePolicy>>,
 ) -> Option<&'a Arc<RoutePolicy>> {

@@ -65,12 +65,15 @@ impl Workers {
             .collect();
         let started = workers.clone();
         tokio::spawn(async move {
-            let mut logged = false;
+            // Said again every minute: a lasting failure (a role without
+            // the right to create the table's trigger, a migration that
+            // conflicts) must not be one line lost in the log.
+            let mut attempts = 0u64;
             while let Err(error) = outbox.migrate().await {
-                if !logged {
-                    tracing::warn!(%error, "outbox database unavailable; workers start when it answers");
-                    logged = true;
+                if attempts % 60 == 0 {
+                    tracing::warn!(%error, attempts = attempts + 1, "outbox database unavailable or its migrations failed; no row is delivered until they succeed");
                 }
+                attempts += 1;
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 if started.stopping.load(std::sync::atomic::Ordering::SeqCst) {
                     return;
