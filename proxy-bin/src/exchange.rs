@@ -82,9 +82,10 @@ pub async fn run_and_relay(
     session: &mut Session,
     exchange: Execution<()>,
     frames: &mut mpsc::UnboundedReceiver<Relayed>,
+    hold: usize,
 ) -> Result<bool> {
     let mut exchange = Some(exchange);
-    let mut relayed = pin!(relay(session, frames));
+    let mut relayed = pin!(relay(session, frames, hold));
     poll_fn(|cx| {
         if let Some(running) = exchange.as_mut() {
             if Pin::new(running).poll(cx).is_ready() {
@@ -98,19 +99,63 @@ pub async fn run_and_relay(
 }
 
 /// Writes the frames of one exchange to the client.
+///
+/// An HTTP/1.0 client reads no chunks ([`for_client`]): an answer without
+/// a length is held for it, up to `hold` bytes, and written with its
+/// `Content-Length` once it ended, so a cut shows as a cut (no answer at
+/// all) rather than as an end. A larger one goes out framed by the close.
 pub async fn relay(
     session: &mut Session,
     frames: &mut mpsc::UnboundedReceiver<Relayed>,
+    hold: usize,
 ) -> Result<bool> {
-    // A chunk's place is given back once it is written.
+    let mut held: Option<Held> = None;
+    // A chunk's place is given back once it is written (or held).
     while let Some(Relayed { frame, _room }) = frames.recv().await {
         match frame {
+            Frame::Head(head) if hold > 0 && needs_length(session, &head) => {
+                held = Some(Held {
+                    head,
+                    chunks: Vec::new(),
+                    bytes: 0,
+                });
+            }
             Frame::Head(mut head) => {
-                for_client(session.req_header().version, &mut head);
+                for_client(session, &mut head);
                 write_head(session, head, false).await?
             }
-            Frame::Body(chunk) => write_body(session, Some(chunk), false).await?,
+            Frame::Body(chunk) => match held.as_mut() {
+                Some(holding) if holding.bytes + chunk.len() <= hold => {
+                    holding.bytes += chunk.len();
+                    holding.chunks.push(chunk);
+                }
+                Some(_) => {
+                    // Too large to hold: framed by the close from here.
+                    let Held {
+                        mut head, chunks, ..
+                    } = held.take().expect("held");
+                    for_client(session, &mut head);
+                    write_head(session, head, false).await?;
+                    for chunk in chunks.into_iter().chain([chunk]) {
+                        write_body(session, Some(chunk), false).await?;
+                    }
+                }
+                None => write_body(session, Some(chunk), false).await?,
+            },
             Frame::End => {
+                if let Some(Held {
+                    mut head,
+                    chunks,
+                    bytes,
+                }) = held.take()
+                {
+                    head.remove_header(&header::TRANSFER_ENCODING);
+                    head.insert_header(header::CONTENT_LENGTH, bytes)?;
+                    write_head(session, head, false).await?;
+                    for chunk in chunks {
+                        write_body(session, Some(chunk), false).await?;
+                    }
+                }
                 write_body(session, None, true).await?;
                 return Ok(true);
             }
@@ -330,16 +375,36 @@ pub fn relayed_head(request: &RequestHeader, head: &ResponseHeader) -> ResponseH
     head
 }
 
-/// `head` as a client speaking `version` reads it: an HTTP/1.0 client
-/// knows no `Transfer-Encoding` (RFC 9112, 6.1: a server must not send it
-/// chunks; it would keep the chunk framing as the body), so a chunked body
-/// is sent to it framed by the connection's close, which Pingora then
-/// closes. *Limit* (README): such a client cannot tell a cut from the end.
-pub fn for_client(version: http::Version, head: &mut ResponseHeader) {
+/// An answer [`relay`] holds for an HTTP/1.0 client until it ends.
+struct Held {
+    head: Box<ResponseHeader>,
+    chunks: Vec<Bytes>,
+    bytes: usize,
+}
+
+/// Whether `head` is chunked for an HTTP/1.0 client, with a body to come.
+fn needs_length(session: &Session, head: &ResponseHeader) -> bool {
+    let request = session.req_header();
+    request.version == http::Version::HTTP_10
+        && request.method != http::Method::HEAD
+        && !headers::bodiless(head.status)
+        && head.headers.contains_key(header::TRANSFER_ENCODING)
+}
+
+/// `head` as the session's client reads it: an HTTP/1.0 client knows no
+/// `Transfer-Encoding` (RFC 9112, 6.1: a server must not send it chunks;
+/// it would keep the chunk framing as the body), so a chunked body is sent
+/// to it framed by the connection's close, and the connection is not kept
+/// (Pingora would have said `keep-alive` first). *Limit* (README): such a
+/// client cannot tell a cut from the end; [`relay`] holds recorded answers
+/// to give them a length instead.
+pub fn for_client(session: &mut Session, head: &mut ResponseHeader) {
+    let version = session.req_header().version;
     if version == http::Version::HTTP_10 && head.headers.contains_key(header::TRANSFER_ENCODING) {
         head.remove_header(&header::TRANSFER_ENCODING);
         // Beside a transfer coding a length frames nothing (RFC 9112, 6.3).
         head.remove_header(&header::CONTENT_LENGTH);
+        session.set_keepalive(None);
     }
 }
 

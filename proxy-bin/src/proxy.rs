@@ -118,6 +118,9 @@ impl IdempotencyProxy {
             None => covered.policy(),
         };
         let request = self.upstream_request(session, policy, body.len());
+        // What an HTTP/1.0 client's answer is held up to, to be given a
+        // length: the bytes the recorder holds of it anyway.
+        let hold = policy.policy().max_response_bytes;
         let (frames, mut receiver) = exchange::channel();
         let exchange = Exchange {
             engine: self.engine.clone(),
@@ -132,7 +135,7 @@ impl IdempotencyProxy {
             true => Execution::new(run),
             false => Execution::new(run.instrument(span)),
         };
-        exchange::run_and_relay(session, execution, &mut receiver).await
+        exchange::run_and_relay(session, execution, &mut receiver, hold).await
     }
 
     /// Answers a body that was too large or could not be read (nothing was
@@ -302,7 +305,7 @@ impl ProxyHttp for IdempotencyProxy {
         upstream_response: &mut ResponseHeader,
         _ctx: &mut RequestCtx,
     ) -> Result<()> {
-        exchange::for_client(session.req_header().version, upstream_response);
+        exchange::for_client(session, upstream_response);
         Ok(())
     }
 
