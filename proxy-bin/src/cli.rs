@@ -27,7 +27,7 @@ use clap::{Args, Subcommand};
 use tower_idempotency::{Engine, EngineConfig};
 
 use crate::config::Config;
-use crate::keys::{self, Failure, Op, PrincipalInput, Query, Target};
+use crate::keys::{self, Failure, JwtCaller, Op, PrincipalInput, Query, Target};
 
 /// A subcommand; none runs the proxy.
 // Parsed once per process: the variants' sizes do not matter.
@@ -160,11 +160,11 @@ impl PrincipalArgs {
                     .unwrap_or_else(|_| serde_json::Value::String(value.to_owned()));
                 tenant.insert(name.to_owned(), value);
             }
-            return Ok(Some(PrincipalInput::Jwt {
+            return Ok(Some(PrincipalInput::Jwt(JwtCaller {
                 sub: sub.clone(),
                 iss: self.jwt_iss.clone(),
                 tenant,
-            }));
+            })));
         }
         Ok(self.principal.clone().map(PrincipalInput::Raw))
     }

@@ -56,17 +56,24 @@ pub enum PrincipalInput {
     /// The principal's bytes, as text.
     Raw(String),
     /// A JWT route's caller.
-    Jwt {
-        /// The token's `sub`.
-        sub: String,
-        /// The token's `iss`, if it has one.
-        #[serde(default)]
-        iss: Option<String>,
-        /// Its route's `tenant_claims` as the token holds them (`null` for
-        /// one it lacks); none for a route without them.
-        #[serde(default)]
-        tenant: BTreeMap<String, serde_json::Value>,
-    },
+    Jwt(JwtCaller),
+}
+
+/// A JWT route's caller, as a token names it. No other field is taken: a
+/// claim given beside these (`{"sub": …, "org_id": …}`) instead of under
+/// `tenant` would name another principal and find nothing.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtCaller {
+    /// The token's `sub`.
+    pub sub: String,
+    /// The token's `iss`, if it has one.
+    #[serde(default)]
+    pub iss: Option<String>,
+    /// Its route's `tenant_claims` as the token holds them (`null` for
+    /// one it lacks); none for a route without them.
+    #[serde(default)]
+    pub tenant: BTreeMap<String, serde_json::Value>,
 }
 
 impl Query {
@@ -91,7 +98,7 @@ impl PrincipalInput {
     fn bytes(&self) -> Vec<u8> {
         match self {
             PrincipalInput::Raw(text) => text.as_bytes().to_vec(),
-            PrincipalInput::Jwt { sub, iss, tenant } => {
+            PrincipalInput::Jwt(JwtCaller { sub, iss, tenant }) => {
                 jwt_principal_in(iss.as_deref(), sub, tenant)
             }
         }
@@ -371,7 +378,7 @@ fn scope(engine: &Engine, target: &Target) -> Result<(ScopeKey, Option<String>),
                         .to_owned(),
                 ))
             }
-            PrincipalInput::Jwt { .. } if route.jwt.is_none() => {
+            PrincipalInput::Jwt(_) if route.jwt.is_none() => {
                 return Err(Failure::Input(
                     "principal: the route takes its caller from a header; give the header's value as text"
                         .to_owned(),

@@ -219,6 +219,14 @@ async fn every_key_route_needs_the_token_and_answers_json() {
             json!({ "principal": "42", "host": "a.example" }),
             "every host and route",
         ),
+        // A tenant claim beside `sub` rather than under `tenant` names
+        // another principal: refused rather than purging nothing.
+        (
+            "POST",
+            "/keys/purge-principal",
+            json!({ "principal": { "sub": "42", "org_id": "a" } }),
+            "principal",
+        ),
         (
             "GET",
             "/keys/in-flight?older_than=soon",

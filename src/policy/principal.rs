@@ -349,14 +349,13 @@ impl JwtPolicy {
         {
             return Err(invalid("an empty `issuer` or `audience`"));
         }
-        if let Some(claim) = self
-            .tenant_claims
-            .iter()
-            .find(|claim| claim.is_empty() || matches!(claim.as_str(), "sub" | "iss"))
-        {
+        let repeated = |i: usize, claim: &String| self.tenant_claims[..i].contains(claim);
+        if let Some((_, claim)) = self.tenant_claims.iter().enumerate().find(|(i, claim)| {
+            claim.is_empty() || matches!(claim.as_str(), "sub" | "iss") || repeated(*i, claim)
+        }) {
             return Err(invalid(format!(
-                "`tenant_claims` names `{claim}`: name the claims beside `iss` and `sub` \
-                 that pick the tenant (such as `org_id`)"
+                "`tenant_claims` names `{claim}` (empty, `iss`, `sub` or twice): name each \
+                 claim beside `iss` and `sub` that picks the tenant once (such as `org_id`)"
             )));
         }
         Ok(JwtVerifier {
@@ -454,12 +453,20 @@ pub fn jwt_principal_in(
     principal
 }
 
+/// The claims a principal is made of.
 #[derive(Deserialize)]
 struct Claims {
     sub: String,
     #[serde(default)]
     iss: Option<String>,
-    /// The others, read only for [`JwtPolicy::tenant_claims`].
+}
+
+/// [`Claims`] and the others, read only for a route with
+/// [`JwtPolicy::tenant_claims`] (collecting them costs every token).
+#[derive(Deserialize)]
+struct TenantClaims {
+    #[serde(flatten)]
+    claims: Claims,
     #[serde(flatten)]
     others: BTreeMap<String, serde_json::Value>,
 }
@@ -521,19 +528,24 @@ impl JwtVerifier {
         };
         let mut reason = "signature";
         for key in keys {
-            match jsonwebtoken::decode::<Claims>(token, key, validation) {
-                Ok(data) if data.claims.sub.is_empty() => return Resolved::Invalid("empty sub"),
-                Ok(mut data) => {
-                    let tenant: BTreeMap<String, serde_json::Value> = self
+            let decoded = match self.tenant_claims.is_empty() {
+                true => jsonwebtoken::decode::<Claims>(token, key, validation)
+                    .map(|data| (data.claims, BTreeMap::new())),
+                false => jsonwebtoken::decode::<TenantClaims>(token, key, validation).map(|data| {
+                    let TenantClaims { claims, others } = data.claims;
+                    let tenant = self
                         .tenant_claims
                         .iter()
-                        .map(|name| {
-                            let value = data.claims.others.remove(name).unwrap_or_default();
-                            (name.clone(), value)
-                        })
+                        .map(|name| (name.clone(), others.get(name).cloned().unwrap_or_default()))
                         .collect();
-                    let (iss, sub) = (data.claims.iss.as_deref(), &data.claims.sub);
-                    return Resolved::Found(jwt_principal_in(iss, sub, &tenant));
+                    (claims, tenant)
+                }),
+            };
+            match decoded {
+                Ok((claims, _)) if claims.sub.is_empty() => return Resolved::Invalid("empty sub"),
+                Ok((claims, tenant)) => {
+                    let principal = jwt_principal_in(claims.iss.as_deref(), &claims.sub, &tenant);
+                    return Resolved::Found(principal);
                 }
                 Err(error) => {
                     use jsonwebtoken::errors::ErrorKind;
@@ -618,6 +630,19 @@ mod tests {
             .load(&[HeaderName::from_static("authorization")])
             .unwrap_err();
         assert!(error.reason.contains("scope_headers"), "{error}");
+        // A tenant claim named twice scoped every tenant as `null`.
+        for claims in [&["org_id", "org_id"][..], &["sub"], &[""]] {
+            let tenant = PrincipalPolicy::jwt(JwtPolicy {
+                hs256_secret_file: vec![secret_file("tenant", &[7; 32])],
+                tenant_claims: claims.iter().map(|c| c.to_string()).collect(),
+                ..JwtPolicy::default()
+            });
+            let error = tenant.load(&[]).unwrap_err();
+            assert!(
+                error.reason.contains("tenant_claims"),
+                "{claims:?}: {error}"
+            );
+        }
     }
 
     #[test]
