@@ -211,13 +211,15 @@ impl Exchange {
     /// before answering, and keeps it as "executed, response incomplete"
     /// when it broke off after its head).
     ///
-    /// While it holds a key, the exchange ends at the route's
-    /// `execution_timeout`, as the layer's does: an upstream that keeps its
-    /// connection busy (interim `102 Processing` answers, a body trickled a
-    /// byte at a time) would otherwise hold the key in flight for as long
-    /// as it likes, each read within `read_timeout`. Then the key keeps
-    /// "executed, outcome unknown" (a 504 every retry replays), and a client
-    /// that has the head already is cut.
+    /// While it holds a key, the wait for the answer ends at the route's
+    /// `execution_timeout` from the start, as the layer's does (connecting
+    /// and writing keep their own timeouts, so a request that never
+    /// reached the upstream still frees its key): an upstream that keeps
+    /// its connection busy (interim `102 Processing` answers, a body
+    /// trickled a byte at a time) would otherwise hold the key in flight
+    /// for as long as it likes, each read within `read_timeout`. Then the
+    /// key keeps "executed, outcome unknown" (a 504 every retry replays),
+    /// and a client that has the head already is cut.
     pub async fn run(
         mut self,
         request: RequestHeader,
@@ -227,22 +229,9 @@ impl Exchange {
         let deadline = reservation.as_ref().map(|reservation| {
             tokio::time::Instant::now() + reservation.policy().policy().execution_timeout
         });
-        let sending = self.upstream.send(&request, &body);
-        let sent = match deadline {
-            Some(deadline) => tokio::time::timeout_at(deadline, sending).await,
-            None => Ok(sending.await),
-        };
-        let mut session = match sent {
-            Ok(Ok(session)) => session,
-            Err(_) => {
-                tracing::warn!("upstream did not answer within the route's execution_timeout");
-                if let Some(reservation) = reservation {
-                    let problem = reservation.execution_timed_out(&request.headers).await;
-                    self.send(Frame::Failed(problem), false).await;
-                }
-                return;
-            }
-            Ok(Err(failure)) => {
+        let mut session = match self.upstream.send(&request, &body, deadline).await {
+            Ok(session) => session,
+            Err(failure) => {
                 tracing::warn!(error = %crate::logs::Redacted(&failure.error), timed_out = failure.timed_out, sent = failure.sent, "upstream failed");
                 let (timed_out, headers) = (failure.timed_out, &request.headers);
                 // The engine releases the key only if the upstream cannot
@@ -271,23 +260,29 @@ impl Exchange {
         // When the upstream finished its answer: its idle clock for the
         // connection starts then, not once the outcome is stored.
         let mut finished = None;
+        // One timer for the whole body, made when a read first waits.
+        let mut expired = pin!(async move {
+            match deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        });
         loop {
             let holding = recorder.as_ref().is_some_and(Recorder::is_recording);
-            let read = match deadline {
-                Some(deadline) if holding => {
-                    match tokio::time::timeout_at(deadline, session.read_body_bytes()).await {
-                        Ok(read) => read,
-                        Err(_) => {
-                            tracing::warn!("upstream did not finish its answer within the route's execution_timeout");
-                            if let Some(recording) = recorder.take() {
-                                recording.execution_timed_out(&request.headers).await;
-                            }
-                            self.send(Frame::Abort, false).await;
-                            return;
+            let read = match holding {
+                true => tokio::select! {
+                    biased;
+                    read = session.read_body_bytes() => read,
+                    () = &mut expired => {
+                        tracing::warn!("upstream did not finish its answer within the route's execution_timeout");
+                        if let Some(recording) = recorder.take() {
+                            recording.execution_timed_out(&request.headers).await;
                         }
+                        self.send(Frame::Abort, false).await;
+                        return;
                     }
-                }
-                _ => session.read_body_bytes().await,
+                },
+                false => session.read_body_bytes().await,
             };
             match read {
                 Ok(Some(chunk)) => {

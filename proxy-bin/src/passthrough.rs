@@ -86,7 +86,7 @@ pub async fn forward(
         .and_then(|addr| addr.as_inet())
         .copied();
     upstream.add_forwarding_headers(&mut request, client);
-    let mut exchange = match upstream.send(&request, &body).await {
+    let mut exchange = match upstream.send(&request, &body, None).await {
         Ok(exchange) => exchange,
         Err(failure) => {
             tracing::warn!(error = %crate::logs::Redacted(&failure.error), timed_out = failure.timed_out, "upstream failed");

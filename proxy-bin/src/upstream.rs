@@ -130,7 +130,17 @@ impl Upstream {
     /// sent twice, and the caller's 502 or 504 is kept as the key's
     /// outcome. Pooled connections are not kept past the idle time the
     /// upstream announces (`Keep-Alive: timeout=N`), so that race is rare.
-    pub async fn send(&self, request: &RequestHeader, body: &Bytes) -> Result<Sent, ExchangeError> {
+    ///
+    /// With a `deadline`, waiting for the answer's head ends there (the
+    /// request was sent: a timeout, never released); connecting and
+    /// writing keep their own timeouts, so a request that never reached
+    /// the upstream is not mistaken for one it may have acted on.
+    pub async fn send(
+        &self,
+        request: &RequestHeader,
+        body: &Bytes,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Sent, ExchangeError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -152,7 +162,7 @@ impl Upstream {
                     (stream, false)
                 }
             };
-            match self.exchange_head(stream, request, body).await {
+            match self.exchange_head(stream, request, body, deadline).await {
                 Ok(session) => return Ok(session),
                 Err((sent, error)) => {
                     // Once the request head is written, the upstream may
@@ -376,6 +386,7 @@ impl Upstream {
         mut stream: Stream,
         request: &RequestHeader,
         body: &Bytes,
+        deadline: Option<tokio::time::Instant>,
     ) -> Result<Sent, (bool, Box<Error>)> {
         let session = |stream| {
             let mut session = HttpSession::new_with_options(stream, &self.peer);
@@ -400,7 +411,7 @@ impl Upstream {
                 false => session.write_body(body).await,
             };
             let finished = written.and(session.finish_body().await);
-            return match read_head(&mut session).await {
+            return match read_head(&mut session, deadline).await {
                 Ok(()) => Ok(Sent {
                     session,
                     reusable: false,
@@ -440,7 +451,7 @@ impl Upstream {
         let sent = written >= head_length;
         let mut session = session(stream);
         match result {
-            Ok(()) => read_head(&mut session)
+            Ok(()) => read_head(&mut session, deadline)
                 .await
                 .map(|()| {
                     let reusable = framed_cleanly(&session, &request.method, !body.is_empty());
@@ -451,7 +462,7 @@ impl Upstream {
             // An upstream that answered before reading the body: its
             // answer, if it reached us, is the response; the connection,
             // with part of the body unwritten, is never reused.
-            Err(error) => match read_head(&mut session).await {
+            Err(error) => match read_head(&mut session, deadline).await {
                 Ok(()) => Ok(Sent {
                     session,
                     reusable: false,
@@ -572,14 +583,31 @@ fn framed_cleanly(session: &HttpSession, method: &http::Method, had_body: bool) 
 }
 
 /// Reads the response head, skipping interim responses (100 Continue, 103
-/// Early Hints; 101 cannot happen without an Upgrade header).
-async fn read_head(session: &mut HttpSession) -> Result<(), Box<Error>> {
-    loop {
-        session.read_response().await?;
-        match session.get_status() {
-            Some(status) if status.is_informational() && status.as_u16() != 101 => continue,
-            _ => return Ok(()),
+/// Early Hints, 102 Processing; 101 cannot happen without an Upgrade
+/// header), until `deadline`: an upstream that sends interim answers for
+/// good passes every `read_timeout`.
+async fn read_head(
+    session: &mut HttpSession,
+    deadline: Option<tokio::time::Instant>,
+) -> Result<(), Box<Error>> {
+    let read = async {
+        loop {
+            session.read_response().await?;
+            match session.get_status() {
+                Some(status) if status.is_informational() && status.as_u16() != 101 => continue,
+                _ => return Ok(()),
+            }
         }
+    };
+    let Some(deadline) = deadline else {
+        return read.await;
+    };
+    match tokio::time::timeout_at(deadline, read).await {
+        Ok(read) => read,
+        Err(_) => Error::e_explain(
+            ErrorType::ReadTimedout,
+            "no answer within the route's execution_timeout",
+        ),
     }
 }
 
