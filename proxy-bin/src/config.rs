@@ -395,7 +395,7 @@ impl Config {
 /// matches alone, if one does, judged by the engine's own matcher on
 /// paths standing for all that `pattern` matches: a prefix itself and a
 /// path three segments under it, a glob with each `*` one segment and
-/// each `**` three. Their segments are `%`, which no pattern holds
+/// each `**` one and three. Their segments are `%`, which no pattern holds
 /// (escapes are refused), so only an exclusion's wildcard or prefix
 /// matches them: `/api/**` or `/api` leaves `/api/pay` alone, `/api/*`
 /// only `/api/pay` itself. Under `case_insensitive_paths`, in any case.
@@ -410,7 +410,13 @@ fn shadowing<'e>(
     };
     let pattern = fold(pattern);
     let samples = match pattern.contains('*') {
-        true => vec![pattern.replace("**", "%/%/%").replace('*', "%")],
+        // `**` as one segment and as three: an exclusion of a fixed depth
+        // (`/api/*/*/*`) leaves some of a `/api/**` route's paths alone,
+        // never all.
+        true => vec![
+            pattern.replace("**", "%").replace('*', "%"),
+            pattern.replace("**", "%/%/%").replace('*', "%"),
+        ],
         false => vec![format!("{}/%/%/%", pattern.trim_end_matches('/')), pattern],
     };
     exclusions.iter().find(|(earlier, _)| {
@@ -598,6 +604,8 @@ mod tests {
             ("/api/*", "/api/pay"),
             ("/api/*", "/api/**"),
             ("/api/*/internal", "/api/*/submit"),
+            ("/api/*/*/*", "/api/**"),
+            ("/api/**/*", "/api/**"),
             ("/API", "/api/pay"),
             ("/api/pay/x", "/api/pay"),
         ] {

@@ -379,7 +379,8 @@ impl Routes {
     /// routes it (`/index.php/contact` as `/contact`).
     ///
     /// A route that leaves the full path alone (`enabled = false` for
-    /// `/legacy.php/**`) decides for it, as for a format suffix.
+    /// `/legacy.php/**`) decides for it, as for a format suffix, unless it
+    /// leaves the routed path alone too (a trailing `/` exclusion).
     fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         let normal = normalize(path, self.case_insensitive, true);
         let mut found = self.decide_formatted(method, &normal);
@@ -388,11 +389,16 @@ impl Routes {
                 self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
             });
         }
-        match front_controller_path(&normal) {
-            Some(routed) if !matches!(self.decide(method, &normal), Decision::LeftAlone(_)) => {
-                prefer(found, || self.find_spelled(method, routed))
-            }
-            _ => found,
+        let Some(routed) = front_controller_path(&normal) else {
+            return found;
+        };
+        match self.decide(method, &normal) {
+            // A route leaving the full path alone decides for it, unless
+            // it also leaves the routed path alone (a catch-all `/`
+            // exclusion after the routes): broader than the route the
+            // routed path reaches first.
+            Decision::LeftAlone(route) if !route.path.matches(routed) => found,
+            _ => prefer(found, || self.find_spelled(method, routed)),
         }
     }
 

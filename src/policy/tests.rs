@@ -269,6 +269,20 @@ fn a_php_front_controller_path_is_read_as_it_routes() {
         .unwrap();
     assert!(routes.find(&Method::POST, "/legacy.php/contact").is_none());
     assert!(routes.find(&Method::POST, "/index.php/contact").is_some());
+    // A catch-all exclusion after the routes leaves the routed path alone
+    // too: the route it reaches first decides (as for a format suffix).
+    let required = Policy {
+        required: true,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/contact", required)
+        .unwrap()
+        .exclude("/")
+        .unwrap();
+    let found = routes.find(&Method::POST, "/index.php/contact");
+    assert!(found.is_some_and(|p| p.policy().required));
+    assert!(routes.find(&Method::POST, "/index.php/other").is_none());
 }
 
 #[test]
