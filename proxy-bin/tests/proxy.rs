@@ -1390,3 +1390,59 @@ async fn two_listeners_on_one_port_are_refused_at_start() {
         assert!(stderr.contains("cannot listen on"), "{stderr}");
     }
 }
+
+/// From a review of the proxy's writes: a replay went out as one write,
+/// and the client's write timeout (`body_timeout`) bounded all of it, so a
+/// client reading steadily but slowly never got a large stored response
+/// (every retry cut). Written in pieces, each piece has the timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_but_steady_reader_gets_a_large_replay() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = "[proxy]\nbody_timeout = \"1s\"\n\n[[route]]\npath = \"/chunked\"\n\
+                  max_response_bytes = 16777216\n";
+    let (_backend, proxy) = start("slow-reader", config).await;
+    let key = uuid();
+    // About 8 MiB: more than loopback's socket buffers take at once.
+    let path = "/chunked?n=84000";
+    let first = proxy
+        .send("POST", path, &[("idempotency-key", &key)], "")
+        .await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    let expected = first.body.len();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 * 1024).unwrap();
+    let mut conn = socket.connect(proxy.addr).await.unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {}\r\nIdempotency-Key: {key}\r\nContent-Length: 0\r\n\
+         Connection: close\r\n\r\n",
+        proxy.addr
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    // About 2.5 MB/s: the whole replay takes over three times body_timeout.
+    let mut got = Vec::new();
+    let mut piece = vec![0; 256 * 1024];
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut read = 0;
+        while read < piece.len() {
+            match conn.read(&mut piece[read..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => read += n,
+            }
+        }
+        got.extend_from_slice(&piece[..read]);
+        if read < piece.len() {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&got);
+    let (head, body) = text.split_once("\r\n\r\n").expect("a head");
+    assert!(
+        head.contains("201")
+            && head
+                .to_ascii_lowercase()
+                .contains("idempotent-replayed: true"),
+        "{head}"
+    );
+    assert_eq!(body.len(), expected, "the replay was cut");
+}
