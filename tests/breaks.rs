@@ -2152,6 +2152,29 @@ async fn a_named_method_decides_over_the_posts_own_route_and_every_guess() {
     assert_eq!(app.send(request).await.status, StatusCode::BAD_REQUEST);
 }
 
+/// A policy for `methods`, `required` or not.
+fn methods_policy(methods: &[&str], required: bool) -> Policy {
+    Policy {
+        methods: methods.iter().map(|m| m.to_string()).collect(),
+        required,
+        ..Policy::default()
+    }
+}
+
+/// The layer over `routes` (memory store) in front of a handler that reads
+/// the body and answers 200 numbering its execution (`x-update`).
+fn updating(routes: Routes) -> support::Upstream {
+    let engine = Engine::new(MemoryStore::new(), routes);
+    layered(&engine, |n, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("x-update", n.to_string())
+            .body(Body::empty())
+            .unwrap()
+    })
+}
+
 /// A second review's spellings: a required `POST` route is not given up
 /// for the optional route a query's `_method` names (Rails and Symfony run
 /// it as a `POST`); Laravel's JSON is any `/json` or `+json` type; Rack
@@ -2160,27 +2183,14 @@ async fn a_named_method_decides_over_the_posts_own_route_and_every_guess() {
 /// Each keyless request must get 400 and never reach the backend.
 #[tokio::test]
 async fn a_required_route_wins_over_every_reading_that_disagrees() {
-    let policy = |methods: &[&str], required: bool| Policy {
-        methods: methods.iter().map(|m| m.to_string()).collect(),
-        required,
-        ..Policy::default()
-    };
     let routes = Routes::new()
-        .route("/api/payments", policy(&["POST"], true))
+        .route("/api/payments", methods_policy(&["POST"], true))
         .unwrap()
-        .route("/api", policy(&["POST", "PATCH"], false))
+        .route("/api", methods_policy(&["POST", "PATCH"], false))
         .unwrap()
-        .route("/orders", policy(&["DELETE", "LINK"], true))
+        .route("/orders", methods_policy(&["DELETE", "LINK"], true))
         .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let app = layered(&engine, |n, request| async move {
-        let _ = request.into_body().collect().await.unwrap();
-        Response::builder()
-            .status(StatusCode::OK)
-            .header("x-update", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = updating(routes);
     let form = Some("application/x-www-form-urlencoded");
     // (path, content type, body, override header)
     type Case = (
@@ -2235,23 +2245,10 @@ async fn a_required_route_wins_over_every_reading_that_disagrees() {
 /// method was answered with the first one's response.
 #[tokio::test]
 async fn every_override_header_and_line_names_a_method() {
-    let policy = |methods: &[&str], required: bool| Policy {
-        methods: methods.iter().map(|m| m.to_string()).collect(),
-        required,
-        ..Policy::default()
-    };
     let routes = Routes::new()
-        .route("/orders", policy(&["DELETE", "PUT"], true))
+        .route("/orders", methods_policy(&["DELETE", "PUT"], true))
         .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let app = layered(&engine, |n, request| async move {
-        let _ = request.into_body().collect().await.unwrap();
-        Response::builder()
-            .status(StatusCode::OK)
-            .header("x-update", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = updating(routes);
     let cases: [&[(&str, &str)]; 4] = [
         &[
             ("x-http-method-override", "PATCH"),
