@@ -136,6 +136,14 @@ pub fn fingerprint_view(
             put(&mut hasher, value.as_bytes());
         }
     }
+    // Likewise the path a header names for the backend (`SCRIPT_NAME`,
+    // `X-Original-Url`): a retry naming another runs another handler.
+    for (name, value) in headers {
+        if formats::path_header(name).is_some() && !fingerprint_headers.contains(name) {
+            put(&mut hasher, name.as_str().as_bytes());
+            put(&mut hasher, value.as_bytes());
+        }
+    }
     // A body sent encoded is another request than its bytes sent as they
     // are: a backend that inflates it reads other content.
     if !fingerprint_headers.contains(&header::CONTENT_ENCODING) {

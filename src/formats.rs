@@ -57,6 +57,40 @@ pub(crate) const METHOD_OVERRIDES: [http::HeaderName; 3] = [
     http::HeaderName::from_static("x-method-override"),
 ];
 
+/// How a request header names the path a backend may route by instead
+/// of the target ([`crate::engine::headers::path_readings`]).
+pub(crate) enum PathHeader {
+    /// Its value is cut from the front of the path.
+    Prefix,
+    /// Its value is the path (and maybe a query).
+    Whole,
+}
+
+/// Whether, and how, header `name` names a path for the backend
+/// (`SCRIPT_NAME`, `X-Original-Url`, …; `-` or `_` in the name). Such
+/// headers are read by the classification and fingerprinted.
+pub(crate) fn path_header(name: &http::HeaderName) -> Option<PathHeader> {
+    let name = name.as_str().as_bytes();
+    // Most names have none of these lengths: one comparison each.
+    if !matches!(name.len(), 9 | 11 | 13 | 14 | 18) {
+        return None;
+    }
+    let spelled = |expected: &[u8]| {
+        name.len() == expected.len()
+            && name
+                .iter()
+                .zip(expected)
+                .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
+    };
+    if spelled(b"script-name") || spelled(b"x-script-name") || spelled(b"x-forwarded-prefix") {
+        Some(PathHeader::Prefix)
+    } else if spelled(b"path-info") || spelled(b"x-original-url") || spelled(b"x-rewrite-url") {
+        Some(PathHeader::Whole)
+    } else {
+        None
+    }
+}
+
 /// Whether Rack or PHP read a body of `content_type` as a form: they cut
 /// the media type at `;`, `,` or a space (PHP) and take an absent or empty
 /// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`

@@ -2285,6 +2285,57 @@ async fn every_override_header_and_line_names_a_method() {
     assert_eq!(app.calls(), 2);
 }
 
+/// From a review of the path headers: backends cut a prefix header from
+/// the path more loosely than the first reading did (gunicorn without a
+/// `/` after it, the Flask recipe from the decoded path, repeated lines
+/// joined by `,`), and zend-http drops a URL's `scheme://authority` from
+/// `X-Rewrite-Url`: each request ran the required route's handler
+/// unprotected. And the path a header names is part of the request: the
+/// same key and target with another `SCRIPT_NAME` is refused, not replayed.
+#[tokio::test]
+async fn every_path_header_reading_backends_take_is_covered() {
+    let routes = Routes::new()
+        .route("/contact", methods_policy(&["POST"], true))
+        .unwrap()
+        .route("/", methods_policy(&["POST"], false))
+        .unwrap();
+    let app = updating(routes);
+    let cases: [(&str, &[(&str, &str)]); 4] = [
+        ("/acontact", &[("script_name", "/a")]),
+        ("/%61/contact", &[("x-script-name", "/a")]),
+        (
+            "/a,/b/contact",
+            &[("x-script-name", "/a"), ("x-script-name", "/b")],
+        ),
+        (
+            "/plain",
+            &[("x-rewrite-url", "http://shop.example/contact")],
+        ),
+    ];
+    for (path, lines) in cases {
+        let mut request = Request::post(path);
+        for (name, value) in lines {
+            request = request.header(*name, *value);
+        }
+        let reply = app
+            .send(request.body(Full::new(Bytes::new())).unwrap())
+            .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{path} {lines:?}");
+    }
+    assert_eq!(app.calls(), 0);
+    let keyed = |script_name: Option<&str>| {
+        let mut request = Request::post("/x/a").header("idempotency-key", "k-x");
+        if let Some(prefix) = script_name {
+            request = request.header("script_name", prefix);
+        }
+        request.body(Full::new(Bytes::new())).unwrap()
+    };
+    assert_eq!(app.send(keyed(Some("/x"))).await.status, StatusCode::OK);
+    let other = app.send(keyed(None)).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(app.calls(), 1);
+}
+
 /// Bodies the backend reads as two different requests that the fingerprint
 /// read as one, from a review of the fingerprint: the second is answered
 /// with the first's response (its change silently dropped) where it must

@@ -35,7 +35,9 @@ use crate::upstream::Upstream;
 /// What the upstream exchange hands to the client side.
 pub enum Frame {
     /// The upstream's response head.
-    Head(Box<ResponseHeader>),
+    /// The upstream's response head, and whether its answer is recorded
+    /// (the recorder holds it whole: so may the relay).
+    Head(Box<ResponseHeader>, bool),
     /// A body chunk.
     Body(Bytes),
     /// The response is complete.
@@ -100,10 +102,11 @@ pub async fn run_and_relay(
 
 /// Writes the frames of one exchange to the client.
 ///
-/// An HTTP/1.0 client reads no chunks ([`for_client`]): an answer without
-/// a length is held for it, up to `hold` bytes, and written with its
-/// `Content-Length` once it ended, so a cut shows as a cut (no answer at
-/// all) rather than as an end. A larger one goes out framed by the close.
+/// An HTTP/1.0 client reads no chunks ([`for_client`]): a recorded answer
+/// without a length is held for it, up to `hold` bytes, and written with
+/// its `Content-Length` once it ended, so a cut shows as a cut (the
+/// connection closed without an answer) rather than as an end. A larger or
+/// unrecorded one goes out framed by the close.
 pub async fn relay(
     session: &mut Session,
     frames: &mut mpsc::UnboundedReceiver<Relayed>,
@@ -113,14 +116,14 @@ pub async fn relay(
     // A chunk's place is given back once it is written (or held).
     while let Some(Relayed { frame, _room }) = frames.recv().await {
         match frame {
-            Frame::Head(head) if hold > 0 && needs_length(session, &head) => {
+            Frame::Head(head, true) if hold > 0 && needs_length(session, &head) => {
                 held = Some(Held {
                     head,
                     chunks: Vec::new(),
                     bytes: 0,
                 });
             }
-            Frame::Head(mut head) => {
+            Frame::Head(mut head, _) => {
                 for_client(session, &mut head);
                 write_head(session, head, false).await?
             }
@@ -167,8 +170,18 @@ pub async fn relay(
             Frame::Abort => break,
         }
     }
-    Error::e_explain(ErrorType::ReadError, "the upstream broke off its response")
-        .map_err(|e| e.into_up())
+    match held {
+        // Nothing was written: the connection is cut without an answer
+        // (an error page here would tell an HTTP/1.0 client another story
+        // than the key's stored outcome).
+        Some(_) => Error::e_explain(
+            ErrorType::ConnectionClosed,
+            "the upstream broke off an answer held for an HTTP/1.0 client",
+        )
+        .map_err(|e| e.into_down()),
+        None => Error::e_explain(ErrorType::ReadError, "the upstream broke off its response")
+            .map_err(|e| e.into_up()),
+    }
 }
 
 /// One request sent upstream by the proxy itself; its [`Exchange::run`]
@@ -256,7 +269,7 @@ impl Exchange {
         let head = relayed_head(&request, answered);
         // Bytes that are not recorded move at the client's pace.
         let mut paced = !recorder.as_ref().is_some_and(Recorder::is_recording);
-        self.send(Frame::Head(Box::new(head)), false).await;
+        self.send(Frame::Head(Box::new(head), !paced), false).await;
         // When the upstream finished its answer: its idle clock for the
         // connection starts then, not once the outcome is stored.
         let mut finished = None;

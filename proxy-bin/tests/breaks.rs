@@ -1528,4 +1528,6 @@ async fn an_http_1_0_client_never_gets_chunks() {
         !complete,
         "a cut answer reached an HTTP/1.0 client as complete: {answer}"
     );
+    // Nor another answer than the key's outcome (a 502 saying "retry").
+    assert!(answer.is_empty(), "{answer}");
 }

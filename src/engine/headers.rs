@@ -1,12 +1,14 @@
 //! Header hygiene: which headers belong to one connection and never travel
-//! further, and which are never stored for a replay. The engine (storing a
-//! response) and the proxy (forwarding a buffered request, relaying a
+//! further, which are never stored for a replay, and which name another
+//! path for the backend. The engine (storing a response, routing a
+//! request) and the proxy (forwarding a buffered request, relaying a
 //! response head) both ask here, so the rules exist once.
 //!
-//! Depends on nothing in this crate.
+//! Depends on the crate's readings of requests (`formats`, `policy`) only.
 
 use http::{header, HeaderMap, HeaderName, HeaderValue};
 
+use crate::formats::{self, PathHeader};
 use crate::policy::RoutePolicy;
 
 /// The headers that describe one connection rather than the message
@@ -146,68 +148,83 @@ fn not_forwarded_unless(
 /// reading is covered (a mount behind a front proxy that sets them keeps
 /// working: they are forwarded as they came). Empty, with no allocation,
 /// for a request without such a header.
+///
+/// Each is read as backends read it: its first and its last line, and its
+/// lines joined by `,` (as gunicorn joins them); a prefix cut from the path
+/// as sent and as decoded (WSGI's `PATH_INFO` is decoded, and the Flask
+/// recipe cuts from it), without regard to a `/` after it (gunicorn cuts
+/// `/a` from `/acontact`, and Werkzeug routes the rest as `/contact`); a
+/// named path with its `scheme://authority` dropped (zend-http drops it).
+/// At most three values of each of the six names, so a request cannot ask
+/// for more than a few dozen route lookups.
 pub fn path_readings(request: &HeaderMap, path: &str) -> Vec<String> {
     let mut readings: Vec<String> = Vec::new();
-    for (name, value) in request {
-        let Some(reading) = path_header(name) else {
-            continue;
-        };
-        let Ok(value) = std::str::from_utf8(value.as_bytes()) else {
-            continue;
-        };
-        let value = value.trim();
-        let routed = match reading {
-            PathHeader::Prefix => {
-                let prefix = value.trim_end_matches('/');
-                match path.strip_prefix(prefix) {
-                    Some(rest) if !prefix.is_empty() && rest.is_empty() => "/".to_owned(),
-                    Some(rest) if !prefix.is_empty() && rest.starts_with('/') => rest.to_owned(),
-                    _ => continue,
-                }
-            }
-            PathHeader::Whole => {
-                let whole = value.split(['?', '#']).next().unwrap_or_default();
-                match whole.starts_with('/') {
-                    true => whole.to_owned(),
-                    false => continue,
-                }
-            }
-        };
+    let mut add = |routed: String| {
         if routed != path && !readings.contains(&routed) {
             readings.push(routed);
+        }
+    };
+    for name in request.keys() {
+        let Some(kind) = formats::path_header(name) else {
+            continue;
+        };
+        let lines: Vec<&str> = request
+            .get_all(name)
+            .iter()
+            .filter_map(|value| std::str::from_utf8(value.as_bytes()).ok())
+            .collect();
+        let mut values: Vec<std::borrow::Cow<'_, str>> = Vec::new();
+        if let (Some(first), Some(last)) = (lines.first(), lines.last()) {
+            values.push((*first).into());
+            if lines.len() > 1 {
+                values.push((*last).into());
+                values.push(lines.join(",").into());
+            }
+        }
+        for value in &values {
+            let value = value.trim();
+            match kind {
+                PathHeader::Prefix => {
+                    let prefix = value.trim_end_matches('/');
+                    if prefix.is_empty() {
+                        continue;
+                    }
+                    let decoded = crate::policy::normalize_path(path, false);
+                    for spelled in [path, &decoded] {
+                        if let Some(rest) = spelled.strip_prefix(prefix) {
+                            add(format!("/{}", rest.trim_start_matches('/')));
+                        }
+                    }
+                }
+                PathHeader::Whole => {
+                    let whole = without_authority(value);
+                    let whole = whole.split(['?', '#']).next().unwrap_or_default();
+                    if whole.starts_with('/') {
+                        add(whole.to_owned());
+                    }
+                }
+            }
         }
     }
     readings
 }
 
-/// How a header of [`path_readings`] names a path.
-enum PathHeader {
-    /// Its value is cut from the front of the path.
-    Prefix,
-    /// Its value is the path (and maybe a query).
-    Whole,
-}
-
-fn path_header(name: &HeaderName) -> Option<PathHeader> {
-    let name = name.as_str().as_bytes();
-    // Most names have none of these lengths: one comparison each.
-    if !matches!(name.len(), 9 | 11 | 13 | 14 | 18) {
-        return None;
-    }
-    let spelled = |expected: &[u8]| {
-        name.len() == expected.len()
-            && name
-                .iter()
-                .zip(expected)
-                .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
+/// `value` without a leading `scheme://authority` (`http://h/contact` is
+/// `/contact`; `http://h` is `/`).
+fn without_authority(value: &str) -> &str {
+    let Some(at) = value.find("://") else {
+        return value;
     };
-    if spelled(b"script-name") || spelled(b"x-script-name") || spelled(b"x-forwarded-prefix") {
-        Some(PathHeader::Prefix)
-    } else if spelled(b"path-info") || spelled(b"x-original-url") || spelled(b"x-rewrite-url") {
-        Some(PathHeader::Whole)
-    } else {
-        None
+    let scheme = &value[..at];
+    if scheme.is_empty()
+        || !scheme
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b))
+    {
+        return value;
     }
+    let rest = &value[at + 3..];
+    rest.find('/').map_or("/", |i| &rest[i..])
 }
 
 /// The response headers not relayed to the client: the connection headers
@@ -317,7 +334,32 @@ mod tests {
             ["/contact"]
         );
         assert_eq!(readings(&[("x-forwarded-prefix", "/app")], "/app"), ["/"]);
-        assert_eq!(readings(&[("script-name", "/x")], "/xy/contact"), [""; 0]);
+        // gunicorn cuts without a boundary, Werkzeug routes the rest.
+        assert_eq!(
+            readings(&[("script-name", "/x")], "/xy/contact"),
+            ["/y/contact"]
+        );
+        assert_eq!(
+            readings(&[("script-name", "/a")], "/acontact"),
+            ["/contact"]
+        );
+        // Cut from the decoded path, as the Flask recipe cuts PATH_INFO.
+        assert_eq!(
+            readings(&[("x-script-name", "/a")], "/%61/contact"),
+            ["/contact"]
+        );
+        // Repeated lines, joined as gunicorn joins them.
+        assert_eq!(
+            readings(
+                &[("x-script-name", "/a"), ("x-script-name", "/b")],
+                "/a,/b/contact"
+            ),
+            ["/,/b/contact", "/contact"]
+        );
+        assert_eq!(
+            readings(&[("x-rewrite-url", "http://h/contact?x")], "/plain"),
+            ["/contact"]
+        );
         assert_eq!(readings(&[("script_name", "")], "/x/contact"), [""; 0]);
         assert_eq!(
             readings(&[("x-original-url", "/contact?a=1")], "/plain"),

@@ -245,8 +245,10 @@ impl<D: Deliverer> Worker<D> {
                 if next_sweep.is_some_and(|at| now >= at) {
                     next_sweep = match sweep(&outbox, retention, config.batch).await {
                         Swept::Done => now.checked_add(config.sweep_interval),
-                        // More left: go on at the next turn, after a claim.
-                        Swept::Paused => Some(Instant::now()),
+                        // More left: go on after as long again, so a
+                        // backlog takes at most half the worker's time
+                        // from deliveries.
+                        Swept::Paused => Instant::now().checked_add(SWEEP_BUDGET),
                     };
                 }
             }
@@ -315,7 +317,7 @@ impl<D: Deliverer> Worker<D> {
 }
 
 /// The longest one turn of the sweeper deletes for before the worker
-/// claims again (a sweep cut short goes on at its next turn).
+/// claims again (a sweep cut short goes on as long after).
 const SWEEP_BUDGET: Duration = Duration::from_secs(1);
 
 /// How a sweep ended.

@@ -351,11 +351,18 @@ impl JwtPolicy {
         }
         let repeated = |i: usize, claim: &String| self.tenant_claims[..i].contains(claim);
         if let Some((_, claim)) = self.tenant_claims.iter().enumerate().find(|(i, claim)| {
-            claim.is_empty() || matches!(claim.as_str(), "sub" | "iss") || repeated(*i, claim)
+            // `exp`, `iat`, `nbf` and `jti` change with every token: a
+            // retry with a refreshed one would be another caller.
+            let volatile = matches!(claim.as_str(), "exp" | "iat" | "nbf" | "jti");
+            claim.is_empty()
+                || matches!(claim.as_str(), "sub" | "iss")
+                || volatile
+                || repeated(*i, claim)
         }) {
             return Err(invalid(format!(
-                "`tenant_claims` names `{claim}` (empty, `iss`, `sub` or twice): name each \
-                 claim beside `iss` and `sub` that picks the tenant once (such as `org_id`)"
+                "`tenant_claims` names `{claim}` (empty, `iss`, `sub`, a claim each token \
+                 changes, or twice): name each claim beside `iss` and `sub` that picks the \
+                 tenant once (such as `org_id`)"
             )));
         }
         Ok(JwtVerifier {
@@ -631,7 +638,13 @@ mod tests {
             .unwrap_err();
         assert!(error.reason.contains("scope_headers"), "{error}");
         // A tenant claim named twice scoped every tenant as `null`.
-        for claims in [&["org_id", "org_id"][..], &["sub"], &[""]] {
+        for claims in [
+            &["org_id", "org_id"][..],
+            &["sub"],
+            &[""],
+            &["jti"],
+            &["exp"],
+        ] {
             let tenant = PrincipalPolicy::jwt(JwtPolicy {
                 hs256_secret_file: vec![secret_file("tenant", &[7; 32])],
                 tenant_claims: claims.iter().map(|c| c.to_string()).collect(),

@@ -69,11 +69,13 @@ impl Workers {
             // the right to create the table's trigger, a migration that
             // conflicts) must not be one line lost in the log.
             let mut attempts = 0u64;
+            let mut warned: Option<std::time::Instant> = None;
             while let Err(error) = outbox.migrate().await {
-                if attempts % 60 == 0 {
-                    tracing::warn!(%error, attempts = attempts + 1, "outbox database unavailable or its migrations failed; no row is delivered until they succeed");
-                }
                 attempts += 1;
+                if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+                    tracing::warn!(%error, attempts, "outbox database unavailable or its migrations failed; no row is delivered until they succeed");
+                    warned = Some(std::time::Instant::now());
+                }
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 if started.stopping.load(std::sync::atomic::Ordering::SeqCst) {
                     return;
