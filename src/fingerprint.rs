@@ -2,7 +2,9 @@
 //!
 //! SHA-256 over the method, the path (normalised, see
 //! [`normalize_path`](crate::policy::normalize_path)) and query, the
-//! selected headers and the body in canonical form:
+//! selected headers (a multipart `Content-Type` without its `boundary`),
+//! the headers naming a method or a path for the backend, and the body in
+//! canonical form:
 //!
 //! * **JSON** (`application/json`, `*/*+json`): object members sorted by
 //!   their decoded key (`"\u0061"` sorts as `"a"`), no insignificant

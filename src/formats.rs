@@ -59,6 +59,7 @@ pub(crate) const METHOD_OVERRIDES: [http::HeaderName; 3] = [
 
 /// How a request header names the path a backend may route by instead
 /// of the target ([`crate::engine::headers::path_readings`]).
+#[derive(Clone, Copy)]
 pub(crate) enum PathHeader {
     /// Its value is cut from the front of the path.
     Prefix,
@@ -66,10 +67,14 @@ pub(crate) enum PathHeader {
     Whole,
 }
 
+/// How many names [`path_header`] knows (each in every spelling).
+pub(crate) const PATH_HEADERS: usize = 6;
+
 /// Whether, and how, header `name` names a path for the backend
-/// (`SCRIPT_NAME`, `X-Original-Url`, …; `-` or `_` in the name). Such
+/// (`SCRIPT_NAME`, `X-Original-Url`, …; `-` or `_` in the name), and which
+/// of the [`PATH_HEADERS`] names it is, whatever its spelling. Such
 /// headers are read by the classification and fingerprinted.
-pub(crate) fn path_header(name: &http::HeaderName) -> Option<PathHeader> {
+pub(crate) fn path_header(name: &http::HeaderName) -> Option<(PathHeader, usize)> {
     let name = name.as_str().as_bytes();
     // Most names have none of these lengths: one comparison each.
     if !matches!(name.len(), 9 | 11 | 13 | 14 | 18) {
@@ -82,13 +87,18 @@ pub(crate) fn path_header(name: &http::HeaderName) -> Option<PathHeader> {
                 .zip(expected)
                 .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
     };
-    if spelled(b"script-name") || spelled(b"x-script-name") || spelled(b"x-forwarded-prefix") {
-        Some(PathHeader::Prefix)
-    } else if spelled(b"path-info") || spelled(b"x-original-url") || spelled(b"x-rewrite-url") {
-        Some(PathHeader::Whole)
-    } else {
-        None
-    }
+    const NAMES: [(&[u8], PathHeader); PATH_HEADERS] = [
+        (b"script-name", PathHeader::Prefix),
+        (b"x-script-name", PathHeader::Prefix),
+        (b"x-forwarded-prefix", PathHeader::Prefix),
+        (b"path-info", PathHeader::Whole),
+        (b"x-original-url", PathHeader::Whole),
+        (b"x-rewrite-url", PathHeader::Whole),
+    ];
+    NAMES
+        .iter()
+        .position(|(expected, _)| spelled(expected))
+        .map(|at| (NAMES[at].1, at))
 }
 
 /// Whether Rack or PHP read a body of `content_type` as a form: they cut

@@ -90,7 +90,7 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
 /// The request headers not forwarded with a buffered body: the connection
 /// headers, the framing headers (`TE`, `Trailer`, `Transfer-Encoding`,
 /// `Upgrade`, `Expect`), and every header `Connection` lists except
-/// `Host`, `Content-Type`, `Content-Encoding` and the method-override headers (`X-HTTP-Method-Override`, `X-HTTP-Method`, `X-Method-Override`). The
+/// `Host`, `Content-Type`, `Content-Encoding`, the method-override headers (`X-HTTP-Method-Override`, `X-HTTP-Method`, `X-Method-Override`) and the path headers ([`path_readings`]). The
 /// caller removes them (and sets `Content-Length` for the body it sends).
 ///
 /// Those say how to read the body and which method it is: the engine read
@@ -131,6 +131,8 @@ fn not_forwarded_unless(
             .into_iter()
             .filter(|name| !READ_BY_THE_ENGINE.contains(name) && !read(name))
             .filter(|name| !crate::formats::METHOD_OVERRIDES.contains(name))
+            // Nor the path headers the engine routed by (`path_readings`).
+            .filter(|name| formats::path_header(name).is_none())
             .filter(|name| !CONNECTION_SCOPED.contains(name) && !HOP_FRAMING.contains(name)),
     );
     names
@@ -155,8 +157,9 @@ fn not_forwarded_unless(
 /// recipe cuts from it), without regard to a `/` after it (gunicorn cuts
 /// `/a` from `/acontact`, and Werkzeug routes the rest as `/contact`); a
 /// named path with its `scheme://authority` dropped (zend-http drops it).
-/// At most three values of each of the six names, so a request cannot ask
-/// for more than a few dozen route lookups.
+/// At most three values of each of the six names, whatever their
+/// spellings, each read two ways at most: a request cannot ask for more
+/// than 36 readings.
 pub fn path_readings(request: &HeaderMap, path: &str) -> Vec<String> {
     let mut readings: Vec<String> = Vec::new();
     let mut add = |routed: String| {
@@ -164,15 +167,22 @@ pub fn path_readings(request: &HeaderMap, path: &str) -> Vec<String> {
             readings.push(routed);
         }
     };
-    for name in request.keys() {
-        let Some(kind) = formats::path_header(name) else {
+    // Every line of each name, whatever its spelling (`script_name` and
+    // `script-name` are one variable to a WSGI server), in order.
+    let mut lines: [(Option<PathHeader>, Vec<&str>); formats::PATH_HEADERS] = Default::default();
+    for (name, value) in request {
+        let Some((kind, at)) = formats::path_header(name) else {
             continue;
         };
-        let lines: Vec<&str> = request
-            .get_all(name)
-            .iter()
-            .filter_map(|value| std::str::from_utf8(value.as_bytes()).ok())
-            .collect();
+        if let Ok(value) = std::str::from_utf8(value.as_bytes()) {
+            lines[at].0 = Some(kind);
+            lines[at].1.push(value);
+        }
+    }
+    for (kind, lines) in &lines {
+        let Some(kind) = kind else {
+            continue;
+        };
         let mut values: Vec<std::borrow::Cow<'_, str>> = Vec::new();
         if let (Some(first), Some(last)) = (lines.first(), lines.last()) {
             values.push((*first).into());
@@ -412,6 +422,9 @@ mod tests {
             assert!(dropped.iter().any(|n| n == name), "{name}");
         }
         assert!(!dropped.iter().any(|n| n == "content-type"));
+        // A path header the engine routed by reaches the upstream too.
+        let listed = map(&[("connection", "script_name"), ("script_name", "/x")]);
+        assert!(!not_forwarded(&listed).iter().any(|n| n == "script_name"));
         let relayed = not_relayed(&request);
         assert!(relayed.iter().any(|n| n == "x-hop"));
         assert!(!relayed.iter().any(|n| n == "transfer-encoding"));

@@ -85,7 +85,8 @@ pub struct WorkerConfig {
     /// Dead rows are never swept. Default 7 days.
     pub retention: Option<Duration>,
     /// How often the sweeper runs; each run deletes batch after batch
-    /// until a short one comes back. Default 60 s.
+    /// until a short one comes back, for at most a second at a time (a
+    /// backlog goes on a second later). Default 60 s.
     pub sweep_interval: Duration,
     /// On shutdown, how long running deliveries may finish; the rows of
     /// those still running then are given back (`retryable`, due now).

@@ -153,9 +153,13 @@ pub struct Policy {
     /// The longest a duplicate waits before 409. Default 10 s.
     #[serde(with = "humantime_serde")]
     pub wait_timeout: Duration,
-    /// Tower layer: the longest an execution may take, from calling the
-    /// inner service to the end of its response body. Past it the layer
-    /// stops waiting and answers 504 `upstream-timeout`, and — as the
+    /// The longest an execution may take: in the tower layer from calling
+    /// the inner service to the end of its response body; in the proxy
+    /// from the start of the upstream exchange until the answer's head has
+    /// come and a recorded body has ended (connecting and writing keep
+    /// their own timeouts; `[proxy] read_timeout` bounds each read). Past
+    /// it the front end stops waiting and answers 504 `upstream-timeout`
+    /// (the proxy cuts a client that has the head already), and — as the
     /// handler may still be running and may still act — stores that
     /// answer as the key's outcome ("executed, outcome unknown"): retries
     /// replay the 504 and never execute again; a new attempt needs a new
@@ -166,9 +170,7 @@ pub struct Policy {
     /// timeouts (30–60 s), because the layer keeps an execution whose
     /// caller left running and stores its answer for the retry, and cutting
     /// a slow but healthy request would turn its success into "outcome
-    /// unknown". The proxy does not use it: there the upstream is another
-    /// process, and `[proxy] read_timeout` bounds the wait for its answer
-    /// (and each silence within it).
+    /// unknown".
     #[serde(with = "humantime_serde")]
     pub execution_timeout: Duration,
     /// The status for "same key, different request": 422 (IETF draft,
