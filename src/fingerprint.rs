@@ -126,22 +126,14 @@ pub fn fingerprint_view(
             }
         }
     }
-    // The method a `POST` names in this header is the one backends run,
-    // whichever method the engine covers it as: a retry naming another
-    // (or none) is another request.
-    for name in &METHOD_OVERRIDES {
-        if fingerprint_headers.contains(name) {
-            continue;
-        }
-        for value in headers.get_all(name) {
-            put(&mut hasher, name.as_str().as_bytes());
-            put(&mut hasher, value.as_bytes());
-        }
-    }
-    // Likewise the path a header names for the backend (`SCRIPT_NAME`,
-    // `X-Original-Url`): a retry naming another runs another handler.
+    // The method a `POST` names in an override header is the one backends
+    // run, whichever method the engine covers it as, and the path a header
+    // names for the backend (`SCRIPT_NAME`, `X-Original-Url`) picks its
+    // handler: a retry naming another (or none) is another request. Both
+    // kinds found in one pass over the headers.
     for (name, value) in headers {
-        if formats::path_header(name).is_some() && !fingerprint_headers.contains(name) {
+        let names = METHOD_OVERRIDES.contains(name) || formats::path_header(name).is_some();
+        if names && !fingerprint_headers.contains(name) {
             put(&mut hasher, name.as_str().as_bytes());
             put(&mut hasher, value.as_bytes());
         }

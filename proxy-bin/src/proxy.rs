@@ -17,9 +17,11 @@
 //!   of its answer; a client that goes away does not stop it: it then runs
 //!   on in a task of its own, and the response is still stored.
 
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -574,19 +576,31 @@ const WRITE_PIECE: usize = 64 * 1024;
 /// connection) for good.
 pub async fn write_head(session: &mut Session, head: Box<ResponseHeader>, end: bool) -> Result<()> {
     let limit = session.get_write_timeout();
-    within(limit, session.write_response_header(head, end)).await
+    within(limit, pin!(session.write_response_header(head, end))).await
 }
 
 /// Writes a body chunk (`None`: no more) to the client, and with `end` its
-/// end, within the session's write timeout (see [`write_head`]).
+/// end, within the session's write timeout (see [`write_head`]). A chunk
+/// that does not end the body is Pingora's own bounded write.
 pub async fn write_body(session: &mut Session, chunk: Option<Bytes>, end: bool) -> Result<()> {
+    if !end {
+        return session.write_response_body(chunk, false).await;
+    }
     let limit = session.get_write_timeout();
-    within(limit, session.write_response_body(chunk, end)).await
+    within(limit, pin!(session.write_response_body(chunk, true))).await
 }
 
-/// `write` within `limit` (none: unbounded); the timer is made only when
-/// the write has to wait.
-async fn within(limit: Option<Duration>, write: impl Future<Output = Result<()>>) -> Result<()> {
+/// `write` within `limit` (none: unbounded). Polled once first: most
+/// writes finish at once, and then no timer is made (the write, pinned by
+/// its caller, is never moved either).
+async fn within<F>(limit: Option<Duration>, mut write: Pin<&mut F>) -> Result<()>
+where
+    F: Future<Output = Result<()>>,
+{
+    let first = poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await;
+    if let Poll::Ready(written) = first {
+        return written;
+    }
     let Some(limit) = limit else {
         return write.await;
     };
