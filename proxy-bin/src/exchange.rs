@@ -34,7 +34,6 @@ use crate::upstream::Upstream;
 
 /// What the upstream exchange hands to the client side.
 pub enum Frame {
-    /// The upstream's response head.
     /// The upstream's response head, and whether its answer is recorded
     /// (the recorder holds it whole: so may the relay).
     Head(Box<ResponseHeader>, bool),
