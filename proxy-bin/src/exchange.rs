@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tower_idempotency::engine::{headers, Ended, Execution, Flow, Recorder, Reservation};
 use tower_idempotency::Engine;
 
-use crate::proxy::{write_body, write_head, write_response};
+use crate::client::{write_body, write_head, write_response};
 use crate::shutdown::Active;
 use crate::upstream::Upstream;
 

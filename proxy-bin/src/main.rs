@@ -18,6 +18,7 @@
 mod admin;
 mod body;
 mod cli;
+mod client;
 mod config;
 mod demo;
 mod exchange;

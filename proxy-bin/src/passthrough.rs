@@ -22,8 +22,8 @@ use tower_idempotency::engine::headers;
 use tower_idempotency::Engine;
 
 use crate::body::read_body;
+use crate::client::{write_body, write_head, write_response};
 use crate::exchange::relayed_head;
-use crate::proxy::{write_body, write_head, write_response};
 use crate::upstream::Upstream;
 
 /// The largest request body the direct path reads before it forwards the
