@@ -1692,3 +1692,35 @@ async fn a_caller_keeping_one_service_instance_is_served_under_a_limit_of_one() 
         assert_eq!(answer.status(), StatusCode::CREATED);
     }
 }
+
+/// From a review of the layer as users wrap it: tower-http's
+/// `RequestBodyLimitLayer` outside the layer wraps bodies in
+/// `http_body_util::Limited`, whose error for a body over its limit the
+/// layer answered 400 `body-unreadable`. It is the 413 that limit means
+/// (here a chunked body of 20 bytes under a limit of 10), and nothing runs.
+#[tokio::test]
+async fn a_body_cut_by_an_outer_limit_is_413() {
+    use tower::Layer;
+
+    let (engine, store) = memory_engine(Policy::default());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let svc = IdempotencyLayer::new(engine).layer(tower::service_fn(move |_: Request<_>| {
+        counter.fetch_add(1, SeqCst);
+        async { Ok::<_, Infallible>(reply(StatusCode::CREATED, "saved")) }
+    }));
+    let chunks = futures::stream::iter(
+        ["0123456789", "0123456789"]
+            .map(|c| Ok::<_, Infallible>(http_body::Frame::data(Bytes::from(c)))),
+    );
+    let body = http_body_util::Limited::new(http_body_util::StreamBody::new(chunks), 10);
+    let request = Request::post("/orders")
+        .header("idempotency-key", "k-limited")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .unwrap();
+    let answer = Reply::read(svc.oneshot(request).await.unwrap()).await;
+    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE, "{answer:?}");
+    assert_eq!(calls.load(SeqCst), 0);
+    assert!(store.is_empty());
+}

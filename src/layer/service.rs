@@ -204,16 +204,32 @@ where
     std::future::poll_fn(|cx| service.poll_ready(cx)).await
 }
 
+/// Whether a body's error, or one it was caused by, is a length limit's.
+fn over_a_limit(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut error = Some(error);
+    while let Some(cause) = error {
+        if cause.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        error = cause.source();
+    }
+    false
+}
+
 enum ReadError {
     TooLarge,
     Failed,
     TimedOut,
 }
 
-/// Collects a request body, refusing it as soon as it exceeds `limit`.
+/// Collects a request body, refusing it as soon as it exceeds `limit`, or
+/// when a limit outside the layer cut it (`http_body_util::Limited`, which
+/// tower-http's `RequestBodyLimitLayer` wraps bodies in: 413 as there,
+/// not 400).
 async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
 where
     B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
 {
     if body.size_hint().lower() > limit as u64 {
         return Err(ReadError::TooLarge);
@@ -222,8 +238,15 @@ where
     let mut first: Option<Bytes> = None;
     let mut buffer = BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else {
-            return Err(ReadError::Failed);
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => {
+                let error: BoxError = error.into();
+                return Err(match over_a_limit(&*error) {
+                    true => ReadError::TooLarge,
+                    false => ReadError::Failed,
+                });
+            }
         };
         let Ok(data) = frame.into_data() else {
             continue;
