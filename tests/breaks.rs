@@ -1224,20 +1224,10 @@ async fn compressed_and_plain_share_a_scope(required: bool) {
 /// with its key ran again.
 #[tokio::test]
 async fn a_compressed_override_on_an_optional_route_is_still_covered() {
-    let policy = Policy {
-        methods: vec!["PATCH".into()],
-        ..Policy::default()
-    };
-    let routes = Routes::new().route("/orders/*", policy).unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let app = layered(&engine, |n, request| async move {
-        let _ = request.into_body().collect().await.unwrap();
-        Response::builder()
-            .status(StatusCode::OK)
-            .header("x-update", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let routes = Routes::new()
+        .route("/orders/*", methods_policy(&["PATCH"], false))
+        .unwrap();
+    let app = updating(routes);
     let update = || {
         Request::post("/orders/7")
             .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
@@ -1283,15 +1273,7 @@ async fn a_method_override_header_on_another_method_does_not_skip_a_required_rou
 /// cover, is not covered (forwarded as it is, even without a key).
 #[tokio::test]
 async fn every_method_override_spelling_is_covered_and_only_those() {
-    let engine = required_put_engine();
-    let app = layered(&engine, |n, request| async move {
-        let _ = request.into_body().collect().await.unwrap();
-        Response::builder()
-            .status(StatusCode::OK)
-            .header("x-update", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = updating_over(&required_put_engine());
     let post = |uri: &str, content_type: &str, body: &'static str, extra: Option<(&str, &str)>| {
         let mut request = Request::post(uri).header(header::CONTENT_TYPE, content_type);
         if let Some((name, value)) = extra {
@@ -2097,15 +2079,7 @@ async fn a_named_method_decides_over_the_posts_own_route_and_every_guess() {
         .unwrap()
         .route("/", optional(&["POST"]))
         .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let app = layered(&engine, |n, request| async move {
-        let _ = request.into_body().collect().await.unwrap();
-        Response::builder()
-            .status(StatusCode::OK)
-            .header("x-update", n.to_string())
-            .body(Body::empty())
-            .unwrap()
-    });
+    let app = updating(routes);
     let long = format!("{}_method=PUT", "_method=A&".repeat(20_000));
     let cases: Vec<(&str, Option<&str>, String)> = vec![
         (
@@ -2164,8 +2138,12 @@ fn methods_policy(methods: &[&str], required: bool) -> Policy {
 /// The layer over `routes` (memory store) in front of a handler that reads
 /// the body and answers 200 numbering its execution (`x-update`).
 fn updating(routes: Routes) -> support::Upstream {
-    let engine = Engine::new(MemoryStore::new(), routes);
-    layered(&engine, |n, request| async move {
+    updating_over(&Engine::new(MemoryStore::new(), routes))
+}
+
+/// [`updating`] over `engine`.
+fn updating_over(engine: &Engine) -> support::Upstream {
+    layered(engine, |n, request| async move {
         let _ = request.into_body().collect().await.unwrap();
         Response::builder()
             .status(StatusCode::OK)

@@ -179,6 +179,8 @@ pub fn path_readings(request: &HeaderMap, path: &str) -> Vec<String> {
             lines[at].1.push(value);
         }
     }
+    // The path as decoded, once, for the prefix headers.
+    let mut decoded = None;
     for (kind, lines) in &lines {
         let Some(kind) = kind else {
             continue;
@@ -199,8 +201,9 @@ pub fn path_readings(request: &HeaderMap, path: &str) -> Vec<String> {
                     if prefix.is_empty() {
                         continue;
                     }
-                    let decoded = crate::policy::normalize_path(path, false);
-                    for spelled in [path, &decoded] {
+                    let decoded =
+                        decoded.get_or_insert_with(|| crate::policy::normalize_path(path, false));
+                    for spelled in [path, &**decoded] {
                         if let Some(rest) = spelled.strip_prefix(prefix) {
                             add(format!("/{}", rest.trim_start_matches('/')));
                         }
