@@ -287,7 +287,17 @@ impl Config {
             }
         })?;
         let at = |span: &Range<usize>, message: String| (Some(line_of(text, span.start)), message);
-        let outbox = file.outbox.map(|outbox| outbox.check(text)).transpose()?;
+        // The outbox's shutdown must fit in the process's.
+        let shutdown_timeout = file
+            .proxy
+            .clone()
+            .unwrap_or_default()
+            .resolve()
+            .shutdown_timeout;
+        let outbox = file
+            .outbox
+            .map(|outbox| outbox.check(text, shutdown_timeout))
+            .transpose()?;
 
         // `[defaults]` alone must be a valid policy, reported at its own lines.
         let defaults = file.defaults.unwrap_or_default();

@@ -133,22 +133,11 @@ const TABLE: &str = "[[outbox.destination]]";
 /// a huge `lease` left PostgreSQL's time range and failed every claim).
 const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
-/// The `[proxy]` `shutdown_timeout` of the file, or its default: the most
-/// the workers' shutdown may take, in the proxy and in `outbox run` alike
-/// (it has no flag). Read from the whole text, which parsed already.
-fn shutdown_timeout(text: &str) -> Duration {
-    #[derive(Deserialize)]
-    struct File {
-        #[serde(default)]
-        proxy: crate::config::ProxySettings,
-    }
-    let file = toml::from_str::<File>(text).map(|file| file.proxy);
-    file.unwrap_or_default().resolve().shutdown_timeout
-}
-
 impl OutboxFile {
-    /// Checks the table; `text` is the whole file (for line numbers).
-    pub fn check(self, text: &str) -> Result<OutboxSettings, Refusal> {
+    /// Checks the table; `text` is the whole file (for line numbers), and
+    /// `shutdown_timeout` the `[proxy]` one (resolved: the most the
+    /// workers' shutdown may take, in the proxy and in `outbox run` alike).
+    pub fn check(self, text: &str, shutdown_timeout: Duration) -> Result<OutboxSettings, Refusal> {
         let line = |offset: usize| crate::config::line_of(text, offset);
         let defaults = WorkerConfig::default();
         let database = match self.database {
@@ -213,7 +202,7 @@ impl OutboxFile {
         // no time to give back the rows of the deliveries still running,
         // which then wait for the rescuer. (A zero timeout is refused by
         // the `[proxy]` checks.)
-        let timeout = shutdown_timeout(text);
+        let timeout = shutdown_timeout;
         let mut worker = worker;
         if self.shutdown_grace.is_none() && worker.shutdown_grace >= timeout {
             // The default grace, under a shorter timeout: half of it.
