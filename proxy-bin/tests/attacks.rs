@@ -5,8 +5,6 @@
 
 mod common;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
 use common::{temp_dir, Backend, Proxy, ProxyArgs};
 
 const CONFIG: &str = r#"
@@ -35,16 +33,8 @@ async fn start(name: &str) -> (Backend, Proxy) {
 /// Sends `head` (request line and headers, without the blank line) and
 /// `body` on a connection of its own; the whole answer as text.
 async fn raw(proxy: &Proxy, head: &str, body: &str) -> String {
-    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let request = format!("{head}\r\nHost: shop.example\r\nConnection: close\r\n\r\n{body}");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    let read = stream.read_to_end(&mut answer);
-    tokio::time::timeout(std::time::Duration::from_secs(10), read)
-        .await
-        .expect("answered")
-        .ok();
-    String::from_utf8_lossy(&answer).into_owned()
+    common::send_raw(proxy.addr, &request).await.0
 }
 
 fn status(answer: &str) -> u16 {

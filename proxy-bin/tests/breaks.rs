@@ -1451,16 +1451,9 @@ async fn an_upstream_that_never_finishes_holds_its_key_no_longer_than_execution_
 /// Sends `request` (raw bytes) on a new connection and reads until the
 /// proxy closes it: the answer as an HTTP/1.0 client reads it.
 async fn exchange_raw(addr: std::net::SocketAddr, request: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    conn.write_all(request.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    let read = conn.read_to_end(&mut answer);
-    tokio::time::timeout(std::time::Duration::from_secs(10), read)
-        .await
-        .expect("the proxy closes the connection")
-        .unwrap();
-    String::from_utf8_lossy(&answer).into_owned()
+    let (answer, read) = common::send_raw(addr, request).await;
+    read.unwrap();
+    answer
 }
 
 /// Scenario (from a review of the response path): an HTTP/1.0 client (it

@@ -615,3 +615,18 @@ pub fn multipart(fields: &[(&str, &str)]) -> (String, String) {
 pub fn uuid() -> String {
     uuid::Uuid::new_v4().to_string()
 }
+
+/// Writes `request` (raw bytes) on a connection of its own and reads until
+/// it closes (at most 10 s): the answer as text, and how the read ended (a
+/// reset is an error, the bytes before it kept).
+pub async fn send_raw(addr: SocketAddr, request: &str) -> (String, std::io::Result<usize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let read = stream.read_to_end(&mut answer);
+    let read = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("the proxy answers and closes the connection");
+    (String::from_utf8_lossy(&answer).into_owned(), read)
+}
