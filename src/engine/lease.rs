@@ -76,7 +76,13 @@ struct Held {
     key: ScopeKey,
     owner: OwnerToken,
     lease: Duration,
+    /// When the next renewal is sent: a third of the lease after the
+    /// last one that succeeded was sent, or sooner while none has.
     renew_at: Instant,
+    /// Renewals sent and not answered yet. A renewal that hangs (a
+    /// blackholed connection) is not waited for: the next is sent a
+    /// tenth of the lease later beside it, up to [`max_attempts`].
+    attempts: u32,
     /// Its outcome is being stored: the store may already say "not in
     /// flight", which is then no lost lease.
     settling: bool,
@@ -214,6 +220,7 @@ impl Renewer {
                 owner,
                 lease,
                 renew_at,
+                attempts: 0,
                 settling: false,
             },
         );
@@ -265,10 +272,20 @@ impl Renewer {
         lock(&self.state).held.remove(&id)
     }
 
-    /// Tries a lease again at `at` (after a failed renewal).
+    /// A renewal sent at `sent` succeeded: the next is due a third of the
+    /// lease after it (unless a later one already pushed it further).
+    fn renewed(&self, id: u64, sent: Instant) {
+        if let Some(held) = lock(&self.state).held.get_mut(&id) {
+            held.attempts = held.attempts.saturating_sub(1);
+            held.renew_at = held.renew_at.max(sent + held.lease / 3);
+        }
+    }
+
+    /// A renewal failed: the lease is tried again at `at` at the latest.
     fn retry(&self, id: u64, at: Instant) {
         let mut state = lock(&self.state);
         if let Some(held) = state.held.get_mut(&id) {
+            held.attempts = held.attempts.saturating_sub(1);
             held.renew_at = held.renew_at.min(at);
             self.wake_by(&mut state, at);
         }
@@ -281,17 +298,27 @@ impl Renewer {
             && state.task.as_ref().is_none_or(AbortHandle::is_finished)
     }
 
-    /// Takes the leases due at `now` (rescheduling each a third of its
-    /// lease later) and records when the renewer must look next.
-    fn due(&self, now: Instant) -> Vec<(u64, ScopeKey, OwnerToken, Duration)> {
+    /// Takes the leases due at `now` and records when the renewer must
+    /// look next. Each is due again a tenth of its lease later (at most a
+    /// second) unless its renewal succeeds meanwhile ([`Self::renewed`]):
+    /// a renewal that hangs until `store_timeout` does not hold back the
+    /// next, which may find the store answering again.
+    fn due(
+        &self,
+        now: Instant,
+        store_timeout: Duration,
+    ) -> Vec<(u64, ScopeKey, OwnerToken, Duration)> {
         let mut state = lock(&self.state);
         let mut due = Vec::new();
         // At the latest a tick from now, to see leases taken meanwhile.
         let mut next = now + self.tick;
         for (id, held) in state.held.iter_mut() {
             if held.renew_at <= now {
-                held.renew_at = now + held.lease / 3;
-                due.push((*id, held.key, held.owner, held.lease));
+                held.renew_at = now + retry_after(held.lease);
+                if held.attempts < max_attempts(held.lease, store_timeout) {
+                    held.attempts += 1;
+                    due.push((*id, held.key, held.owner, held.lease));
+                }
             }
             next = next.min(held.renew_at);
         }
@@ -300,21 +327,36 @@ impl Renewer {
     }
 }
 
-/// How soon a failed renewal is tried again: often enough that a store
-/// outage shorter than a third of the lease loses nothing, and never more
-/// than once a second. The outbox's renewer follows the same rule.
+/// How soon a renewal that failed, or has not answered yet, is tried
+/// again: often enough that a store outage shorter than a third of the
+/// lease loses nothing, and never more than once a second. The outbox's
+/// renewer follows the same rule after a failure.
 pub(crate) fn retry_after(lease: Duration) -> Duration {
     (lease / 10).min(Duration::from_secs(1))
+}
+
+/// How many renewals of one lease may be unanswered at once: enough that
+/// while each hangs until `store_timeout`, one is still sent every
+/// [`retry_after`]; at most 16, so a store that hangs is not flooded.
+fn max_attempts(lease: Duration, store_timeout: Duration) -> u32 {
+    let every = retry_after(lease).max(Duration::from_millis(1));
+    let hanging = store_timeout.as_nanos().div_ceil(every.as_nanos());
+    u32::try_from(hanging + 1).unwrap_or(u32::MAX).min(16)
 }
 
 /// A runtime's renewer, holding only a weak reference to the engine.
 async fn renew(renewer: Arc<Renewer>, engine: Weak<Inner>) {
     loop {
-        let due = renewer.due(Instant::now());
-        if !due.is_empty() {
-            let Some(inner) = engine.upgrade() else {
-                return;
-            };
+        let Some(inner) = engine.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let due = renewer.due(now, inner.config.store_timeout);
+        // Held strongly only while renewals are sent: the sleep below
+        // must not keep a dropped engine alive.
+        if due.is_empty() {
+            drop(inner);
+        } else {
             let engine = Engine { inner };
             for (id, key, owner, lease) in due {
                 // Each renewal on its own, so one slow store call never
@@ -323,7 +365,7 @@ async fn renew(renewer: Arc<Renewer>, engine: Weak<Inner>) {
                 tokio::spawn(async move {
                     let store = &engine.inner.store;
                     match engine.store_call(store.renew(&key, &owner, lease)).await {
-                        Ok(true) => {}
+                        Ok(true) => renewer.renewed(id, now),
                         // Not ours any more: stop; quiet when it just settled.
                         Ok(false) => {
                             if renewer.forget(id).is_some_and(|held| !held.settling) {

@@ -508,6 +508,44 @@ async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
     held.release().await;
 }
 
+/// A store that hangs (a blackholed connection, a commit waiting for a
+/// synchronous standby) rather than failing fast: each renewal attempt is
+/// abandoned only after `store_timeout`. The next attempt must not wait
+/// for the hanging one: with `lease = 3 × store_timeout` (the ratio
+/// docs/stores.md recommends), a hang from just before the first renewal
+/// until well inside the lease must not lose it. Before, the attempts came
+/// `store_timeout` + a tenth of the lease apart while the store hung, and
+/// the one that would have succeeded was sent after the lease ended.
+#[tokio::test(start_paused = true)]
+async fn renewals_do_not_wait_for_a_hanging_one() {
+    let (store, faults) = faulty();
+    let policy = Policy {
+        lease: Duration::from_secs(3),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    };
+    let config = EngineConfig {
+        store_timeout: Duration::from_secs(1),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::with_config(store, Routes::all(policy).unwrap(), config);
+    let policy = covered(&engine, "/orders");
+    let held = proceed(begin(&engine, &policy, "k").await);
+    tokio::time::sleep(Duration::from_millis(990)).await;
+    faults.set(Op::Renew, Fault::Stall(Duration::from_secs(60)));
+    tokio::time::sleep(Duration::from_millis(1_060)).await;
+    // Sent a tenth of the lease apart while the store hung, not one per
+    // `store_timeout`; and not without bound either (at most
+    // `store_timeout` ÷ that, plus one, unanswered at once).
+    let hung = faults.calls(Op::Renew);
+    assert!((3..=5).contains(&hung), "{hung} renewals during the hang");
+    faults.clear(Op::Renew);
+    // The store answers again from 2.05 s; the lease taken at 0 ends at
+    // 3 s unless a renewal reaches it in between.
+    duplicates_find_it_in_flight(&engine, &policy, "k", Duration::from_secs(3)).await;
+    held.release().await;
+}
+
 /// A task cancelled while the answer is being stored (a client gone
 /// while the layer awaits the store, the too-large marker's write): the
 /// head came, so the upstream acted, and the reservation dropped mid-store
