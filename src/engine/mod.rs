@@ -51,6 +51,7 @@ pub(crate) mod detached;
 mod execution;
 pub mod headers;
 mod lease;
+#[cfg(feature = "outbox")]
 pub(crate) use lease::retry_after as renewal_retry_after;
 mod maintenance;
 mod principal;
