@@ -106,9 +106,16 @@ pub fn fingerprint_view(
         None => put(&mut hasher, path.as_bytes()),
     }
     // A body whose type backends read more than one way is hashed raw; so
-    // is a form whose fields they decode differently.
+    // is a form whose fields they decode differently, and a body sent
+    // encoded (its bytes are not the fields or document a backend reads
+    // once it inflates them).
+    let encoded = crate::engine::headers::lists_coding_other_than(
+        headers,
+        &header::CONTENT_ENCODING,
+        b"identity",
+    );
     let kind = match &body.kind {
-        _ if formats::read_more_than_one_way(headers) => &Kind::Opaque,
+        _ if encoded || formats::read_more_than_one_way(headers) => &Kind::Opaque,
         Kind::Form(_) if !formats::form_read_one_way(body.bytes) => &Kind::Opaque,
         kind => kind,
     };

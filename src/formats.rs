@@ -384,12 +384,15 @@ pub fn form_value(body: &[u8], name: &str) -> Option<Vec<u8>> {
 /// Whether every reader decodes the urlencoded `body` alike: each field
 /// has an `=` (Rack reads `gift` as `nil`, `gift=` as `""`), each `%`
 /// starts a valid escape (Go drops a field with a bad one; PHP and this
-/// reader keep it literally, so `%zz` and `%25zz` decode alike), and the
-/// body does not open as JSON does (`curl -d` labels a JSON body as a
-/// form, and a backend that parses its body as JSON whatever the label
-/// reads `+`, `%31` and the order of `&`-separated text as they are).
+/// reader keep it literally, so `%zz` and `%25zz` decode alike), no byte
+/// is a raw `;` (Go drops the field holding one, Python before 3.9.2 and
+/// Perl's CGI split fields at it; this reader keeps it, so `x;y` and
+/// `x%3By` decode alike), and the body does not open as JSON does (`curl
+/// -d` labels a JSON body as a form, and a backend that parses its body
+/// as JSON whatever the label reads `+`, `%31` and the order of
+/// `&`-separated text as they are).
 pub(crate) fn form_read_one_way(body: &[u8]) -> bool {
-    if opens_as_json(body) {
+    if opens_as_json(body) || memchr::memchr(b';', body).is_some() {
         return false;
     }
     let escapes = memchr::memchr_iter(b'%', body).all(|at| {
