@@ -540,3 +540,86 @@ async fn a_blocked_worker_does_not_stop_other_leases_from_being_renewed() {
     assert_eq!(blocker.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(slow_calls.load(SeqCst), 1, "the first request ran twice");
 }
+
+/// Attack: a framework that answers another spelling of the path with a
+/// redirect before any handler runs: Starlette's `redirect_slashes` (307
+/// `/items` → `/items/`), Go's `ServeMux` path cleaning (301 `//items` →
+/// `/items`), a servlet container's session URL (308 to
+/// `/items;jsessionid=…`). The client follows with the same key, method
+/// and body (307 and 308 keep them), and the engine, which reads all these
+/// spellings as one scope, replayed the stored redirect: a loop, and the
+/// request never reached its handler for the key's whole `ttl`. A 301,
+/// 307 or 308 back to the request's own path asks for the request again
+/// there: nothing ran, so the key is released. A 302 or 303 back (Post,
+/// Redirect, Get) is still the request's stored answer.
+#[tokio::test]
+async fn a_redirect_to_another_spelling_of_the_path_is_not_the_keys_answer() {
+    for (status, from, to) in [
+        (307, "/items", "/items/"),
+        (308, "/items", "http://shop.example/items/"),
+        (301, "//items", "/items"),
+        (308, "/items", "/items;jsessionid=4711"),
+        (307, "/items", "?retry=1"),
+    ] {
+        let harness = Harness::with_response(Policy::default(), move |n, parts| {
+            if parts.uri.path() == from && n == 1 {
+                return Response::builder()
+                    .status(status)
+                    .header(http::header::LOCATION, to)
+                    .body(Full::default())
+                    .unwrap();
+            }
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Full::new(Bytes::from(format!("made {n}"))))
+                .unwrap()
+        });
+        let request = |path: &str| support::post(b"k").uri(path).body(Full::default()).unwrap();
+        let first = harness.send(request(from)).await;
+        assert_eq!(first.status.as_u16(), status, "{status} {from} → {to}");
+        assert!(!first.replayed());
+        // The client follows where it was sent (the engine's scope is the
+        // same for both spellings).
+        let followed = location_as_request_path(from, to);
+        let second = harness.send(request(&followed)).await;
+        assert_eq!(
+            (second.status, second.replayed()),
+            (StatusCode::CREATED, false),
+            "{status} {from} → {to}: the follow-up got {second:?}"
+        );
+        assert_eq!(harness.calls(), 2, "{status} {from} → {to}");
+        // …and that execution is the key's answer from now on.
+        let retry = harness.send(request(&followed)).await;
+        assert!(retry.replayed(), "{status} {from} → {to}: {retry:?}");
+        assert_eq!(harness.calls(), 2);
+    }
+    // A 303 back to the form is the answer of a request that ran (Post,
+    // Redirect, Get): replayed, not run again.
+    let harness = Harness::with_response(Policy::default(), |_, _| {
+        Response::builder()
+            .status(StatusCode::SEE_OTHER)
+            .header(http::header::LOCATION, "/items/")
+            .body(Full::default())
+            .unwrap()
+    });
+    let request = || {
+        support::post(b"k")
+            .uri("/items")
+            .body(Full::default())
+            .unwrap()
+    };
+    assert_eq!(harness.send(request()).await.status, StatusCode::SEE_OTHER);
+    assert!(harness.send(request()).await.replayed());
+    assert_eq!(harness.calls(), 1);
+}
+
+/// The path a client requests after following `location` from `from`.
+fn location_as_request_path(from: &str, location: &str) -> String {
+    let location = location
+        .strip_prefix("http://shop.example")
+        .unwrap_or(location);
+    match location.strip_prefix('?') {
+        Some(query) => format!("{from}?{query}"),
+        None => location.to_owned(),
+    }
+}

@@ -433,6 +433,41 @@ async fn a_thanks_page_outside_ascii_consumes_the_token() {
     assert_eq!(app.records().await, 1);
 }
 
+/// Attack, behind a backend we did not write: Django's `APPEND_SLASH`
+/// answers `POST /signup` with a 301 to `/signup/` before any view runs,
+/// and the client sends the form again there with the same token. The
+/// engine reads both spellings as one scope; on a route without
+/// `success_redirects` the 301 was stored as the token's answer and
+/// replayed to the corrected post: the form could never be submitted with
+/// that token. A 301, 307 or 308 back to the request's own path is no
+/// answer: the token stays free, the post at `/signup/` runs once, and its
+/// retry is replayed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slash_redirect_leaves_the_token_for_the_request_it_asks_for() {
+    let config = r#"
+[[route]]
+path = "/signup"
+methods = ["POST"]
+key = { form_field = "submission_token" }
+required = true
+uuid_only = true
+fingerprint_exclude = ["csrfmiddlewaretoken"]
+"#;
+    let Stack { app, proxy } = stack(Framework::Django, config, 20).await;
+    let mut browser = FormClient::new(proxy.addr);
+    let page = browser.get("/signup/").await;
+    assert_eq!(page.status, 200, "{page:?}");
+    let fields = form_fields(&page, VALID);
+    let moved = browser.post_form("/signup", &fields).await;
+    assert_eq!(moved.status, 301, "{moved:?}");
+    assert_eq!(location_path(&moved), "/signup/", "{moved:?}");
+    assert_eq!(app.records().await, 0);
+    let posted = browser.post_form("/signup/", &fields).await;
+    assert_thanks(&posted, false);
+    assert_thanks(&browser.post_form("/signup/", &fields).await, true);
+    assert_eq!(app.records().await, 1);
+}
+
 mod express {
     use super::*;
 

@@ -41,9 +41,11 @@ pub struct Reservation {
     /// Made by a dropped reservation to store its marker: dropped in turn
     /// (its runtime shutting down), it makes no heir of its own.
     heir: bool,
-    /// The request's path and the prefix a router mounted the layer
-    /// under (see [`mount_prefix`]), kept only where a `Location` is
-    /// matched (routes with `success_redirects`).
+    /// The request's path, as the client sent it (a redirect's
+    /// `Location` is resolved against it and compared with it), and the
+    /// prefix a router mounted the layer under (see [`mount_prefix`];
+    /// found only where a `Location` is matched: routes with
+    /// `success_redirects`). `None` for an heir, which records nothing.
     request_path: Option<(Box<str>, Box<str>)>,
 }
 
@@ -74,14 +76,17 @@ impl Reservation {
                 .inner
                 .leases
                 .hold(&engine.inner, key, owner, policy.policy().lease, sent);
-        // Kept only where a `Location` is matched.
-        let request_path = (!policy.success_redirects.is_empty()).then(|| {
-            let path = head.uri.path();
-            // Spelled as the `Location` it is matched against is read.
-            let original = crate::policy::normalize_path(path, false);
-            let routed = crate::policy::normalize_path(head.route_path(), false);
-            (path.into(), mount_prefix(&original, &routed).into())
-        });
+        let path = head.uri.path();
+        let mount = match policy.success_redirects.is_empty() {
+            true => "".into(),
+            false => {
+                // Spelled as the `Location` it is matched against is read.
+                let original = crate::policy::normalize_path(path, false);
+                let routed = crate::policy::normalize_path(head.route_path(), false);
+                mount_prefix(&original, &routed).into()
+            }
+        };
+        let request_path = Some((path.into(), mount));
         Reservation {
             engine,
             policy,

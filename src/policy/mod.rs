@@ -506,9 +506,10 @@ impl RoutePolicy {
 
     /// Whether an upstream answer with `status` and `headers` consumes the
     /// key (it is stored and replayed from now on): its status is in
-    /// `store_statuses` and, for a redirect on a route with
-    /// `success_redirects`, its `Location` matches one of them. Any other
-    /// answer releases the key. `request_path` (the path the client
+    /// `store_statuses`; a 301, 307 or 308 does not point back at the
+    /// request's own path (normalised: the request asked for again); and,
+    /// for a redirect on a route with `success_redirects`, its `Location`
+    /// matches one of them. Any other answer releases the key. `request_path` (the path the client
     /// sent) resolves a relative `Location` such as `thanks`. `mount` is
     /// the prefix a router mounted the routes under (axum's `nest`; empty
     /// when none): a `Location` under it matches also as the routes are
@@ -526,13 +527,30 @@ impl RoutePolicy {
         if !self.policy.store_statuses.contains(status) {
             return false;
         }
-        if !status.is_redirection() || self.success_redirects.is_empty() {
+        if !status.is_redirection() {
             return true;
         }
-        let Some(target) = headers
+        let target = headers
             .get(header::LOCATION)
-            .and_then(|location| location_path(location.as_bytes(), request_path))
-        else {
+            .and_then(|location| location_path(location.as_bytes(), request_path));
+        // A 301, 307 or 308 back to the request's own path (another
+        // spelling: a trailing slash, `//`, a servlet's `;jsessionid`, a
+        // query) asks for the request again there, before any handler
+        // ran: Starlette's `redirect_slashes`, Go's path cleaning. Stored,
+        // it would be replayed to the request it asks for (the same scope),
+        // in a loop. A 302 or 303 back is Post/Redirect/Get: an answer.
+        let again = matches!(status.as_u16(), 301 | 307 | 308)
+            && target.as_deref().is_some_and(|target| {
+                let ci = self.case_insensitive_paths;
+                normalize_path(target, ci) == normalize_path(request_path, ci)
+            });
+        if again {
+            return false;
+        }
+        if self.success_redirects.is_empty() {
+            return true;
+        }
+        let Some(target) = target else {
             return false;
         };
         let unmounted = Some(mount)

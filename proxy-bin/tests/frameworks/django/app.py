@@ -136,6 +136,10 @@ urlpatterns = [
     # its Location escaped (`/kontakt/best%C3%A4tigt`).
     path("kontakt", contact, {"thanks": "/kontakt/bestätigt"}),
     path("kontakt/bestätigt", thanks),
+    # Written with a trailing slash, as Django's own tutorials write
+    # routes: CommonMiddleware (APPEND_SLASH) answers `POST /signup` with a
+    # 301 to `/signup/` before any view runs.
+    path("signup/", contact),
     path("_stats", stats),
 ]
 
