@@ -241,7 +241,14 @@ impl Exchange {
         let deadline = reservation.as_ref().map(|reservation| {
             tokio::time::Instant::now() + reservation.policy().policy().execution_timeout
         });
-        let mut session = match self.upstream.send(&request, &body, deadline).await {
+        // A key rides on a reserved request: its idle connection is asked
+        // of the kernel too, since a failure after the write keeps the
+        // key's outcome unknown.
+        let check = match reservation.is_some() {
+            true => crate::upstream::Check::Kernel,
+            false => crate::upstream::Check::Seen,
+        };
+        let mut session = match self.upstream.send(&request, &body, deadline, check).await {
             Ok(session) => session,
             Err(failure) => {
                 tracing::warn!(error = %crate::logs::Redacted(&failure.error), timed_out = failure.timed_out, sent = failure.sent, "upstream failed");

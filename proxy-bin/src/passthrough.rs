@@ -86,7 +86,8 @@ pub async fn forward(
         .and_then(|addr| addr.as_inet())
         .copied();
     upstream.add_forwarding_headers(&mut request, client);
-    let mut exchange = match upstream.send(&request, &body, None).await {
+    let check = crate::upstream::Check::Seen;
+    let mut exchange = match upstream.send(&request, &body, None, check).await {
         Ok(exchange) => exchange,
         Err(failure) => {
             tracing::warn!(error = %crate::logs::Redacted(&failure.error), timed_out = failure.timed_out, "upstream failed");

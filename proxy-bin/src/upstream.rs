@@ -131,6 +131,8 @@ impl Upstream {
     /// outcome. Pooled connections are not kept past the idle time the
     /// upstream announces (`Keep-Alive: timeout=N`), so that race is rare.
     ///
+    /// An idle connection is checked as `check` says before it is used.
+    ///
     /// With a `deadline`, waiting for the answer's head ends there (the
     /// request was sent: a timeout, never released); connecting and
     /// writing keep their own timeouts, so a request that never reached
@@ -140,11 +142,12 @@ impl Upstream {
         request: &RequestHeader,
         body: &Bytes,
         deadline: Option<tokio::time::Instant>,
+        check: Check,
     ) -> Result<Sent, ExchangeError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (stream, reused) = match self.idle.take() {
+            let (stream, reused) = match self.idle.take(check) {
                 Some(stream) => (stream, true),
                 None => {
                     let stream = self
@@ -292,10 +295,10 @@ impl Idle {
 impl Pool {
     /// An idle connection still open and within its idle time, if there
     /// is one.
-    fn take(&self) -> Option<Stream> {
+    fn take(&self, check: Check) -> Option<Stream> {
         loop {
             let mut idle = self.lock().pop()?;
-            if !idle.expired() && still_open(&mut idle.stream) {
+            if !idle.expired() && still_open(&mut idle.stream, check) {
                 return Some(idle.stream);
             }
         }
@@ -334,7 +337,7 @@ impl Pool {
                     let mut index = 0;
                     while index < idle.len() {
                         let entry = &mut idle[index];
-                        if entry.expired() || !still_open(&mut entry.stream) {
+                        if entry.expired() || !still_open(&mut entry.stream, Check::Kernel) {
                             closed.push(idle.remove(index));
                         } else {
                             index += 1;
@@ -353,20 +356,66 @@ impl Pool {
     }
 }
 
+/// How an idle connection is checked before it carries a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Check {
+    /// What the runtime has seen of the socket, without a system call: a
+    /// close that reached the kernel but not yet the runtime's I/O driver
+    /// (a busy runtime turns it between tasks) goes unseen, and the
+    /// request then fails as on a connection the upstream closed just as
+    /// it was written. For requests no key rides on.
+    Seen,
+    /// The kernel asked too (`recv` with `MSG_PEEK`, one system call):
+    /// for a request whose key a failure after the write would keep as
+    /// "outcome unknown", although the upstream closed the connection
+    /// before the request reached it.
+    Kernel,
+}
+
 /// Whether an idle connection can carry a request: nothing to read yet
 /// (a read would block). End of stream means the upstream closed it; bytes
 /// waiting on an idle connection are not an answer to anything.
-fn still_open(stream: &mut Stream) -> bool {
+fn still_open(stream: &mut Stream, check: Check) -> bool {
     use std::future::Future;
     use std::task::{Context, Waker};
     use tokio::io::AsyncReadExt;
     let mut byte = [0u8; 1];
     // Outside tokio's cooperative budget: a ready read must never look
-    // pending because the task used up its budget.
+    // pending because the task used up its budget. This also sees bytes
+    // the stream holds itself, which the kernel no longer has.
     let mut read = std::pin::pin!(tokio::task::unconstrained(stream.read(&mut byte)));
-    read.as_mut()
+    let pending = read
+        .as_mut()
         .poll(&mut Context::from_waker(Waker::noop()))
-        .is_pending()
+        .is_pending();
+    pending && (check == Check::Seen || !kernel_readable(stream))
+}
+
+/// Whether the kernel has anything for a read of `stream` (bytes, its
+/// peer's close, an error) right now, without waiting or consuming it.
+#[allow(unsafe_code)]
+fn kernel_readable(stream: &Stream) -> bool {
+    // Pingora's streams are identified by their socket's descriptor.
+    let fd = pingora_core::protocols::UniqueID::id(&**stream);
+    if fd < 0 {
+        // No socket of its own (Pingora's virtual streams): what the
+        // runtime saw is all there is to know.
+        return false;
+    }
+    let mut byte = 0u8;
+    // SAFETY: `fd` is the open socket `stream` owns, borrowed for the
+    // whole call; the buffer is one writable byte; `MSG_PEEK` leaves what
+    // is read in the socket and `MSG_DONTWAIT` makes the call return at
+    // once.
+    let read = unsafe {
+        libc::recv(
+            fd,
+            std::ptr::from_mut(&mut byte).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    read >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -531,11 +580,11 @@ async fn write_request(
 
 /// Whether the answer just read leaves the connection at a clean request
 /// boundary once its body is read, so the next request's answer cannot
-/// begin with bytes of this one. Not when a bodiless status (1xx, 204,
-/// 304) declares a body anyway (a `Content-Length` other than 0, except on
-/// a 304, where it describes the representation; or `Transfer-Encoding`):
-/// it is read as bodiless, and the body the upstream may still send would
-/// be read as the next answer. Not after an
+/// begin with bytes of this one. Not when a bodiless status (204, 304)
+/// declares a body anyway (a `Content-Length` other than 0, even on a 304,
+/// where it may describe the representation; or `Transfer-Encoding`): it
+/// is read as bodiless, and the body the upstream may still send would be
+/// read as the next answer. Not after an
 /// error status to a request with a body: an upstream that refused early
 /// (401, 413) may not have read the body, and would read it as the next
 /// request. Nor after any answer to a body sent with a method whose
@@ -572,20 +621,24 @@ fn framed_cleanly(session: &HttpSession, method: &http::Method, had_body: bool) 
     if had_body && !carries_bodies.contains(method) {
         return false;
     }
-    let bodiless = headers::bodiless(status);
-    let declares_body = head.headers.contains_key(header::TRANSFER_ENCODING)
-        || (status != http::StatusCode::NOT_MODIFIED
-            && head
-                .headers
-                .get(header::CONTENT_LENGTH)
-                .is_some_and(|length| length.as_bytes() != b"0"));
-    !(bodiless && declares_body)
+    !(headers::bodiless(status) && declares_body(head))
+}
+
+/// Whether a head's framing announces bytes after it: `Transfer-Encoding`,
+/// or a `Content-Length` other than 0.
+fn declares_body(head: &ResponseHeader) -> bool {
+    head.headers.contains_key(header::TRANSFER_ENCODING)
+        || head
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .is_some_and(|length| length.as_bytes() != b"0")
 }
 
 /// Reads the response head, skipping interim responses (100 Continue, 103
 /// Early Hints, 102 Processing; 101 cannot happen without an Upgrade
 /// header), until `deadline`: an upstream that sends interim answers for
-/// good passes every `read_timeout`.
+/// good passes every `read_timeout`. An interim answer that declares a
+/// body is an error: what follows it is no answer to trust.
 async fn read_head(
     session: &mut HttpSession,
     deadline: Option<tokio::time::Instant>,
@@ -593,9 +646,19 @@ async fn read_head(
     let read = async {
         loop {
             session.read_response().await?;
-            match session.get_status() {
-                Some(status) if status.is_informational() && status.as_u16() != 101 => continue,
-                _ => return Ok(()),
+            let Some(head) = session.resp_header() else {
+                return Ok(());
+            };
+            if !head.status.is_informational() || head.status.as_u16() == 101 {
+                return Ok(());
+            }
+            // A 1xx has no content (RFC 9110, 15.2): bytes it announces
+            // would be read here as the final answer.
+            if declares_body(head) {
+                return Error::e_explain(
+                    ErrorType::InvalidHTTPHeader,
+                    "the upstream's interim (1xx) answer declares a body",
+                );
             }
         }
     };
@@ -623,6 +686,62 @@ mod tests {
             write: second,
             idle: second,
         }
+    }
+
+    /// An idle upstream connection the upstream closed (uvicorn after 5 s
+    /// idle, Go's `IdleTimeout`) while the runtime's I/O driver has not
+    /// turned since: the runtime has not seen the close, and a request
+    /// sent on it fails after its write, which keeps a reserved key's
+    /// outcome unknown (502 replayed for good) although the upstream never
+    /// read it. The kernel knows: a reserved request's check asks it. So
+    /// does it for bytes waiting on the connection, which are no answer.
+    #[test]
+    fn a_close_the_runtime_has_not_seen_yet_is_found_by_asking_the_kernel() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        for stray in [None, Some(&b"HTTP/1.1 200 OK\r\n"[..])] {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (mut server, _) = listener.accept().unwrap();
+            client.set_nonblocking(true).unwrap();
+            let mut stream = runtime.block_on(async { l4(client) });
+            // The driver last turned before the close: nothing awaited since.
+            match stray {
+                None => drop(server),
+                Some(bytes) => std::io::Write::write_all(&mut server, bytes).unwrap(),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            let _entered = runtime.enter();
+            assert!(
+                !still_open(&mut stream, Check::Kernel),
+                "{stray:?}: the kernel's answer was not asked for"
+            );
+        }
+    }
+
+    /// `client` as the proxy's upstream streams are (in a runtime).
+    fn l4(client: std::net::TcpStream) -> Stream {
+        let tcp = tokio::net::TcpStream::from_std(client).unwrap();
+        Box::new(pingora_core::protocols::l4::stream::Stream::from(tcp))
+    }
+
+    /// An open idle connection with nothing on it passes either check.
+    #[test]
+    fn an_open_idle_connection_passes_both_checks() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_server, _) = listener.accept().unwrap();
+        client.set_nonblocking(true).unwrap();
+        let _entered = runtime.enter();
+        let mut stream = l4(client);
+        assert!(still_open(&mut stream, Check::Seen));
+        assert!(still_open(&mut stream, Check::Kernel));
     }
 
     /// A bad `--upstream` is refused with what to change; credentials in

@@ -988,18 +988,68 @@ async fn a_connection_is_not_reused_past_the_idle_time_the_upstream_announces() 
 /// pool. Fix: a connection is not pooled after an answer whose framing
 /// leaves bytes in doubt (a bodiless status declaring a body, a HEAD, an
 /// error answer to a request with a body).
+/// The same with a `304` declaring 49 bytes: its `Content-Length` may
+/// describe the representation rather than bytes that follow, and the
+/// connection was pooled on that reading.
 #[tokio::test(flavor = "multi_thread")]
 async fn late_bytes_after_a_bodiless_answer_never_reach_the_next_request() {
-    // The 49 bytes the 204 declares are the `LEAKED` answer's.
-    let upstream = leaking_backend(b"HTTP/1.1 204 No Content\r\nContent-Length: 49\r\n\r\n").await;
-    let proxy = orders_proxy(upstream, "breaks-late-bytes").await;
-    let status = proxy.send("GET", "/status", &[], "").await;
-    assert_eq!(status.status, 204);
-    assert_eq!(
-        json_order(&proxy, "order-after-204").await,
-        (201, "order-done".to_owned()),
-        "the order read another answer's late bytes"
-    );
+    // The 49 bytes each declares are the `LEAKED` answer's.
+    for (status, head) in [
+        (
+            204,
+            &b"HTTP/1.1 204 No Content\r\nContent-Length: 49\r\n\r\n"[..],
+        ),
+        (
+            304,
+            &b"HTTP/1.1 304 Not Modified\r\nContent-Length: 49\r\n\r\n"[..],
+        ),
+    ] {
+        let upstream = leaking_backend(head).await;
+        let proxy = orders_proxy(upstream, "breaks-late-bytes").await;
+        let answer = proxy.send("GET", "/status", &[], "").await;
+        assert_eq!(answer.status, status);
+        assert_eq!(
+            json_order(&proxy, &format!("order-after-{status}")).await,
+            (201, "order-done".to_owned()),
+            "after a {status}, the order read another answer's late bytes"
+        );
+    }
+}
+
+/// Scenario: an interim answer (`103 Early Hints`) that declares a body
+/// (`Content-Length: 49`), then those 49 bytes: a whole `201` the upstream
+/// never meant as the order's answer. A 1xx has no content (RFC 9110,
+/// 15.2); the proxy skipped the interim head and read the bytes after it
+/// as the final answer, stored and replayed under the order's key. Fix:
+/// such an interim answer is a broken answer: 502, kept as the key's
+/// outcome (the upstream had the request), and the connection closed.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_interim_answer_that_declares_a_body_is_no_answer() {
+    let (upstream, _) = raw_backend(|mut conn| async move {
+        use tokio::io::AsyncWriteExt;
+        let mut buf = Vec::new();
+        if read_request(&mut conn, &mut buf).await {
+            let _ = conn
+                .write_all(
+                    b"HTTP/1.1 103 Early Hints\r\nContent-Length: 49\r\n\r\n\
+                      HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nLEAKED\
+                      HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done",
+                )
+                .await;
+        }
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-interim-body").await;
+    let (status, body) = json_order(&proxy, "order-after-103").await;
+    assert_eq!(status, 502, "{body}");
+    assert!(!body.contains("LEAKED"), "{body}");
+    // Kept: the upstream had the request.
+    let headers = [
+        ("idempotency-key", "order-after-103"),
+        ("content-type", "application/json"),
+    ];
+    let again = proxy.send("POST", "/orders", &headers, "{}").await;
+    assert_eq!((again.status, again.replayed()), (502, true), "{again:?}");
 }
 
 /// A backend whose first connection answers its first request with
