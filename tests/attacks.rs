@@ -549,9 +549,11 @@ async fn a_blocked_worker_does_not_stop_other_leases_from_being_renewed() {
 /// and body (307 and 308 keep them), and the engine, which reads all these
 /// spellings as one scope, replayed the stored redirect: a loop, and the
 /// request never reached its handler for the key's whole `ttl`. A 301,
-/// 307 or 308 back to the request's own path asks for the request again
-/// there: nothing ran, so the key is released. A 302 or 303 back (Post,
-/// Redirect, Get) is still the request's stored answer.
+/// 307 or 308 to another spelling of the request's own path, on its host,
+/// with its query, asks for the request again there: nothing ran, so the
+/// key is released. A 302 or 303 back (Post, Redirect, Get), and a 301 to
+/// the same spelling, to another query or to another host (a handler's
+/// answer after it ran), are still the request's stored answer.
 #[tokio::test]
 async fn a_redirect_to_another_spelling_of_the_path_is_not_the_keys_answer() {
     for (status, from, to) in [
@@ -559,10 +561,10 @@ async fn a_redirect_to_another_spelling_of_the_path_is_not_the_keys_answer() {
         (308, "/items", "http://shop.example/items/"),
         (301, "//items", "/items"),
         (308, "/items", "/items;jsessionid=4711"),
-        (307, "/items", "?retry=1"),
+        (301, "/items?page=2", "/items/?page=2"),
     ] {
         let harness = Harness::with_response(Policy::default(), move |n, parts| {
-            if parts.uri.path() == from && n == 1 {
+            if parts.uri.path_and_query().map(|p| p.as_str()) == Some(from) && n == 1 {
                 return Response::builder()
                     .status(status)
                     .header(http::header::LOCATION, to)
@@ -574,7 +576,13 @@ async fn a_redirect_to_another_spelling_of_the_path_is_not_the_keys_answer() {
                 .body(Full::new(Bytes::from(format!("made {n}"))))
                 .unwrap()
         });
-        let request = |path: &str| support::post(b"k").uri(path).body(Full::default()).unwrap();
+        let request = |path: &str| {
+            support::post(b"k")
+                .uri(path)
+                .header(http::header::HOST, "shop.example")
+                .body(Full::default())
+                .unwrap()
+        };
         let first = harness.send(request(from)).await;
         assert_eq!(first.status.as_u16(), status, "{status} {from} → {to}");
         assert!(!first.replayed());
@@ -593,24 +601,34 @@ async fn a_redirect_to_another_spelling_of_the_path_is_not_the_keys_answer() {
         assert!(retry.replayed(), "{status} {from} → {to}: {retry:?}");
         assert_eq!(harness.calls(), 2);
     }
-    // A 303 back to the form is the answer of a request that ran (Post,
-    // Redirect, Get): replayed, not run again.
-    let harness = Harness::with_response(Policy::default(), |_, _| {
-        Response::builder()
-            .status(StatusCode::SEE_OTHER)
-            .header(http::header::LOCATION, "/items/")
-            .body(Full::default())
-            .unwrap()
-    });
-    let request = || {
-        support::post(b"k")
-            .uri("/items")
-            .body(Full::default())
-            .unwrap()
-    };
-    assert_eq!(harness.send(request()).await.status, StatusCode::SEE_OTHER);
-    assert!(harness.send(request()).await.replayed());
-    assert_eq!(harness.calls(), 1);
+    // Answers of a request that ran: replayed, never run again.
+    for (status, to) in [
+        (303, "/items/"),
+        (302, "/items/"),
+        (301, "/items"),
+        (301, "/items?created=1"),
+        (308, "https://other.example/items/"),
+        (301, "?created=1"),
+    ] {
+        let harness = Harness::with_response(Policy::default(), move |_, _| {
+            Response::builder()
+                .status(status)
+                .header(http::header::LOCATION, to)
+                .body(Full::default())
+                .unwrap()
+        });
+        let request = || {
+            support::post(b"k")
+                .uri("/items")
+                .header(http::header::HOST, "shop.example")
+                .body(Full::default())
+                .unwrap()
+        };
+        assert_eq!(harness.send(request()).await.status.as_u16(), status);
+        let retry = harness.send(request()).await;
+        assert!(retry.replayed(), "{status} → {to}: {retry:?}");
+        assert_eq!(harness.calls(), 1, "{status} → {to} ran twice");
+    }
 }
 
 /// The path a client requests after following `location` from `from`.

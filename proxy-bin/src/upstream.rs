@@ -397,9 +397,9 @@ fn still_open(stream: &mut Stream, check: Check) -> bool {
 fn kernel_readable(stream: &Stream) -> bool {
     // Pingora's streams are identified by their socket's descriptor.
     let fd = pingora_core::protocols::UniqueID::id(&**stream);
-    if fd < 0 {
-        // No socket of its own (Pingora's virtual streams): what the
-        // runtime saw is all there is to know.
+    if fd <= 0 {
+        // No socket of its own (Pingora's virtual streams say -1, its mocks
+        // 0, which is stdin): what the runtime saw is all there is to know.
         return false;
     }
     let mut byte = 0u8;

@@ -81,7 +81,8 @@ struct Held {
     renew_at: Instant,
     /// Renewals sent and not answered yet. A renewal that hangs (a
     /// blackholed connection) is not waited for: the next is sent a
-    /// tenth of the lease later beside it, up to [`max_attempts`].
+    /// tenth of the lease later beside it ([`retry_after`]), up to
+    /// [`MAX_ATTEMPTS`].
     attempts: u32,
     /// Its outcome is being stored: the store may already say "not in
     /// flight", which is then no lost lease.
@@ -276,7 +277,6 @@ impl Renewer {
     /// lease after it (unless a later one already pushed it further).
     fn renewed(&self, id: u64, sent: Instant) {
         if let Some(held) = lock(&self.state).held.get_mut(&id) {
-            held.attempts = held.attempts.saturating_sub(1);
             held.renew_at = held.renew_at.max(sent + held.lease / 3);
         }
     }
@@ -285,9 +285,16 @@ impl Renewer {
     fn retry(&self, id: u64, at: Instant) {
         let mut state = lock(&self.state);
         if let Some(held) = state.held.get_mut(&id) {
-            held.attempts = held.attempts.saturating_sub(1);
             held.renew_at = held.renew_at.min(at);
             self.wake_by(&mut state, at);
+        }
+    }
+
+    /// A renewal attempt ended, answered or not (its task dropped, the
+    /// store's call panicked): it no longer counts as unanswered.
+    fn attempt_ended(&self, id: u64) {
+        if let Some(held) = lock(&self.state).held.get_mut(&id) {
+            held.attempts = held.attempts.saturating_sub(1);
         }
     }
 
@@ -303,11 +310,7 @@ impl Renewer {
     /// second) unless its renewal succeeds meanwhile ([`Self::renewed`]):
     /// a renewal that hangs until `store_timeout` does not hold back the
     /// next, which may find the store answering again.
-    fn due(
-        &self,
-        now: Instant,
-        store_timeout: Duration,
-    ) -> Vec<(u64, ScopeKey, OwnerToken, Duration)> {
+    fn due(&self, now: Instant) -> Vec<(u64, ScopeKey, OwnerToken, Duration)> {
         let mut state = lock(&self.state);
         let mut due = Vec::new();
         // At the latest a tick from now, to see leases taken meanwhile.
@@ -315,7 +318,7 @@ impl Renewer {
         for (id, held) in state.held.iter_mut() {
             if held.renew_at <= now {
                 held.renew_at = now + retry_after(held.lease);
-                if held.attempts < max_attempts(held.lease, store_timeout) {
+                if held.attempts < MAX_ATTEMPTS {
                     held.attempts += 1;
                     due.push((*id, held.key, held.owner, held.lease));
                 }
@@ -335,13 +338,24 @@ pub(crate) fn retry_after(lease: Duration) -> Duration {
     (lease / 10).min(Duration::from_secs(1))
 }
 
-/// How many renewals of one lease may be unanswered at once: enough that
-/// while each hangs until `store_timeout`, one is still sent every
-/// [`retry_after`]; at most 16, so a store that hangs is not flooded.
-fn max_attempts(lease: Duration, store_timeout: Duration) -> u32 {
-    let every = retry_after(lease).max(Duration::from_millis(1));
-    let hanging = store_timeout.as_nanos().div_ceil(every.as_nanos());
-    u32::try_from(hanging + 1).unwrap_or(u32::MAX).min(16)
+/// How many renewals of one lease may be unanswered at once, so that a
+/// store that hangs is not flooded. While each hangs until
+/// `store_timeout`, [`retry_after`] apart, this covers a `store_timeout`
+/// of 15 of them (15 s at the default lease and more): past that, the
+/// attempts pause until the oldest is abandoned.
+const MAX_ATTEMPTS: u32 = 16;
+
+/// One renewal attempt in flight: ends when dropped, however its task
+/// ended.
+struct Attempt<'a> {
+    renewer: &'a Renewer,
+    id: u64,
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        self.renewer.attempt_ended(self.id);
+    }
 }
 
 /// A runtime's renewer, holding only a weak reference to the engine.
@@ -351,7 +365,7 @@ async fn renew(renewer: Arc<Renewer>, engine: Weak<Inner>) {
             return;
         };
         let now = Instant::now();
-        let due = renewer.due(now, inner.config.store_timeout);
+        let due = renewer.due(now);
         // Held strongly only while renewals are sent: the sleep below
         // must not keep a dropped engine alive.
         if due.is_empty() {
@@ -363,6 +377,10 @@ async fn renew(renewer: Arc<Renewer>, engine: Weak<Inner>) {
                 // delays the others past their leases.
                 let (engine, renewer) = (engine.clone(), renewer.clone());
                 tokio::spawn(async move {
+                    let _attempt = Attempt {
+                        renewer: &renewer,
+                        id,
+                    };
                     let store = &engine.inner.store;
                     match engine.store_call(store.renew(&key, &owner, lease)).await {
                         Ok(true) => renewer.renewed(id, now),

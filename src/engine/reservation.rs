@@ -10,7 +10,7 @@ use super::lease::Lease;
 use super::scope::Short;
 use super::{headers, Engine, Recorder};
 use crate::metrics::Event;
-use crate::policy::RoutePolicy;
+use crate::policy::{RequestTarget, RoutePolicy};
 use crate::store::{Outcome, OwnerToken, ScopeKey, StoreError};
 
 /// Ownership of one key while its request runs upstream.
@@ -41,12 +41,36 @@ pub struct Reservation {
     /// Made by a dropped reservation to store its marker: dropped in turn
     /// (its runtime shutting down), it makes no heir of its own.
     heir: bool,
-    /// The request's path, as the client sent it (a redirect's
-    /// `Location` is resolved against it and compared with it), and the
-    /// prefix a router mounted the layer under (see [`mount_prefix`];
-    /// found only where a `Location` is matched: routes with
-    /// `success_redirects`). `None` for an heir, which records nothing.
-    request_path: Option<(Box<str>, Box<str>)>,
+    /// The request as a redirect's `Location` is judged against (see
+    /// [`RoutePolicy::consumes`]). `None` for an heir, which records
+    /// nothing.
+    target: Option<Target>,
+}
+
+/// The parts of a [`RequestTarget`], kept for the answer.
+#[derive(Debug)]
+struct Target {
+    host: String,
+    /// The path and query the client sent.
+    path_and_query: Box<str>,
+    /// The prefix a router mounted the layer under (see [`mount_prefix`]);
+    /// found only where a `Location` is matched against `success_redirects`.
+    mount: Box<str>,
+}
+
+impl Target {
+    fn read(&self) -> RequestTarget<'_> {
+        let (path, query) = match self.path_and_query.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (&*self.path_and_query, None),
+        };
+        RequestTarget {
+            host: &self.host,
+            path,
+            query,
+            mount: &self.mount,
+        }
+    }
 }
 
 /// The prefix a router mounted the layer under: what `original` (the path
@@ -86,7 +110,15 @@ impl Reservation {
                 mount_prefix(&original, &routed).into()
             }
         };
-        let request_path = Some((path.into(), mount));
+        let path_and_query = match head.uri.path_and_query() {
+            Some(target) => target.as_str().into(),
+            None => path.into(),
+        };
+        let target = Some(Target {
+            host: crate::policy::scope_host(head.uri, head.headers),
+            path_and_query,
+            mount,
+        });
         Reservation {
             engine,
             policy,
@@ -97,7 +129,7 @@ impl Reservation {
             settled: false,
             executed: None,
             heir: false,
-            request_path,
+            target,
         }
     }
 
@@ -124,11 +156,14 @@ impl Reservation {
     /// stored (see [`headers::stored`]) are dropped here.
     pub async fn record(mut self, status: StatusCode, headers: &HeaderMap) -> Recorder {
         let settings = self.policy.policy();
-        let (base, mount) = match &self.request_path {
-            Some((path, mount)) => (&**path, &**mount),
-            None => ("/", ""),
+        let unknown = RequestTarget {
+            host: "",
+            path: "/",
+            query: None,
+            mount: "",
         };
-        if !self.policy.consumes(status, headers, base, mount) {
+        let target = self.target.as_ref().map_or(unknown, Target::read);
+        if !self.policy.consumes(status, headers, &target) {
             self.release_as(status).await;
             return Recorder::settled(status);
         }
@@ -328,7 +363,7 @@ impl Drop for Reservation {
                 settled: false,
                 executed: Some(status),
                 heir: true,
-                request_path: None,
+                target: None,
             };
             handle.spawn(heir.store(Outcome::Incomplete { status }));
             return;

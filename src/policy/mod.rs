@@ -17,12 +17,12 @@ mod status;
 #[cfg(test)]
 mod tests;
 
-pub use paths::{normalize_path, scope_host};
+pub use paths::{normalize_path, scope_host, RequestTarget};
 pub(crate) use routes::prefer;
 pub use routes::{PathPattern, Route, Routes};
 pub use status::StatusSet;
 
-use paths::{decode_escapes, location_path};
+use paths::{decode_escapes, location_path, respelled};
 
 pub mod principal;
 
@@ -506,23 +506,25 @@ impl RoutePolicy {
 
     /// Whether an upstream answer with `status` and `headers` consumes the
     /// key (it is stored and replayed from now on): its status is in
-    /// `store_statuses`; a 301, 307 or 308 does not point back at the
-    /// request's own path (normalised: the request asked for again); and,
-    /// for a redirect on a route with `success_redirects`, its `Location`
-    /// matches one of them. Any other answer releases the key. `request_path` (the path the client
-    /// sent) resolves a relative `Location` such as `thanks`. `mount` is
-    /// the prefix a router mounted the routes under (axum's `nest`; empty
-    /// when none): a `Location` under it matches also as the routes are
-    /// written, without it (`/shop-a/contact/thanks` matches
-    /// `/contact/thanks`). A `Location` is matched with its escapes
-    /// decoded too, as requests are routed (`/kontakt/best%C3%A4tigt`
-    /// matches `/kontakt/bestätigt`).
+    /// `store_statuses` and, for a redirect on a route with
+    /// `success_redirects`, its `Location` matches one of them. On a route
+    /// without them, a 301, 307 or 308 that asks for the request again
+    /// under another spelling of its path (see `respelled`: a trailing
+    /// slash, `//`, `;jsessionid`, on the same host with the same query)
+    /// does not: nothing ran, and stored it would be replayed to the very
+    /// request it asks for. Any other answer releases the key. `target` is
+    /// the request as the client sent it: its path resolves a relative
+    /// `Location` such as `thanks`, and its `mount` is the prefix a
+    /// router mounted the routes under (axum's `nest`; empty when none):
+    /// a `Location` under it matches also as the routes are written,
+    /// without it (`/shop-a/contact/thanks` matches `/contact/thanks`). A
+    /// `Location` is matched with its escapes decoded too, as requests are
+    /// routed (`/kontakt/best%C3%A4tigt` matches `/kontakt/bestätigt`).
     pub fn consumes(
         &self,
         status: StatusCode,
         headers: &HeaderMap,
-        request_path: &str,
-        mount: &str,
+        target: &RequestTarget<'_>,
     ) -> bool {
         if !self.policy.store_statuses.contains(status) {
             return false;
@@ -530,29 +532,21 @@ impl RoutePolicy {
         if !status.is_redirection() {
             return true;
         }
-        let target = headers
-            .get(header::LOCATION)
-            .and_then(|location| location_path(location.as_bytes(), request_path));
-        // A 301, 307 or 308 back to the request's own path (another
-        // spelling: a trailing slash, `//`, a servlet's `;jsessionid`, a
-        // query) asks for the request again there, before any handler
-        // ran: Starlette's `redirect_slashes`, Go's path cleaning. Stored,
-        // it would be replayed to the request it asks for (the same scope),
-        // in a loop. A 302 or 303 back is Post/Redirect/Get: an answer.
-        let again = matches!(status.as_u16(), 301 | 307 | 308)
-            && target.as_deref().is_some_and(|target| {
-                let ci = self.case_insensitive_paths;
-                normalize_path(target, ci) == normalize_path(request_path, ci)
-            });
-        if again {
-            return false;
-        }
+        let location = headers.get(header::LOCATION);
         if self.success_redirects.is_empty() {
-            return true;
+            let again = matches!(status.as_u16(), 301 | 307 | 308)
+                && location.is_some_and(|location| {
+                    respelled(location.as_bytes(), target, self.case_insensitive_paths)
+                });
+            return !again;
         }
-        let Some(target) = target else {
+        let Some(target_path) =
+            location.and_then(|location| location_path(location.as_bytes(), target.path))
+        else {
             return false;
         };
+        let mount = target.mount;
+        let target = target_path;
         let unmounted = Some(mount)
             .filter(|mount| !mount.is_empty())
             .and_then(|mount| target.strip_prefix(mount))

@@ -34,6 +34,80 @@ pub(super) fn location_path(location: &[u8], base: &str) -> Option<String> {
     Some(normalize_path(&strip_segment_parameters(&path), false).into_owned())
 }
 
+/// Whether a redirect to `location` asks for the request `target` again
+/// under another spelling of its path: on the same host (a relative
+/// reference, or an absolute one naming `target.host`), with the same
+/// query, at a path spelled otherwise that reads as the request's
+/// (normalised as routes are, segment parameters dropped). What a
+/// framework's canonicaliser answers before any handler runs (Django's
+/// `APPEND_SLASH`, Starlette's `redirect_slashes`, Go's path cleaning, a
+/// servlet's `;jsessionid`); never a handler's answer to the identical
+/// spelling, to another query (`/orders?created=1`) or to another host,
+/// which may come after it ran.
+pub(super) fn respelled(location: &[u8], target: &RequestTarget<'_>, ci: bool) -> bool {
+    let Ok(location) = std::str::from_utf8(location) else {
+        return false;
+    };
+    let location = location.trim();
+    let location = location.split('#').next().unwrap_or_default();
+    let (reference, query) = match location.split_once('?') {
+        Some((reference, query)) => (reference, Some(query)),
+        None => (location, None),
+    };
+    if query != target.query {
+        return false;
+    }
+    let same_host = |authority: &str| {
+        let host = http::uri::Authority::try_from(authority)
+            .map(|authority| authority.host().trim_end_matches('.').to_ascii_lowercase());
+        !target.host.is_empty() && host.is_ok_and(|host| host == target.host)
+    };
+    let path = if let Some(rest) = reference.strip_prefix("//") {
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        if !same_host(authority) {
+            return false;
+        }
+        path.to_owned()
+    } else if reference.starts_with('/') {
+        reference.to_owned()
+    } else if let Some(scheme) = reference.find("://").filter(|&i| {
+        reference[..i]
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+    }) {
+        let rest = &reference[scheme + 3..];
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        if !same_host(authority) {
+            return false;
+        }
+        path.to_owned()
+    } else if reference.is_empty() {
+        return false;
+    } else {
+        let directory = target.path.rfind('/').map_or("/", |i| &target.path[..=i]);
+        format!("{directory}{reference}")
+    };
+    let read = |path: &str| normalize_path(&strip_segment_parameters(path), ci).into_owned();
+    path != target.path && read(&path) == read(target.path)
+}
+
+/// A request as a redirect's `Location` is judged against: its host (as
+/// [`scope_host`] reads it), and its path and query as the client sent
+/// them.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestTarget<'a> {
+    /// The request's host, lower-cased (empty when it named none).
+    pub host: &'a str,
+    /// The path the client sent (before a router stripped a mount).
+    pub path: &'a str,
+    /// The query the client sent, if any.
+    pub query: Option<&'a str>,
+    /// The prefix a router mounted the routes under (axum's `nest`), or
+    /// empty: a `Location` under it also matches `success_redirects` as
+    /// they are written, without it.
+    pub mount: &'a str,
+}
+
 /// `path` without the parameters of its segments (`/thanks;jsessionid=1`
 /// is `/thanks`): servlet containers append them to paths and redirects,
 /// and route by the path without them.
