@@ -415,8 +415,9 @@ async fn buffered_bodies_never_exceed_the_engine_budget() {
     assert!(again.replayed());
 }
 
-/// An inner service that never answers, and one whose body never ends:
-/// past the route's `execution_timeout` the caller gets 504
+/// An inner service that never answers, one whose body never ends, and
+/// one whose body is always ready with empty chunks and never ends (a
+/// keep-alive producer): past the route's `execution_timeout` the caller gets 504
 /// `upstream-timeout`, and the key is not left in flight for ever nor
 /// freed for a second execution while the first may still act: retries
 /// replay the 504 and the handler never runs again.
@@ -430,6 +431,12 @@ async fn a_hung_execution_ends_at_its_limit_and_never_runs_again() {
         if request.uri().path() == "/hangs" {
             std::future::pending::<()>().await;
         }
+        if request.uri().path() == "/spins" {
+            // Empty chunks, always ready, without end: the execution never
+            // awaited anything the timer could interrupt.
+            let empty = futures::stream::repeat_with(|| Ok::<_, Infallible>(Bytes::new()));
+            return reply(StatusCode::CREATED, Body::from_stream(empty));
+        }
         // One chunk, then the body never ends.
         let first =
             futures::stream::once(
@@ -438,7 +445,7 @@ async fn a_hung_execution_ends_at_its_limit_and_never_runs_again() {
         let body = Body::from_stream(futures::StreamExt::chain(first, futures::stream::pending()));
         reply(StatusCode::CREATED, body)
     });
-    for path in ["/hangs", "/stalls"] {
+    for path in ["/hangs", "/stalls", "/spins"] {
         let request = || {
             Request::post(path)
                 .header("idempotency-key", "hung")

@@ -20,7 +20,10 @@ use crate::Engine;
 /// [`Policy::principal`](crate::Policy::principal): the route's header or
 /// JWT is then not read (the application has authenticated the caller).
 /// When not set, the route's principal, if any, is resolved and verified
-/// by the engine.
+/// by the engine. The extension's bytes and a route's header principal's
+/// value share one namespace (a JWT's principal has its own): where some
+/// callers of a header-principal route come with the extension and others
+/// with the header, give them ids that cannot be equal (a prefix).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Principal(pub Bytes);
 
@@ -308,7 +311,16 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::streaming(body)));
     }
     loop {
-        let Ok(frame) = tokio::time::timeout_at(deadline, body.frame()).await else {
+        // A body that is always ready (empty frames without end) would
+        // never let the timer below be looked at, nor the worker run
+        // anything else: the deadline is read here too, and the task
+        // yields once its cooperative budget is spent.
+        tokio::task::consume_budget().await;
+        let frame = match tokio::time::Instant::now() < deadline {
+            true => tokio::time::timeout_at(deadline, body.frame()).await.ok(),
+            false => None,
+        };
+        let Some(frame) = frame else {
             let response = recorder.execution_timed_out(&accept).await;
             return Ok(response.map(ResponseBody::full));
         };
