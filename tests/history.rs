@@ -388,6 +388,14 @@ fn finds_an_orphaned_reservation_that_cannot_be_released() {
     finds(Mutation::OrphanUnreleasable, "orphan");
 }
 
+/// An engine-side bug, modelled in the instance's way to the store: the
+/// heartbeat stops after one failed renewal. A brief renewal fault once
+/// excused any lease that ran out after it, and this passed.
+#[test]
+fn finds_a_heartbeat_that_gives_up_after_a_failure() {
+    finds(Mutation::HeartbeatGivesUp, "exclusive");
+}
+
 /// With hole `n` no longer excused, no schedule may show it: 500 memory
 /// schedules of the hole's own (past those of the main run, so each such
 /// test adds schedules rather than repeating them).

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::faulty::{Answer, Fault, Op, Stamp, StoreEvent, Switch};
+use super::faulty::{Answer, Fault, FaultKind, Op, Stamp, StoreEvent, Switch};
 use super::sim::{deadline, host_of, Exec, History, Req, Schedule, Seen, Upstream, BODIES};
 use tower_idempotency::store::OwnerToken;
 
@@ -45,15 +45,43 @@ fn acq_i_start(acquired: &HashMap<usize, &StoreEvent>, exec: &Exec) -> u64 {
     acquired[&exec.request].start.seq
 }
 
-/// Whether `instance` crashed, or had a fault on renewals, completions or
-/// releases, at some time between the sequence numbers `from` and `to`.
-fn excused(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
-    let hits = |f: Option<Fault>| {
-        f.is_some_and(|f| f.hits(Op::Renew) || f.hits(Op::Complete) || f.hits(Op::Release))
+/// Whether a fault of this kind makes a call fail without its work being
+/// done in time: the ones that can keep a lease from being renewed, a
+/// completion from being stored or a release from freeing the key. (The
+/// others commit at once or soon: the store's lease is renewed although
+/// the engine hears otherwise.)
+fn fails(kind: FaultKind) -> bool {
+    matches!(
+        kind,
+        FaultKind::Error | FaultKind::Stall | FaultKind::LateCommit
+    )
+}
+
+/// Whether `instance` crashed between the sequence numbers `from` and `to`,
+/// or had a failing fault on completions or releases at some time in
+/// between (storing the outcome gives up after about a lease; a release
+/// that fails leaves the key to its lease), or its renewals could not get
+/// through for the renewal window `renewals` (store time): a failing fault
+/// on them in force with no fault-free stretch longer than `gap` (the
+/// renewer sends another attempt within it, without waiting for a hanging
+/// one). A brief renewal fault no longer excuses a lease that ran out: a
+/// heartbeat that gave up after it would have hidden behind it.
+fn excused(
+    switches: &[Switch],
+    instance: usize,
+    (from, to): (u64, u64),
+    renewals: (Duration, Duration),
+    gap: Duration,
+    t: &dyn Fn(&Stamp) -> Duration,
+) -> bool {
+    let storing = |f: Option<Fault>| {
+        f.is_some_and(|f| fails(f.kind) && (f.hits(Op::Complete) || f.hits(Op::Release)))
     };
-    // The fault in force when the window opened.
+    let blocks = |f: Option<Fault>| f.is_some_and(|f| fails(f.kind) && f.hits(Op::Renew));
+    let mine: Vec<&Switch> = switches.iter().filter(|s| s.instance == instance).collect();
+    // Crashes and storing faults, by the order of calls.
     let mut at_from: Option<Fault> = None;
-    for switch in switches.iter().filter(|s| s.instance == instance) {
+    for switch in &mine {
         if switch.at.seq > to {
             break;
         }
@@ -62,11 +90,46 @@ fn excused(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
         }
         if switch.at.seq < from {
             at_from = switch.fault;
-        } else if hits(switch.fault) {
+        } else if storing(switch.fault) {
             return true;
         }
     }
-    hits(at_from)
+    if storing(at_from) {
+        return true;
+    }
+    // Renewals, by the store's clock.
+    let (start, end) = renewals;
+    let mut current: Option<Fault> = None;
+    let mut free_since = None;
+    let mut opened = false;
+    for switch in &mine {
+        let at = t(&switch.at);
+        if at <= start {
+            current = switch.fault;
+            continue;
+        }
+        if !opened {
+            opened = true;
+            free_since = (!blocks(current)).then_some(start);
+        }
+        if at > end {
+            break;
+        }
+        match (free_since, blocks(switch.fault)) {
+            (Some(since), true) => {
+                if at.saturating_sub(since) > gap {
+                    return false;
+                }
+                free_since = None;
+            }
+            (None, false) => free_since = Some(at),
+            _ => {}
+        }
+    }
+    if !opened {
+        free_since = (!blocks(current)).then_some(start);
+    }
+    free_since.is_none_or(|since| end.saturating_sub(since) <= gap)
 }
 
 /// Whether `instance` crashed or had a fault on releases between `from`
@@ -274,12 +337,15 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                 // fault hit its renewals or its completion meanwhile. (SQL
                 // stores keep real time, which passes while the schedule's
                 // clock stands still: there the lease alone decides.)
+                let retry = (config.lease / 10).min(Duration::from_secs(1));
                 let reason = real
                     || excused(
                         &history.switches,
                         ei.instance,
-                        acq_i_start(&acquired, ei),
-                        acq_j.end.seq,
+                        (acq_i_start(&acquired, ei), acq_j.end.seq),
+                        (refreshed + config.lease / 3, refreshed + config.lease),
+                        retry + config.store_timeout,
+                        &t,
                     );
                 if t(&acq_j.end) + margin >= refreshed + config.lease && !reason {
                     flag(
@@ -287,7 +353,8 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                         None,
                         format!(
                             "exec {} took over exec {}'s lease, which ran out although its \
-                             instance neither crashed nor had a fault on renewals or completion",
+                             instance neither crashed nor had its renewals (or its storing) failed \
+                             long enough",
                             ej.id, ei.id
                         ),
                     );

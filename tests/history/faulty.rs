@@ -89,6 +89,11 @@ pub enum Mutation {
     /// acquired (its answer was lost) changes nothing: the reservation a
     /// refused request committed cannot be released (hole 6 as it was).
     OrphanUnreleasable,
+    /// The heartbeat gives up after a renewal fails: every later renewal
+    /// of that owner answers "renewed" without reaching the store
+    /// (modelled in the instance's wrapper), so its lease runs out under a
+    /// live request although the fault was brief.
+    HeartbeatGivesUp,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -176,6 +181,8 @@ pub struct Mutant {
     reserve_ends: Mutex<HashMap<OwnerToken, Stamp>>,
     /// Owners whose reserve answered `Acquired` to the engine.
     answered: Mutex<std::collections::HashSet<OwnerToken>>,
+    /// Owners a renewal failed for ([`Mutation::HeartbeatGivesUp`]).
+    gave_up: Mutex<std::collections::HashSet<OwnerToken>>,
     /// Requests to which a reserve or a get answered, as the engine saw it
     /// (through any fault), that the key's record is there.
     saw_held: Mutex<std::collections::HashSet<usize>>,
@@ -210,6 +217,7 @@ impl Mutant {
             switches: Mutex::default(),
             reserve_ends: Mutex::default(),
             answered: Mutex::default(),
+            gave_up: Mutex::default(),
             saw_held: Mutex::default(),
         })
     }
@@ -728,8 +736,16 @@ impl Store for Faulty {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
+        let gives_up = self.mutant.mutation == Some(Mutation::HeartbeatGivesUp);
+        if gives_up && lock(&self.mutant.gave_up).contains(owner) {
+            return Ok(true);
+        }
         let call = self.mutant.clone().renew(self.id(), *key, *owner, lease);
-        self.run(Op::Renew, Box::pin(call)).await
+        let result = self.run(Op::Renew, Box::pin(call)).await;
+        if gives_up && result.is_err() {
+            lock(&self.mutant.gave_up).insert(*owner);
+        }
+        result
     }
 
     async fn get(&self, key: &ScopeKey) -> Result<Option<Record>, StoreError> {
