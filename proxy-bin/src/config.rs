@@ -320,6 +320,8 @@ impl Config {
         }
         // Earlier routes that leave their paths alone: (pattern, line).
         let mut exclusions: Vec<(String, usize)> = Vec::new();
+        // The enabled routes so far, with the methods each covers.
+        let mut covering: Vec<(String, usize, Vec<String>)> = Vec::new();
         for route in &file.route {
             let route_span = route.span();
             let mut entries = base.clone();
@@ -379,6 +381,37 @@ impl Config {
                 exclusions.push((path.get_ref().clone(), line_of(text, path.span().start)));
             }
             let policy = policy_of(&entries).map_err(|(span, msg)| at(&span, msg))?;
+            if enabled {
+                // The first route matching a request's path and method
+                // decides: one before it covering all its paths for all its
+                // methods leaves it nothing (its `principal`, its
+                // `required` never applied).
+                let methods: Vec<String> = policy
+                    .methods
+                    .iter()
+                    .map(|m| m.to_ascii_uppercase())
+                    .collect();
+                let same_methods: Vec<(String, usize)> = covering
+                    .iter()
+                    .filter(|(_, _, earlier)| methods.iter().all(|m| earlier.contains(m)))
+                    .map(|(earlier, line, _)| (earlier.clone(), *line))
+                    .collect();
+                let hidden = shadowing(&same_methods, path.get_ref(), file.case_insensitive_paths);
+                if let Some((earlier, line)) = hidden {
+                    return Err(at(
+                        &path.span(),
+                        format!(
+                            "route `{}` can never apply: the route `{earlier}` (line {line}) \
+                             before it covers every path under it for the same methods; list \
+                             `{}` first",
+                            path.get_ref(),
+                            path.get_ref()
+                        ),
+                    ));
+                }
+                let line = line_of(text, path.span().start);
+                covering.push((path.get_ref().clone(), line, methods));
+            }
             let result = if enabled {
                 routes.route(path.get_ref(), policy)
             } else {
@@ -561,6 +594,41 @@ mod tests {
             Config::parse("[proxy]\nupstream = \"http://a:1\"\nmax_buffered_bytes = 0\n").unwrap();
         let message = config.proxy.clone().resolve().check().unwrap_err();
         assert!(message.contains("`max_buffered_bytes`"), "{message}");
+    }
+
+    /// A route an earlier enabled route hides whole (every path it matches,
+    /// for every method it covers) is refused: the first matching route
+    /// decides, so `/api` before `/api/pay` with `principal` and
+    /// `required` left every `/api/pay` caller in one shared key space,
+    /// and the proxy started without a word (from a review of the
+    /// configuration). A route the earlier one hides only for some methods
+    /// or some paths is kept.
+    #[test]
+    fn a_route_hidden_whole_by_an_earlier_route_is_refused() {
+        let later = "[[route]]\npath = \"/api/pay\"\nprincipal = { header = \"x-user\" }\n\
+                     required = true\n";
+        for earlier in [
+            "[[route]]\npath = \"/api\"\n",
+            "[[route]]\npath = \"/api/**\"\n",
+            "[[route]]\npath = \"/**\"\nmethods = [\"POST\", \"PATCH\", \"PUT\"]\n",
+        ] {
+            let (line, message) = error(&format!("{earlier}\n{later}"));
+            assert!(line.is_some(), "{earlier}: {message}");
+            assert!(
+                message.contains("can never apply") && message.contains("line 2"),
+                "{earlier}: {message}"
+            );
+        }
+        for earlier in [
+            // Other methods: `/api/pay`'s PATCH still reaches it.
+            "[[route]]\npath = \"/api\"\nmethods = [\"POST\"]\n",
+            // Some paths only.
+            "[[route]]\npath = \"/api/*\"\n",
+            "[[route]]\npath = \"/api/pay/x\"\n",
+        ] {
+            let text = format!("{earlier}\n{later}");
+            assert!(Config::parse(&text).is_ok(), "{earlier}");
+        }
     }
 
     /// A route no request can reach (every path it matches left alone by
