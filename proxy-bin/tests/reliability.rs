@@ -1074,6 +1074,72 @@ async fn sigterm_logs_each_execution_it_abandons_by_its_hash() {
     assert!(!text.contains("drain-running-7"), "the raw key is logged");
 }
 
+/// Attack: SIGTERM while an execution runs upstream past
+/// `shutdown_timeout` (30 s by default, against a 5 min
+/// `execution_timeout`: any request longer than the drain). The proxy
+/// exited with the key in flight under a lease nobody renewed, and once
+/// the lease ran out a retry on the restarted proxy executed the request
+/// again, although the upstream had it and may have acted. Now the drain
+/// stores "executed, outcome unknown" (504) for it as its owner: the retry
+/// replays that, and the upstream sees the request once.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_past_shutdown_timeout_leaves_no_key_to_run_again() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("abandon-marked");
+    let config = config("1s").replacen("[proxy]\n", "[proxy]\nshutdown_timeout = \"1s\"\n", 1);
+    let start = |log: Option<&std::path::Path>| {
+        let mut args = ProxyArgs::new(backend.url(), &config, &dir);
+        args.store = "sqlite://idempotency.db".into();
+        let log = log.map(std::path::Path::to_path_buf);
+        async move {
+            match log {
+                Some(log) => Proxy::start_logged(args, &log, "info").await,
+                None => Proxy::start(args).await,
+            }
+        }
+    };
+    let log = dir.join("first.log");
+    let mut first = start(Some(&log)).await;
+    let client = client();
+    let running = try_request(
+        &client,
+        post(first.addr, "/slow?ms=gate", "abandoned-then-retried", "{}"),
+    );
+    let mut running = std::pin::pin!(running);
+    tokio::select! {
+        biased;
+        _ = backend.held() => {}
+        reply = &mut running => panic!("answered before the backend held it: {reply:?}"),
+    }
+    first.terminate();
+    assert!(
+        !first.wait_exit().await,
+        "work was abandoned: exit status 1"
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("stored \"outcome unknown\""), "{text}");
+    backend.open_gate();
+    // Past the lease the first proxy no longer renews.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = start(None).await;
+    let retry = try_request(
+        &client,
+        post(second.addr, "/slow?ms=gate", "abandoned-then-retried", "{}"),
+    )
+    .await
+    .expect("the retry is answered");
+    assert_eq!(retry.status, 504, "{}", retry.text());
+    assert_eq!(
+        retry
+            .headers
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "{retry:?}"
+    );
+    assert_eq!(backend.hits("/slow"), 1, "the retry ran the request again");
+}
+
 /// Three proxies share one PostgreSQL database; every key is sent three
 /// times to each of them at once: each key executes exactly once and all
 /// nine requests get the same answer.

@@ -76,24 +76,26 @@ impl Reservation {
             "{what}; the request may or may not have taken effect, and it will not be \
              executed again with this key."
         );
-        let problem = || Problem::new(kind, detail.clone());
         tracing::warn!(key = %self.key_hash(), problem = kind.type_uri(), "idempotency outcome unknown; stored so that no retry executes again");
-        // What retries replay: the JSON problem, whatever the first caller
-        // preferred.
-        let marker = problem().into_response_for(&HeaderMap::new());
-        let (parts, body) = marker.into_parts();
-        let headers: Vec<(HeaderName, HeaderValue)> = parts
-            .headers
-            .iter()
-            .filter(|(name, _)| *name != header::CONTENT_LENGTH)
-            .map(|(name, value)| (name.clone(), value.clone()))
-            .collect();
-        self.store(Outcome::Stored(StoredResponse {
-            status: parts.status,
-            headers,
-            body,
-        }))
-        .await;
-        problem().into_response_for(request)
+        self.store(unknown(kind, &detail)).await;
+        Problem::new(kind, detail).into_response_for(request)
     }
+}
+
+/// The outcome "executed, outcome unknown": a `kind` problem saying `detail`,
+/// as JSON (what retries replay, whatever the first caller preferred).
+pub(super) fn unknown(kind: ProblemKind, detail: &str) -> Outcome {
+    let marker = Problem::new(kind, detail.to_owned()).into_response_for(&HeaderMap::new());
+    let (parts, body) = marker.into_parts();
+    let headers: Vec<(HeaderName, HeaderValue)> = parts
+        .headers
+        .iter()
+        .filter(|(name, _)| *name != header::CONTENT_LENGTH)
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect();
+    Outcome::Stored(StoredResponse {
+        status: parts.status,
+        headers,
+        body,
+    })
 }

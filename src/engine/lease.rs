@@ -76,6 +76,8 @@ struct Held {
     key: ScopeKey,
     owner: OwnerToken,
     lease: Duration,
+    /// The route's `ttl`: how long an outcome stored for it is kept.
+    ttl: Duration,
     /// When the next renewal is sent: a third of the lease after the
     /// last one that succeeded was sent, or sooner while none has.
     renew_at: Instant,
@@ -115,7 +117,7 @@ impl Leases {
         engine: &Arc<Inner>,
         key: ScopeKey,
         owner: OwnerToken,
-        lease: Duration,
+        (lease, ttl): (Duration, Duration),
         taken: Instant,
     ) -> Lease {
         let runtime = Handle::current().id();
@@ -144,7 +146,7 @@ impl Leases {
                 }
             }
         };
-        let id = renewer.hold(engine, key, owner, lease, taken);
+        let id = renewer.hold(engine, key, owner, (lease, ttl), taken);
         Lease { renewer, id }
     }
 
@@ -157,15 +159,17 @@ impl Leases {
         }
     }
 
-    /// The keys whose leases are held now (the shutdown's log of what it
-    /// abandons).
-    pub(super) fn keys(&self) -> Vec<ScopeKey> {
+    /// The leases held now whose outcome is not being stored: executions
+    /// still running (or waiting to), with each route's `ttl`.
+    pub(super) fn running(&self) -> Vec<(ScopeKey, OwnerToken, Duration)> {
         let runtimes = lock(&self.runtimes);
-        let mut keys = Vec::new();
+        let mut running = Vec::new();
         for renewer in runtimes.iter() {
-            keys.extend(lock(&renewer.state).held.values().map(|held| held.key));
+            let state = lock(&renewer.state);
+            let held = state.held.values().filter(|held| !held.settling);
+            running.extend(held.map(|held| (held.key, held.owner, held.ttl)));
         }
-        keys
+        running
     }
 
     /// How many references each renewer has (for tests: its task holds one).
@@ -206,7 +210,7 @@ impl Renewer {
         engine: &Arc<Inner>,
         key: ScopeKey,
         owner: OwnerToken,
-        lease: Duration,
+        (lease, ttl): (Duration, Duration),
         taken: Instant,
     ) -> u64 {
         let now = Instant::now();
@@ -220,6 +224,7 @@ impl Renewer {
                 key,
                 owner,
                 lease,
+                ttl,
                 renew_at,
                 attempts: 0,
                 settling: false,

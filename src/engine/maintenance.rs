@@ -69,9 +69,10 @@ impl Engine {
     ///
     /// What is still pending at the timeout is abandoned: each background
     /// task is logged (its scope's short hash only) and listed in the
-    /// report, held reservations are counted and each logged by its
-    /// scope's short hash. The work itself goes on as
-    /// long as its runtime does.
+    /// report; each execution still running gets "executed, outcome
+    /// unknown" (504) stored as its key's outcome, within half a second
+    /// more, so no retry runs it again, and is logged by its scope's short
+    /// hash. The work itself goes on as long as its runtime does.
     pub async fn drain(&self, timeout: Duration) -> DrainReport {
         let background = &self.inner.background;
         let deadline = tokio::time::Instant::now() + timeout;
@@ -93,22 +94,13 @@ impl Engine {
             }
         }
         let held = held();
+        let mut marked = 0;
         if held > 0 {
             tracing::error!(
                 reservations = held,
                 "idempotency shutdown abandoned executions still running"
             );
-            let mut keys: Vec<String> = self
-                .inner
-                .leases
-                .keys()
-                .iter()
-                .map(|key| key.short())
-                .collect();
-            keys.sort();
-            for key in keys {
-                tracing::error!(key = %key, "idempotency shutdown abandoned an execution still running; its key frees when its lease expires");
-            }
+            marked = self.mark_abandoned().await;
         }
         let mut abandoned: Vec<(u64, String, &'static str)> = {
             let pending = background.pending.lock().unwrap();
@@ -125,7 +117,48 @@ impl Engine {
             waited_for,
             abandoned: abandoned.into_iter().map(|(_, key, _)| key).collect(),
             held,
+            marked,
         }
+    }
+
+    /// Stores "executed, outcome unknown" (504 `upstream-timeout`, as past
+    /// `execution_timeout`) for each execution still running at the
+    /// drain's end, as its owner, within half a second: the process is
+    /// going away, and the upstream may have acted on the request or may
+    /// still, so no retry may run it again once the lease runs out. Each
+    /// is logged by its scope's short hash. Returns how many were stored.
+    async fn mark_abandoned(&self) -> usize {
+        const BUDGET: Duration = Duration::from_millis(500);
+        let detail = "The server shut down while the request was being executed; it may or may \
+                      not have taken effect, and it will not be executed again with this key.";
+        let outcome =
+            super::execution::unknown(crate::problem::ProblemKind::UpstreamTimeout, detail);
+        let mut running = self.inner.leases.running();
+        running.sort_by_key(|(key, _, _)| key.short());
+        let mut calls = tokio::task::JoinSet::new();
+        for (key, owner, ttl) in running {
+            let (engine, outcome) = (self.clone(), outcome.clone());
+            calls.spawn(async move {
+                let store = &engine.inner.store;
+                let call = store.complete(&key, &owner, &outcome, ttl);
+                let stored = tokio::time::timeout(BUDGET, call).await;
+                (key, matches!(stored, Ok(Ok(true))))
+            });
+        }
+        let mut marked = 0;
+        while let Some(call) = calls.join_next().await {
+            let Ok((key, stored)) = call else { continue };
+            match stored {
+                true => {
+                    marked += 1;
+                    tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; stored \"outcome unknown\" (504), so no retry executes it again");
+                }
+                false => {
+                    tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; its key frees when its lease expires");
+                }
+            }
+        }
+        marked
     }
 
     /// Wakes [`Engine::drain`]: some work in flight ended.
@@ -161,6 +194,11 @@ pub struct DrainReport {
     pub abandoned: Vec<String>,
     /// Reservations still held at the timeout (executions still running).
     pub held: usize,
+    /// Of those, how many the drain stored as "executed, outcome unknown"
+    /// (504 `upstream-timeout`): no retry runs them again. The others (the
+    /// store did not answer in time) free their keys when their leases
+    /// run out, and a retry after that executes again.
+    pub marked: usize,
 }
 
 impl DrainReport {

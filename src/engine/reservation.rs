@@ -95,11 +95,13 @@ impl Reservation {
         head: &super::RequestHead<'_>,
     ) -> Self {
         engine.inner.metrics.in_flight_add(1);
-        let lease =
-            engine
-                .inner
-                .leases
-                .hold(&engine.inner, key, owner, policy.policy().lease, sent);
+        let lease = engine.inner.leases.hold(
+            &engine.inner,
+            key,
+            owner,
+            (policy.policy().lease, policy.policy().ttl),
+            sent,
+        );
         let path = head.uri.path();
         let mount = match policy.success_redirects.is_empty() {
             true => "".into(),
@@ -356,7 +358,7 @@ impl Drop for Reservation {
                     &self.engine.inner,
                     self.key,
                     self.owner,
-                    lease,
+                    (lease, self.policy.policy().ttl),
                     renewed,
                 ),
                 started: self.started,

@@ -1111,6 +1111,31 @@ async fn drain_waits_for_the_release_of_a_lost_reservation() {
     }
 }
 
+/// An execution still running when the drain's time is up (a library
+/// user's graceful shutdown, the proxy's SIGTERM past `shutdown_timeout`):
+/// its key gets "executed, outcome unknown" (504) as its owner, so once the
+/// process is gone and the lease ran out a retry replays that instead of
+/// running the request a second time.
+#[tokio::test(start_paused = true)]
+async fn a_drain_that_abandons_an_execution_leaves_its_key_no_second_run() {
+    let (engine, _faults, policy) = faulty_engine(Policy {
+        lease: Duration::from_millis(300),
+        ..Policy::default()
+    });
+    let running = proceed(begin(&engine, &policy, "k").await);
+    let report = engine.drain(Duration::from_millis(50)).await;
+    assert_eq!((report.held, report.marked), (1, 1), "{report:?}");
+    // The process goes away: nothing renews the lease any more.
+    std::mem::forget(running);
+    engine.inner.leases.stop();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let Decision::Respond(response) = begin(&engine, &policy, "k").await else {
+        panic!("the retry ran the abandoned request again");
+    };
+    assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+}
+
 /// An engine over a fault injector with a long lease (so a failed
 /// completion is retried for a long time), and a reservation of key `k`.
 async fn reserved_over_faulty() -> (Engine, Faults, Covered, Reservation) {
