@@ -249,9 +249,15 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 
     let mut conf = ServerConf::new().ok_or("Pingora configuration")?;
     conf.threads = settings.threads;
-    // The shutdown thread (`shutdown.rs`) exits at `shutdown_timeout`;
-    // Pingora's own grace period is the backstop.
-    conf.grace_period_seconds = Some(settings.shutdown_timeout.as_secs() + 1);
+    // The shutdown thread (`shutdown.rs`) exits at `shutdown_timeout`, and
+    // up to half a second later once it stored what it abandons; Pingora's
+    // own grace period is the backstop, in whole seconds: rounded up, with
+    // two to spare, so that it never ends the process (status 0, nothing
+    // stored) before that thread does.
+    let grace = settings.shutdown_timeout.as_secs()
+        + u64::from(settings.shutdown_timeout.subsec_nanos() > 0)
+        + 2;
+    conf.grace_period_seconds = Some(grace);
     conf.graceful_shutdown_timeout_seconds = Some(1);
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();

@@ -1081,12 +1081,15 @@ async fn sigterm_logs_each_execution_it_abandons_by_its_hash() {
 /// the lease ran out a retry on the restarted proxy executed the request
 /// again, although the upstream had it and may have acted. Now the drain
 /// stores "executed, outcome unknown" (504) for it as its owner: the retry
-/// replays that, and the upstream sees the request once.
+/// replays that, and the upstream sees the request once. The timeout is
+/// just under two seconds: Pingora's own grace period, in whole seconds,
+/// once ended the process (status 0, nothing stored) before the drain's
+/// thread, when it was the timeout's seconds plus one.
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_past_shutdown_timeout_leaves_no_key_to_run_again() {
     let backend = Backend::start().await;
     let dir = temp_dir("abandon-marked");
-    let config = config("1s").replacen("[proxy]\n", "[proxy]\nshutdown_timeout = \"1s\"\n", 1);
+    let config = config("1s").replacen("[proxy]\n", "[proxy]\nshutdown_timeout = \"1999ms\"\n", 1);
     let start = |log: Option<&std::path::Path>| {
         let mut args = ProxyArgs::new(backend.url(), &config, &dir);
         args.store = "sqlite://idempotency.db".into();
