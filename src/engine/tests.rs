@@ -715,96 +715,23 @@ async fn a_caller_gone_while_its_reservation_is_confirmed_leaves_nothing_held() 
     proceed(begin(&engine, &policy, "k").await).release().await;
 }
 
-/// The memory store, whose first `panics` renewals panic (a store driver's
-/// bug): each attempt ends with its task, answered or not.
-#[derive(Debug)]
-struct PanicsOnRenew {
-    store: Arc<MemoryStore>,
-    panics: std::sync::atomic::AtomicUsize,
-}
-
-#[async_trait::async_trait]
-impl Store for PanicsOnRenew {
-    async fn reserve(
-        &self,
-        key: &crate::store::ScopeKey,
-        fingerprint: &crate::store::Fingerprint,
-        owner: &crate::store::OwnerToken,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<crate::store::Claim, crate::store::StoreError> {
-        self.store
-            .reserve(key, fingerprint, owner, lease, ttl)
-            .await
-    }
-
-    async fn complete(
-        &self,
-        key: &crate::store::ScopeKey,
-        owner: &crate::store::OwnerToken,
-        outcome: &crate::store::Outcome,
-        ttl: Duration,
-    ) -> Result<bool, crate::store::StoreError> {
-        self.store.complete(key, owner, outcome, ttl).await
-    }
-
-    async fn release(
-        &self,
-        key: &crate::store::ScopeKey,
-        owner: &crate::store::OwnerToken,
-    ) -> Result<bool, crate::store::StoreError> {
-        self.store.release(key, owner).await
-    }
-
-    async fn renew(
-        &self,
-        key: &crate::store::ScopeKey,
-        owner: &crate::store::OwnerToken,
-        lease: Duration,
-    ) -> Result<bool, crate::store::StoreError> {
-        let left = self.panics.load(std::sync::atomic::Ordering::SeqCst);
-        if left > 0 {
-            self.panics
-                .store(left - 1, std::sync::atomic::Ordering::SeqCst);
-            panic!("a store driver's bug");
-        }
-        self.store.renew(key, owner, lease).await
-    }
-
-    async fn get(
-        &self,
-        key: &crate::store::ScopeKey,
-    ) -> Result<Option<crate::store::Record>, crate::store::StoreError> {
-        self.store.get(key).await
-    }
-}
-
 /// Renewals whose tasks end unanswered (here: the store's call panics)
 /// still end as attempts: more of them than may be in flight at once do
 /// not stop the renewer from sending the one that succeeds before the
 /// lease runs out.
 #[tokio::test(start_paused = true)]
 async fn renewals_that_end_unanswered_do_not_stop_renewal() {
-    let store = Arc::new(PanicsOnRenew {
-        store: Arc::new(MemoryStore::new()),
-        panics: std::sync::atomic::AtomicUsize::new(17),
-    });
-    let policy = Policy {
+    let (engine, faults, policy) = faulty_engine(Policy {
         lease: Duration::from_secs(30),
         in_flight: InFlightPolicy::Reject,
         ..Policy::default()
-    };
-    let engine = Engine::with_config(
-        store.clone(),
-        Routes::all(policy).unwrap(),
-        EngineConfig::default(),
-    );
-    let policy = covered(&engine, "/orders");
+    });
+    faults.set_next(Op::Renew, Fault::Panic, 17);
     let held = proceed(begin(&engine, &policy, "k").await);
     // The first renewal at 10 s; seventeen panic, a second apart; the
     // eighteenth, before 30 s, succeeds.
     tokio::time::sleep(Duration::from_secs(29)).await;
-    assert_eq!(store.panics.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(faults.remaining(Op::Renew), 0);
     duplicates_find_it_in_flight(&engine, &policy, "k", Duration::from_secs(3)).await;
     held.release().await;
 }

@@ -2,6 +2,57 @@
 //! by, and the path a redirect points to: each in one normal form, so that
 //! no spelling bypasses a route or splits a scope.
 
+/// A `Location` (its query and fragment cut off) by its form.
+enum Reference<'a> {
+    /// With an authority, `//host/x` or `http://host/x`: the authority and
+    /// the path (`/` when none).
+    Elsewhere { authority: &'a str, path: &'a str },
+    /// An absolute path, `/x`.
+    Path(&'a str),
+    /// A relative path, `thanks`, resolved against the request's directory.
+    Relative(&'a str),
+    /// Empty (`?error=1`, `#top`): the request's own path (RFC 3986,
+    /// 5.2.2), not its directory.
+    Empty,
+}
+
+impl<'a> Reference<'a> {
+    fn of(reference: &'a str) -> Self {
+        let elsewhere = |rest: &'a str| {
+            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+            let path = if path.is_empty() { "/" } else { path };
+            Reference::Elsewhere { authority, path }
+        };
+        if let Some(rest) = reference.strip_prefix("//") {
+            elsewhere(rest)
+        } else if reference.starts_with('/') {
+            Reference::Path(reference)
+        } else if let Some(scheme) = reference.find("://").filter(|&i| {
+            reference[..i]
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+        }) {
+            elsewhere(&reference[scheme + 3..])
+        } else if reference.is_empty() {
+            Reference::Empty
+        } else {
+            Reference::Relative(reference)
+        }
+    }
+
+    /// The path it points to from a request for `base`.
+    fn resolve(&self, base: &str) -> String {
+        match self {
+            Reference::Elsewhere { path, .. } | Reference::Path(path) => (*path).to_owned(),
+            Reference::Empty => base.to_owned(),
+            Reference::Relative(relative) => {
+                let directory = base.rfind('/').map_or("/", |i| &base[..=i]);
+                format!("{directory}{relative}")
+            }
+        }
+    }
+}
+
 /// The path a `Location` points to: the path of an absolute URL
 /// (`http://host/contact/thanks`), of a network-path reference
 /// (`//host/x`), an absolute path (`/x?y`), or a relative reference
@@ -12,25 +63,7 @@
 pub(super) fn location_path(location: &[u8], base: &str) -> Option<String> {
     let location = std::str::from_utf8(location).ok()?.trim();
     let location = location.split(['?', '#']).next().unwrap_or_default();
-    let path = if let Some(rest) = location.strip_prefix("//") {
-        rest.find('/').map_or("/", |i| &rest[i..]).to_owned()
-    } else if location.starts_with('/') {
-        location.to_owned()
-    } else if let Some(scheme) = location.find("://").filter(|&i| {
-        location[..i]
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
-    }) {
-        let rest = &location[scheme + 3..];
-        rest.find('/').map_or("/", |i| &rest[i..]).to_owned()
-    } else if location.is_empty() {
-        // `?error=1`, `#top` or an empty reference: the request's own path
-        // (RFC 3986, 5.2.2), not its directory.
-        base.to_owned()
-    } else {
-        let directory = base.rfind('/').map_or("/", |i| &base[..=i]);
-        format!("{directory}{location}")
-    };
+    let path = Reference::of(location).resolve(base);
     Some(normalize_path(&strip_segment_parameters(&path), false).into_owned())
 }
 
@@ -57,36 +90,20 @@ pub(super) fn respelled(location: &[u8], target: &RequestTarget<'_>, ci: bool) -
     if query != target.query {
         return false;
     }
-    let same_host = |authority: &str| {
-        let host = http::uri::Authority::try_from(authority)
-            .map(|authority| authority.host().trim_end_matches('.').to_ascii_lowercase());
-        !target.host.is_empty() && host.is_ok_and(|host| host == target.host)
-    };
-    let path = if let Some(rest) = reference.strip_prefix("//") {
-        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-        if !same_host(authority) {
-            return false;
+    let reference = Reference::of(reference);
+    match reference {
+        // The request's own spelling.
+        Reference::Empty => return false,
+        Reference::Elsewhere { authority, .. } => {
+            let host = http::uri::Authority::try_from(authority)
+                .map(|authority| authority.host().trim_end_matches('.').to_ascii_lowercase());
+            if target.host.is_empty() || !host.is_ok_and(|host| host == target.host) {
+                return false;
+            }
         }
-        path.to_owned()
-    } else if reference.starts_with('/') {
-        reference.to_owned()
-    } else if let Some(scheme) = reference.find("://").filter(|&i| {
-        reference[..i]
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
-    }) {
-        let rest = &reference[scheme + 3..];
-        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-        if !same_host(authority) {
-            return false;
-        }
-        path.to_owned()
-    } else if reference.is_empty() {
-        return false;
-    } else {
-        let directory = target.path.rfind('/').map_or("/", |i| &target.path[..=i]);
-        format!("{directory}{reference}")
-    };
+        Reference::Path(_) | Reference::Relative(_) => {}
+    }
+    let path = reference.resolve(target.path);
     let read = |path: &str| normalize_path(&strip_segment_parameters(path), ci).into_owned();
     path != target.path && read(&path) == read(target.path)
 }

@@ -68,6 +68,9 @@ pub enum Fault {
     /// answers only after this long: past the engine's `store_timeout`, the
     /// engine sees a timeout although the write happened.
     CommitThenStall(Duration),
+    /// The call panics without reaching the inner store (a store driver's
+    /// bug): the task that made it unwinds.
+    Panic,
 }
 
 /// How long a switched-on fault lasts.
@@ -186,6 +189,7 @@ impl Faults {
                 return Err(StoreError::Unavailable("injected fault: store down".into()))
             }
             Some(Fault::Stall(delay)) => tokio::time::sleep(delay).await,
+            Some(Fault::Panic) => panic!("injected fault: the store's call panicked"),
             _ => {}
         }
         self.inner.inner_calls[op.index()].fetch_add(1, SeqCst);
