@@ -474,6 +474,34 @@ async fn a_hung_execution_ends_at_its_limit_and_never_runs_again() {
     assert_eq!(engine.metrics().in_flight(), 0);
 }
 
+/// A handler whose whole answer is ready only at its `execution_timeout`
+/// (it slept that long, or blocked its thread past it: the timer polls
+/// the handler before it looks at the clock) keeps that answer: stored
+/// and replayed, not turned into a 504 after the work was done.
+#[tokio::test(start_paused = true)]
+async fn an_answer_ready_at_the_limit_is_kept() {
+    let (engine, _) = memory_engine(Policy {
+        execution_timeout: Duration::from_millis(300),
+        ..Policy::default()
+    });
+    let upstream = layered(&engine, |n, _| async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        reply(StatusCode::CREATED, format!("order {n}"))
+    });
+    let request = || {
+        Request::post("/orders")
+            .header("idempotency-key", "at-the-limit")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let first = upstream.send(request()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let again = upstream.send(request()).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.status, StatusCode::CREATED);
+}
+
 /// The key is held for at most `execution_timeout` in all: the wait for
 /// the inner service to be ready (a concurrency limit's permit) counts in
 /// it. The wait and the execution each had the whole limit, so a hung

@@ -248,6 +248,10 @@ impl Exchange {
             true => crate::upstream::Check::Kernel,
             false => crate::upstream::Check::Seen,
         };
+        // From here on the upstream may have the request.
+        if let Some(reservation) = &reservation {
+            reservation.acting();
+        }
         let mut session = match self.upstream.send(&request, &body, deadline, check).await {
             Ok(session) => session,
             Err(failure) => {

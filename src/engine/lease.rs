@@ -89,6 +89,8 @@ struct Held {
     /// Its outcome is being stored: the store may already say "not in
     /// flight", which is then no lost lease.
     settling: bool,
+    /// Its request reached (or is reaching) the upstream: it may act.
+    acting: bool,
 }
 
 /// One registered lease; [`Lease::forget`] ends it.
@@ -159,17 +161,29 @@ impl Leases {
         }
     }
 
-    /// The leases held now whose outcome is not being stored: executions
-    /// still running (or waiting to), with each route's `ttl`.
+    /// The leases held now whose request reached the upstream and whose
+    /// outcome is not being stored: executions still running, with each
+    /// route's `ttl`.
     pub(super) fn running(&self) -> Vec<(ScopeKey, OwnerToken, Duration)> {
         let runtimes = lock(&self.runtimes);
         let mut running = Vec::new();
         for renewer in runtimes.iter() {
             let state = lock(&renewer.state);
-            let held = state.held.values().filter(|held| !held.settling);
+            let held = state.held.values();
+            let held = held.filter(|held| held.acting && !held.settling);
             running.extend(held.map(|held| (held.key, held.owner, held.ttl)));
         }
         running
+    }
+
+    /// The keys of the leases held now (the shutdown's log).
+    pub(super) fn keys(&self) -> Vec<ScopeKey> {
+        let runtimes = lock(&self.runtimes);
+        let mut keys = Vec::new();
+        for renewer in runtimes.iter() {
+            keys.extend(lock(&renewer.state).held.values().map(|held| held.key));
+        }
+        keys
     }
 
     /// How many references each renewer has (for tests: its task holds one).
@@ -192,6 +206,13 @@ impl Lease {
     /// Stops renewing the lease.
     pub(super) fn forget(&self) {
         self.renewer.forget(self.id);
+    }
+
+    /// Marks the lease's request as acting: it reached the upstream.
+    pub(super) fn acting(&self) {
+        if let Some(held) = lock(&self.renewer.state).held.get_mut(&self.id) {
+            held.acting = true;
+        }
     }
 
     /// Marks the lease as settling: its outcome is being stored. It is
@@ -228,6 +249,7 @@ impl Renewer {
                 renew_at,
                 attempts: 0,
                 settling: false,
+                acting: false,
             },
         );
         // A running renewer is not woken (see the module docs): it looks

@@ -69,10 +69,13 @@ impl Engine {
     ///
     /// What is still pending at the timeout is abandoned: each background
     /// task is logged (its scope's short hash only) and listed in the
-    /// report; each execution still running gets "executed, outcome
-    /// unknown" (504) stored as its key's outcome, within half a second
-    /// more, so no retry runs it again, and is logged by its scope's short
-    /// hash. The work itself goes on as long as its runtime does.
+    /// report; each execution still running whose request reached the
+    /// upstream gets "executed, outcome unknown" (504) stored as its key's
+    /// outcome, within half a second more, so no retry runs it again (an
+    /// answer it finishes at that very moment may lose to that 504), and
+    /// every execution still running is logged by its scope's short hash.
+    /// The work itself goes on as long as its runtime does. Call it only
+    /// once the process stops serving: what it marks is given up.
     pub async fn drain(&self, timeout: Duration) -> DrainReport {
         let background = &self.inner.background;
         let deadline = tokio::time::Instant::now() + timeout;
@@ -100,7 +103,21 @@ impl Engine {
                 reservations = held,
                 "idempotency shutdown abandoned executions still running"
             );
-            marked = self.mark_abandoned().await;
+            let marked_keys = self.mark_abandoned().await;
+            marked = marked_keys.len();
+            let mut keys: Vec<ScopeKey> = self.inner.leases.keys();
+            keys.sort_by_key(ScopeKey::short);
+            keys.dedup();
+            for key in keys {
+                match marked_keys.contains(&key) {
+                    true => {
+                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; stored \"outcome unknown\" (504), so no retry executes it again")
+                    }
+                    false => {
+                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; its key frees when its lease expires")
+                    }
+                }
+            }
         }
         let mut abandoned: Vec<(u64, String, &'static str)> = {
             let pending = background.pending.lock().unwrap();
@@ -123,39 +140,31 @@ impl Engine {
 
     /// Stores "executed, outcome unknown" (504 `upstream-timeout`, as past
     /// `execution_timeout`) for each execution still running at the
-    /// drain's end, as its owner, within half a second: the process is
-    /// going away, and the upstream may have acted on the request or may
-    /// still, so no retry may run it again once the lease runs out. Each
-    /// is logged by its scope's short hash. Returns how many were stored.
-    async fn mark_abandoned(&self) -> usize {
+    /// drain's end whose request reached the upstream (the proxy wrote it,
+    /// the layer called the inner service), as its owner, within half a
+    /// second: the process is going away, and the upstream may have acted
+    /// or may still, so no retry may run it again once the lease runs out.
+    /// Returns the keys it was stored for.
+    async fn mark_abandoned(&self) -> Vec<ScopeKey> {
         const BUDGET: Duration = Duration::from_millis(500);
         let detail = "The server shut down while the request was being executed; it may or may \
                       not have taken effect, and it will not be executed again with this key.";
-        let outcome =
-            super::execution::unknown(crate::problem::ProblemKind::UpstreamTimeout, detail);
-        let mut running = self.inner.leases.running();
-        running.sort_by_key(|(key, _, _)| key.short());
+        let kind = crate::problem::ProblemKind::UpstreamTimeout;
         let mut calls = tokio::task::JoinSet::new();
-        for (key, owner, ttl) in running {
-            let (engine, outcome) = (self.clone(), outcome.clone());
+        for (key, owner, ttl) in self.inner.leases.running() {
+            let engine = self.clone();
+            let outcome = engine.seal(&key, super::execution::unknown(kind, detail));
             calls.spawn(async move {
                 let store = &engine.inner.store;
                 let call = store.complete(&key, &owner, &outcome, ttl);
                 let stored = tokio::time::timeout(BUDGET, call).await;
-                (key, matches!(stored, Ok(Ok(true))))
+                matches!(stored, Ok(Ok(true))).then_some(key)
             });
         }
-        let mut marked = 0;
+        let mut marked = Vec::new();
         while let Some(call) = calls.join_next().await {
-            let Ok((key, stored)) = call else { continue };
-            match stored {
-                true => {
-                    marked += 1;
-                    tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; stored \"outcome unknown\" (504), so no retry executes it again");
-                }
-                false => {
-                    tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; its key frees when its lease expires");
-                }
+            if let Ok(Some(key)) = call {
+                marked.push(key);
             }
         }
         marked

@@ -139,6 +139,14 @@ impl Reservation {
         self.lease.forget();
     }
 
+    /// The request is about to reach the upstream (the proxy writes it,
+    /// the layer calls the inner service): from now on it may act, so a
+    /// drain that abandons it stores "executed, outcome unknown" for its
+    /// key ([`Engine::drain`]) rather than leave the key to its lease.
+    pub fn acting(&self) {
+        self.lease.acting();
+    }
+
     /// The short hash of the key, for correlating logs.
     pub fn key_hash(&self) -> String {
         self.key.short()
@@ -221,6 +229,9 @@ impl Reservation {
         // Only a full response falls back to a marker (a marker is small
         // already).
         let may_fall_back = matches!(outcome, Outcome::Stored(_));
+        // Its outcome is on its way: a drain's "outcome unknown" must not
+        // race it (sealing a large body takes a while).
+        self.lease.settling();
         // Sealed once: a retry below stores the very same bytes.
         let outcome = self.engine.seal(&self.key, outcome);
         match self.complete(&outcome).await {

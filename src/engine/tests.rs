@@ -1050,8 +1050,14 @@ async fn a_drain_that_abandons_an_execution_leaves_its_key_no_second_run() {
         ..Policy::default()
     });
     let running = proceed(begin(&engine, &policy, "k").await);
+    // One that never reached its upstream (still connecting, or waiting
+    // for the inner service to be ready) is not marked: nothing can have
+    // acted, and its key frees with its lease.
+    let waiting = proceed(begin(&engine, &policy, "w").await);
+    running.acting();
     let report = engine.drain(Duration::from_millis(50)).await;
-    assert_eq!((report.held, report.marked), (1, 1), "{report:?}");
+    assert_eq!((report.held, report.marked), (2, 1), "{report:?}");
+    std::mem::forget(waiting);
     // The process goes away: nothing renews the lease any more.
     std::mem::forget(running);
     engine.inner.leases.stop();
@@ -1061,6 +1067,7 @@ async fn a_drain_that_abandons_an_execution_leaves_its_key_no_second_run() {
     };
     assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+    proceed(begin(&engine, &policy, "w").await).release().await;
 }
 
 /// An engine over a fault injector with a long lease (so a failed

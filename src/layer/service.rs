@@ -292,6 +292,7 @@ where
     for value in request.headers().get_all(http::header::ACCEPT) {
         accept.append(http::header::ACCEPT, value.clone());
     }
+    reservation.acting();
     let call = tokio::time::timeout_at(deadline, inner.call(request)).await;
     let Ok(call) = call else {
         let response = reservation.execution_timed_out(&accept).await;
@@ -311,19 +312,26 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::streaming(body)));
     }
     loop {
-        // A body that is always ready (empty frames without end) would
-        // never let the timer below be looked at, nor the worker run
-        // anything else: the deadline is read here too, and the task
-        // yields once its cooperative budget is spent.
-        tokio::task::consume_budget().await;
-        let frame = match tokio::time::Instant::now() < deadline {
-            true => tokio::time::timeout_at(deadline, body.frame()).await.ok(),
-            false => None,
-        };
-        let Some(frame) = frame else {
+        let Ok(frame) = tokio::time::timeout_at(deadline, body.frame()).await else {
             let response = recorder.execution_timed_out(&accept).await;
             return Ok(response.map(ResponseBody::full));
         };
+        // A body that is always ready with frames that carry nothing
+        // (empty data, trailers) without end would never let the timer
+        // above be looked at, nor the worker run anything else: after such
+        // a frame the task yields once its cooperative budget is spent, and
+        // the deadline is read.
+        let empty = match &frame {
+            Some(Ok(frame)) => frame.data_ref().is_none_or(|data| data.is_empty()),
+            _ => false,
+        };
+        if empty {
+            tokio::task::consume_budget().await;
+            if tokio::time::Instant::now() >= deadline {
+                let response = recorder.execution_timed_out(&accept).await;
+                return Ok(response.map(ResponseBody::full));
+            }
+        }
         let data = match frame {
             None => break,
             Some(Err(error)) => {

@@ -74,8 +74,14 @@ fn excused(
     gap: Duration,
     t: &dyn Fn(&Stamp) -> Duration,
 ) -> bool {
+    // A release that fails at once but commits a moment later
+    // (`ErrorThenCommit`) stops the renewals at once too, and the lease may
+    // run out before its commit frees the key.
     let storing = |f: Option<Fault>| {
-        f.is_some_and(|f| fails(f.kind) && (f.hits(Op::Complete) || f.hits(Op::Release)))
+        f.is_some_and(|f| {
+            (fails(f.kind) && (f.hits(Op::Complete) || f.hits(Op::Release)))
+                || (f.kind == FaultKind::ErrorThenCommit && f.hits(Op::Release))
+        })
     };
     let blocks = |f: Option<Fault>| f.is_some_and(|f| fails(f.kind) && f.hits(Op::Renew));
     let mine: Vec<&Switch> = switches.iter().filter(|s| s.instance == instance).collect();
