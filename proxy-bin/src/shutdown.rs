@@ -172,8 +172,19 @@ impl Signals {
             // Let Pingora stop its listeners first.
             std::thread::sleep(Duration::from_millis(100));
             let (requests, background) = signals.drain_until(deadline);
-            let status = if requests + background == 0 {
-                tracing::info!("drained; exiting");
+            // Status 1 says a key's work was abandoned (an execution, an
+            // answer being stored, an outbox delivery). Requests cut with
+            // no key in flight (a WebSocket, a slow uncovered GET, a
+            // duplicate waiting, an answer still being sent) lose nothing
+            // a retry cannot have again: logged, status 0.
+            let status = if background == 0 {
+                match requests {
+                    0 => tracing::info!("drained; exiting"),
+                    requests => tracing::warn!(
+                        requests,
+                        "shutdown_timeout passed; exiting, the requests cut held no key in flight"
+                    ),
+                }
                 0
             } else {
                 tracing::error!(

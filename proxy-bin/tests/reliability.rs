@@ -1074,6 +1074,43 @@ async fn sigterm_logs_each_execution_it_abandons_by_its_hash() {
     assert!(!text.contains("drain-running-7"), "the raw key is logged");
 }
 
+/// SIGTERM while only a request that holds no key is running (a slow
+/// uncovered `GET`, as a WebSocket or an SSE stream would be) past
+/// `shutdown_timeout`: it is cut and logged, and the exit status is 0.
+/// It was 1, "work abandoned", on every deploy with such a request open,
+/// which made the status useless as the alarm for abandoned keyed work.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_with_only_keyless_requests_cut_exits_cleanly() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("abandon-keyless");
+    let config = config("30s").replacen("[proxy]\n", "[proxy]\nshutdown_timeout = \"1s\"\n", 1);
+    let log = dir.join("proxy.log");
+    let args = ProxyArgs::new(backend.url(), &config, &dir);
+    let mut proxy = Proxy::start_logged(args, &log, "info").await;
+    let client = client();
+    let get = hyper::Request::get(format!("http://{}/slow?ms=gate", proxy.addr))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let running = try_request(&client, get);
+    let mut running = std::pin::pin!(running);
+    tokio::select! {
+        biased;
+        _ = backend.held() => {}
+        reply = &mut running => panic!("answered before the backend held it: {reply:?}"),
+    }
+    proxy.terminate();
+    assert!(
+        proxy.wait_exit().await,
+        "no key's work was abandoned: status 0"
+    );
+    backend.open_gate();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("the requests cut held no key in flight"),
+        "{text}"
+    );
+}
+
 /// Attack: SIGTERM while an execution runs upstream past
 /// `shutdown_timeout` (30 s by default, against a 5 min
 /// `execution_timeout`: any request longer than the drain). The proxy
