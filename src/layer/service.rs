@@ -271,6 +271,31 @@ where
     Ok(first.unwrap_or_else(|| buffer.freeze()))
 }
 
+/// The body's next frame, or `None` once `deadline` has passed.
+///
+/// A body that is always ready with frames that carry nothing (empty data,
+/// trailers) without end would never let the timer be looked at, nor the
+/// worker run anything else: after such a frame the task yields once its
+/// cooperative budget is spent, and the deadline is read. The deadline is
+/// read only then, so an answer ready exactly at it is still the answer.
+async fn next_frame<B: Body<Data = Bytes> + Unpin>(
+    body: &mut B,
+    deadline: tokio::time::Instant,
+) -> Option<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
+    let frame = tokio::time::timeout_at(deadline, body.frame()).await.ok()?;
+    let empty = match &frame {
+        Some(Ok(frame)) => frame.data_ref().is_none_or(Bytes::is_empty),
+        _ => false,
+    };
+    if empty {
+        tokio::task::consume_budget().await;
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+    }
+    Some(frame)
+}
+
 /// Calls the inner service while holding the reservation and hands its
 /// answer to the engine's recorder; the answer is stored before the caller
 /// gets it. Past `deadline` (the route's `execution_timeout` from when the
@@ -312,26 +337,10 @@ where
         return Ok(Response::from_parts(parts, ResponseBody::streaming(body)));
     }
     loop {
-        let Ok(frame) = tokio::time::timeout_at(deadline, body.frame()).await else {
+        let Some(frame) = next_frame(&mut body, deadline).await else {
             let response = recorder.execution_timed_out(&accept).await;
             return Ok(response.map(ResponseBody::full));
         };
-        // A body that is always ready with frames that carry nothing
-        // (empty data, trailers) without end would never let the timer
-        // above be looked at, nor the worker run anything else: after such
-        // a frame the task yields once its cooperative budget is spent, and
-        // the deadline is read.
-        let empty = match &frame {
-            Some(Ok(frame)) => frame.data_ref().is_none_or(|data| data.is_empty()),
-            _ => false,
-        };
-        if empty {
-            tokio::task::consume_budget().await;
-            if tokio::time::Instant::now() >= deadline {
-                let response = recorder.execution_timed_out(&accept).await;
-                return Ok(response.map(ResponseBody::full));
-            }
-        }
         let data = match frame {
             None => break,
             Some(Err(error)) => {
