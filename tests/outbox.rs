@@ -1321,7 +1321,15 @@ async fn a_delivery_key_a_receiver_reads_otherwise_is_refused_at_enqueue() {
             }
         }
     }
-    let bad = ["inv:42;line:3", "tenant,order-9", "\"k1\"", "two words"];
+    // `k.1733150000`: the signed string is `{id}.{timestamp}.{body}`, so it
+    // sent at T would verify as `k` sent at 1733150000 with the body `T.…`.
+    let bad = [
+        "inv:42;line:3",
+        "tenant,order-9",
+        "\"k1\"",
+        "two words",
+        "k.1733150000",
+    ];
     for db in [TestDb::postgres().await, TestDb::sqlite().await] {
         for key in bad {
             let message =
@@ -1350,7 +1358,7 @@ async fn a_delivery_key_a_receiver_reads_otherwise_is_refused_at_enqueue() {
             }
         };
         assert_eq!(
-            plain_sql, [true; 4],
+            plain_sql, [true; 5],
             "plain SQL took a key the receiver refuses"
         );
         let message =

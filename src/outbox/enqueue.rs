@@ -64,7 +64,8 @@ impl Message {
     /// Uses `key` as the delivery key instead of the derived one (for
     /// example a key the provider issued). It must be unique across the
     /// table and visible ASCII without `"`, `,` or `;` (it is sent bare as
-    /// `Idempotency-Key`, which receivers read as one token).
+    /// `Idempotency-Key`, which receivers read as one token) or `.` (it is
+    /// the signed `webhook-id`, joined to the timestamp by `.`).
     pub fn delivery_key(mut self, key: impl Into<String>) -> Self {
         self.delivery_key = key.into();
         self
@@ -132,7 +133,7 @@ impl Message {
         }
         if !valid_key(&self.delivery_key) {
             return Err(OutboxError::Invalid(
-                "delivery key must be 1 to 255 bytes of visible ASCII, without `\"`, `,` or `;`",
+                "delivery key must be 1 to 255 bytes of visible ASCII, without `\"`, `,`, `;` or `.`",
             ));
         }
         if http::HeaderValue::from_str(&self.content_type).is_err() {
@@ -148,9 +149,12 @@ impl Message {
 /// idempotent receiver (this crate's layer, `idempotency-proxy`, any reader
 /// of the IETF draft's sf-string) refuses a bare key holding those, or
 /// reads `"k"` as `k`: the row would go `dead` on its first attempt, or two
-/// rows share one key at the receiver.
+/// rows share one key at the receiver. Nor `.`: the key is the signed
+/// `webhook-id`, and the signature covers `{id}.{timestamp}.{body}`, so a
+/// delivery of `k.T2` sent at `T1` would verify as `k` sent at `T2` with
+/// the body `T1.{body}`: a new key at the receiver, run again.
 pub(crate) fn valid_key(key: &str) -> bool {
-    crate::key::is_bare_token(key.as_bytes())
+    crate::key::is_bare_token(key.as_bytes()) && !key.contains('.')
 }
 
 /// The future [`OutboxConnection::enqueue_message`] returns.

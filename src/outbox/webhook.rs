@@ -89,7 +89,8 @@ impl WebhookSecret {
     ///   again under a key of the attacker's choosing. This makes it a
     ///   check for this crate's deliveries, not for every Standard
     ///   Webhooks sender (most send no `Idempotency-Key`);
-    /// * each of those headers comes exactly once.
+    /// * each of those headers comes exactly once, and `webhook-id` holds no
+    ///   `.` (the separator of the signed string).
     pub fn verify(
         &self,
         headers: &HeaderMap,
@@ -107,6 +108,12 @@ impl WebhookSecret {
             }
         };
         let id = header("webhook-id")?;
+        // The signed string joins the id, the timestamp and the body with
+        // `.`: an id holding one could be spliced with the timestamp (this
+        // crate never sends one).
+        if id.contains('.') {
+            return Err(VerifyError::Malformed("webhook-id"));
+        }
         let timestamp: u64 = header("webhook-timestamp")?
             .trim()
             .parse()
@@ -445,6 +452,22 @@ mod tests {
         assert_eq!(
             secret.verify(&unkeyed, body, window),
             Err(VerifyError::Missing("idempotency-key"))
+        );
+        // The id re-split at a `.` of the signed string: a delivery of `k`
+        // sent an hour ago whose body began with `{now}.` verifies byte for
+        // byte as the id `k.{then}` sent now with the rest of the body.
+        let then = now - 3600;
+        let captured = format!("{now}.rest");
+        let spliced_id = format!("k.{then}");
+        let spliced = signed(
+            &spliced_id,
+            &spliced_id,
+            now,
+            secret.sign("k", then, captured.as_bytes()),
+        );
+        assert_eq!(
+            secret.verify(&spliced, b"rest", window),
+            Err(VerifyError::Malformed("webhook-id"))
         );
         // Replayed an hour later.
         let old = now - 3600;

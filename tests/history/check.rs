@@ -708,17 +708,28 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             continue;
         }
         // From when on nothing may meet the orphan.
+        let release = store
+            .iter()
+            .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq > a.end.seq);
+        // A call that failed at once and committed later (`ErrorThenCommit`)
+        // is released a second time `store_timeout` after the first release
+        // ends (`release_lost`): until then the orphan may stand.
+        let mut due = None;
         let from = if a.end.seq < refused.at.seq {
             refused.at.seq
         } else {
             let Some(end) = a.owner.and_then(|o| history.reserve_ends.get(&o)) else {
                 continue;
             };
+            if end.seq < a.start.seq {
+                let first = store
+                    .iter()
+                    .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq >= end.seq);
+                let first_end = first.map_or(end.virt + config.store_timeout, |r| r.end.virt);
+                due = Some(first_end + config.store_timeout);
+            }
             end.seq
         };
-        let release = store
-            .iter()
-            .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq > a.end.seq);
         // On a SQL store, a release bounded by `store_timeout` may be cut by
         // the schedule's clock (it advances while the database's call runs
         // in real time) before it reaches the store: judged on the memory
@@ -732,6 +743,10 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                 && e.key == a.key
                 && matches!(e.answer, Answer::Existing)
                 && e.start.seq > settled
+                && due.is_none_or(|due| e.start.virt > due)
+                // A late commit of a request already answered (a ghost:
+                // nobody acts on what it met).
+                && e.request.and_then(|r| answer_of.get(&r)).is_none_or(|x| x.at.seq > e.start.seq)
                 // The orphan was not released before (then it met another
                 // record) ...
                 && !accepted(Op::Release, a.owner.expect("acquired"))
