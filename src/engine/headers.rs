@@ -38,9 +38,11 @@ pub fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
     headers
         .get_all(header::CONNECTION)
         .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        // Read as bytes: a line with one byte that is not UTF-8 still names
+        // the others (read as text, the whole line was skipped, and the
+        // headers it listed were relayed and stored).
+        .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim_ascii()).ok())
         .collect()
 }
 
@@ -287,6 +289,26 @@ pub fn stored(response: &HeaderMap, replay_set_cookie: bool) -> Vec<(HeaderName,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `Connection` line with a byte that is not UTF-8 still names the
+    /// headers it lists: they are neither relayed nor stored.
+    #[test]
+    fn a_connection_line_that_is_not_text_still_names_its_headers() {
+        let mut response = HeaderMap::new();
+        response.append(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"x-internal-token, \x80").unwrap(),
+        );
+        response.append("x-internal-token", HeaderValue::from_static("s3cret"));
+        response.append("x-order", HeaderValue::from_static("7"));
+        let internal = HeaderName::from_static("x-internal-token");
+        assert!(not_relayed(&response).contains(&internal));
+        let kept: Vec<_> = stored(&response, false)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(kept, [HeaderName::from_static("x-order")]);
+    }
 
     fn map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
         let mut headers = HeaderMap::new();
