@@ -1446,6 +1446,63 @@ async fn an_sqlite_row_that_could_not_be_read_back_is_refused_at_insert() {
     assert!(db.outbox.dead(10).await.unwrap().is_empty());
 }
 
+/// Rows that pass SQLite's triggers but that no worker can use (from a
+/// review): text that is not UTF-8 (`CAST(? AS TEXT)` over a binary id, the
+/// obvious way round the BLOB refusal), a `max_attempts` past 32 bits or not
+/// an integer. Read as one batch, the claim failed after claiming them, and
+/// the rows claimed beside them went from lease to lease until `dead`,
+/// never sent; the dead list failed to load. Now each such row is `dead` at
+/// once with its reason, listed, and its batch-mates are delivered.
+#[tokio::test]
+async fn an_sqlite_row_no_worker_can_read_does_not_strand_its_batch() {
+    let db = TestDb::sqlite().await;
+    let Pool::Lite(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    for n in 0..4 {
+        sqlx::query(
+            "INSERT INTO outbox_messages (topic, source, payload) VALUES ('crm', ?1, CAST('{}' AS BLOB))",
+        )
+        .bind(format!("sub-{n}"))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let binary_id = [0xc3u8, 0x28, 0xa0, 0xa1, 0xe2, 0x28, 0xa1, 0xf0];
+    sqlx::query(
+        "INSERT INTO outbox_messages (topic, source, payload)
+         VALUES ('crm', CAST(?1 AS TEXT), CAST('{}' AS BLOB))",
+    )
+    .bind(&binary_id[..])
+    .execute(pool)
+    .await
+    .expect("text that is not UTF-8 passes the type trigger");
+    for (source, max_attempts) in [("huge", "3000000000"), ("real", "2.5")] {
+        sqlx::query(&format!(
+            "INSERT INTO outbox_messages (topic, source, payload, max_attempts)
+             VALUES ('crm', '{source}', CAST('{{}}' AS BLOB), {max_attempts})"
+        ))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let claimed = db
+        .outbox
+        .claim(16, Duration::from_secs(5), None)
+        .await
+        .expect("the claim of the rows beside the unreadable ones");
+    let mut sources: Vec<_> = claimed.iter().map(|d| d.source().to_owned()).collect();
+    sources.sort();
+    assert_eq!(sources, ["sub-0", "sub-1", "sub-2", "sub-3"]);
+    let dead = db.outbox.dead(10).await.expect("the dead list loads");
+    assert_eq!(dead.len(), 3, "{dead:?}");
+    assert!(dead
+        .iter()
+        .all(|row| row.last_error_class.as_deref() == Some("unreadable")));
+    let counts = db.outbox.counts().await.unwrap();
+    assert_eq!((counts.running, counts.dead), (4, 3));
+}
+
 /// A worker that cannot renew its lease (its renewals cannot reach the
 /// row: here a lock holds them, as a cut link or a stalled database would)
 /// stops delivering when the lease it last renewed runs out, instead of

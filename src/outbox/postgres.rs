@@ -88,8 +88,19 @@ SET state = 'running',
     updated_at = now()
 FROM due
 WHERE m.id = due.id AND m.state IN ('available', 'retryable')
-RETURNING m.id, m.owner, m.topic, m.source, m.delivery_key, m.payload, m.content_type,
-          m.attempt, m.max_attempts";
+RETURNING m.id, m.owner, convert_to(m.topic, 'UTF8') AS topic,
+          convert_to(m.source, 'UTF8') AS source,
+          convert_to(m.delivery_key, 'UTF8') AS delivery_key, m.payload,
+          convert_to(m.content_type, 'UTF8') AS content_type,
+          m.attempt::int8 AS attempt, m.max_attempts::int8 AS max_attempts";
+
+/// A claimed row that could not be read back: `dead` at once, never sent.
+pub(super) const BURY: &str = "
+UPDATE outbox_messages
+SET state = 'dead', owner = NULL, lease_expires_at = NULL, updated_at = now(),
+    last_error_class = 'unreadable', last_status = NULL, last_request_id = NULL,
+    last_error = $3
+WHERE id = $1 AND owner = $2 AND state = 'running'";
 
 pub(super) const RENEW: &str = "
 UPDATE outbox_messages
@@ -177,7 +188,9 @@ SELECT state, count(*) FROM outbox_messages GROUP BY state";
 macro_rules! status_select {
     ($rest:literal) => {
         concat!(
-            "SELECT id, topic, source, delivery_key, state, attempt, max_attempts,
+            "SELECT id, convert_to(topic, 'UTF8') AS topic, convert_to(source, 'UTF8') AS source,
+                    convert_to(delivery_key, 'UTF8') AS delivery_key, state,
+                    attempt::int8 AS attempt, max_attempts::int8 AS max_attempts,
                     last_error_class, last_status::integer AS last_status, last_request_id,
                     last_error,
                     (extract(epoch FROM next_attempt_at) * 1000000)::bigint AS next_attempt_us,

@@ -50,8 +50,20 @@ WHERE id IN (SELECT id FROM outbox_messages
                AND (?2 IS NULL OR topic IN (SELECT value FROM json_each(?2)))
              ORDER BY next_attempt_at, id
              LIMIT ?1)
-RETURNING id, owner, topic, source, delivery_key, CAST(payload AS BLOB) AS payload,
-          content_type, attempt, max_attempts";
+RETURNING id, owner, CAST(topic AS BLOB) AS topic, CAST(source AS BLOB) AS source,
+          CAST(delivery_key AS BLOB) AS delivery_key, CAST(payload AS BLOB) AS payload,
+          CAST(content_type AS BLOB) AS content_type,
+          CASE WHEN typeof(attempt) = 'integer' THEN attempt ELSE -1 END AS attempt,
+          CASE WHEN typeof(max_attempts) = 'integer' THEN max_attempts ELSE -1 END
+            AS max_attempts";
+
+/// As for PostgreSQL.
+pub(super) const BURY: &str = "
+UPDATE outbox_messages
+SET state = 'dead', owner = NULL, lease_expires_at = NULL, updated_at = unixepoch('subsec'),
+    last_error_class = 'unreadable', last_status = NULL, last_request_id = NULL,
+    last_error = ?3
+WHERE id = ?1 AND owner = ?2 AND state = 'running'";
 
 pub(super) const RENEW: &str = "
 UPDATE outbox_messages
@@ -126,7 +138,10 @@ SELECT state, count(*) FROM outbox_messages GROUP BY state";
 macro_rules! status_select {
     ($rest:literal) => {
         concat!(
-            "SELECT id, topic, source, delivery_key, state, attempt, max_attempts,
+            "SELECT id, CAST(topic AS BLOB) AS topic, CAST(source AS BLOB) AS source,
+                    CAST(delivery_key AS BLOB) AS delivery_key, state,
+                    CAST(attempt AS INTEGER) AS attempt,
+                    CAST(max_attempts AS INTEGER) AS max_attempts,
                     last_error_class, last_status, last_request_id, last_error,
                     CAST(round(next_attempt_at * 1e6) AS INTEGER) AS next_attempt_us,
                     CAST(round(updated_at * 1e6) AS INTEGER) AS updated_us,

@@ -200,12 +200,38 @@ impl Outbox {
                 .await?
         });
         self.metrics.claim_latency.observe(started.elapsed());
-        let deliveries = rows
-            .into_iter()
-            .map(ClaimRow::into_delivery)
-            .collect::<Result<Vec<_>, _>>()?;
+        // Each row is read on its own: one that cannot be (text that is not
+        // UTF-8, a count that is not a 32-bit integer, stored by plain SQL
+        // on SQLite, which enforces no column type) goes `dead` at once
+        // with its reason, and the rows claimed with it are delivered (read
+        // as a batch, they were stranded with it, lease after lease, until
+        // `dead` unsent).
+        let mut deliveries = Vec::with_capacity(rows.len());
+        for row in rows {
+            let (id, owner) = (row.id, row.owner.clone());
+            match row.into_delivery() {
+                Ok(delivery) => deliveries.push(delivery),
+                Err(error) => self.bury(id, &owner, &error).await?,
+            }
+        }
         self.metrics.claimed.add(deliveries.len() as u64);
         Ok(deliveries)
+    }
+
+    /// Marks a claimed row that could not be read back `dead`, with why.
+    async fn bury(&self, id: i64, owner: &[u8], error: &OutboxError) -> Result<(), OutboxError> {
+        tracing::error!(id, %error, "outbox row cannot be read back; marked dead, not sent");
+        let message = error.to_string();
+        with_backend!(self, |pool, sql| {
+            sqlx::query(sql::BURY)
+                .bind(id)
+                .bind(owner)
+                .bind(note(&message))
+                .execute(pool)
+                .await?
+                .rows_affected()
+        });
+        Ok(())
     }
 
     /// Extends the lease of a row `delivery`'s worker still owns to `lease`
@@ -460,48 +486,69 @@ fn count(value: i32, what: &str) -> Result<u32, OutboxError> {
     u32::try_from(value).map_err(|_| OutboxError::Corrupt(format!("{what} {value}")))
 }
 
+/// A count as a listing shows it: clamped into `u32`.
+fn lenient(value: i64) -> u32 {
+    u32::try_from(value.max(0)).unwrap_or(u32::MAX)
+}
+
 /// A claimed row as both dialects return it.
 #[derive(sqlx::FromRow)]
+///
+/// Text comes as bytes and counts as 64-bit integers, so that a row the
+/// worker cannot use fails on its own ([`ClaimRow::into_delivery`]), not
+/// the whole claim.
 struct ClaimRow {
     id: i64,
     owner: Vec<u8>,
-    topic: String,
-    source: String,
-    delivery_key: String,
+    topic: Vec<u8>,
+    source: Vec<u8>,
+    delivery_key: Vec<u8>,
     payload: Vec<u8>,
-    content_type: String,
-    attempt: i32,
-    max_attempts: i32,
+    content_type: Vec<u8>,
+    attempt: i64,
+    max_attempts: i64,
 }
 
 impl ClaimRow {
     fn into_delivery(self) -> Result<Delivery, OutboxError> {
         let owner = <[u8; 16]>::try_from(self.owner.as_slice())
             .map_err(|_| OutboxError::Corrupt("owner token".to_owned()))?;
+        let text = |bytes: Vec<u8>, what: &str| {
+            String::from_utf8(bytes)
+                .map_err(|_| OutboxError::Corrupt(format!("{what} is not UTF-8")))
+        };
+        let wide = |value: i64, what: &str| {
+            i32::try_from(value)
+                .map_err(|_| OutboxError::Corrupt(format!("{what} {value}")))
+                .and_then(|value| count(value, what))
+        };
         Ok(Delivery {
             id: self.id,
             owner,
-            attempt: count(self.attempt, "attempt")?,
-            max_attempts: count(self.max_attempts, "max_attempts")?,
-            topic: self.topic,
-            source: self.source,
-            delivery_key: self.delivery_key,
+            attempt: wide(self.attempt, "attempt")?,
+            max_attempts: wide(self.max_attempts, "max_attempts")?,
+            topic: text(self.topic, "topic")?,
+            source: text(self.source, "source")?,
+            delivery_key: text(self.delivery_key, "delivery_key")?,
             payload: Bytes::from(self.payload),
-            content_type: self.content_type,
+            content_type: text(self.content_type, "content_type")?,
         })
     }
 }
 
-/// A row without its payload, as both dialects select it.
+/// A row without its payload, as both dialects select it. Text comes as
+/// bytes and counts as 64-bit integers, read leniently: a row a worker
+/// could not use (see [`ClaimRow`]) is still listed, so it can be seen and
+/// purged.
 #[derive(sqlx::FromRow)]
 struct StatusRow {
     id: i64,
-    topic: String,
-    source: String,
-    delivery_key: String,
+    topic: Vec<u8>,
+    source: Vec<u8>,
+    delivery_key: Vec<u8>,
     state: String,
-    attempt: i32,
-    max_attempts: i32,
+    attempt: i64,
+    max_attempts: i64,
     last_error_class: Option<String>,
     last_status: Option<i32>,
     last_request_id: Option<String>,
@@ -516,11 +563,11 @@ impl StatusRow {
         Ok(MessageStatus {
             id: self.id,
             state: State::parse(&self.state)?,
-            attempt: count(self.attempt, "attempt")?,
-            max_attempts: count(self.max_attempts, "max_attempts")?,
-            topic: self.topic,
-            source: self.source,
-            delivery_key: self.delivery_key,
+            attempt: lenient(self.attempt),
+            max_attempts: lenient(self.max_attempts),
+            topic: String::from_utf8_lossy(&self.topic).into_owned(),
+            source: String::from_utf8_lossy(&self.source).into_owned(),
+            delivery_key: String::from_utf8_lossy(&self.delivery_key).into_owned(),
             last_error_class: self.last_error_class,
             last_status: self.last_status.and_then(|s| u16::try_from(s).ok()),
             last_request_id: self.last_request_id,
