@@ -827,3 +827,17 @@ async fn replays_need_no_postgres_but_reservations_do() {
     drop(executions);
     assert_eq!(hits(&cache), 6);
 }
+
+/// TLS to Redis is not built in: a `rediss://` URL, for one server or a
+/// cluster, is refused when the cache is made, never sent in the clear
+/// (from a review: the docs once offered `rediss+cluster://`).
+#[tokio::test]
+async fn a_tls_url_is_refused_not_sent_in_the_clear() {
+    for url in [
+        "rediss://127.0.0.1:6379",
+        "rediss+cluster://127.0.0.1:7000,127.0.0.1:7001",
+    ] {
+        let made = RedisCache::new(MemoryStore::new(), RedisCacheConfig::new(url));
+        assert!(made.is_err(), "{url} was taken");
+    }
+}

@@ -29,8 +29,9 @@ pub struct RedisCacheConfig {
     /// The Redis URL, e.g. `redis://127.0.0.1:6379` or
     /// `redis://:password@host:6379/2` for one server, or
     /// `redis+cluster://[user:password@]host:port,host:port` for a Redis
-    /// Cluster (`rediss+cluster://` with TLS): the listed nodes are seeds,
-    /// the cluster's other nodes and its slot map are discovered from them.
+    /// Cluster: the listed nodes are seeds, the cluster's other nodes and
+    /// its slot map are discovered from them. TLS (`rediss://`) is not
+    /// built in: such a URL is refused ([`StoreError::Unavailable`]).
     pub url: String,
     /// Prepended to every key (default `idem:`), to share a Redis with
     /// other applications. The inner store's
