@@ -211,7 +211,14 @@ impl Outbox {
             let (id, owner) = (row.id, row.owner.clone());
             match row.into_delivery() {
                 Ok(delivery) => deliveries.push(delivery),
-                Err(error) => self.bury(id, &owner, &error).await?,
+                // A burial that fails leaves the row to its lease (the
+                // rescuer re-queues it, a later claim buries it): the rows
+                // read beside it are delivered all the same.
+                Err(error) => {
+                    if let Err(failed) = self.bury(id, &owner, &error).await {
+                        tracing::warn!(id, error = %failed, "outbox: could not mark an unreadable row dead");
+                    }
+                }
             }
         }
         self.metrics.claimed.add(deliveries.len() as u64);

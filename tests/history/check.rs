@@ -725,8 +725,12 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                 let first = store
                     .iter()
                     .find(|e| e.op == Op::Release && e.owner == a.owner && e.start.seq >= end.seq);
-                let first_end = first.map_or(end.virt + config.store_timeout, |r| r.end.virt);
-                due = Some(first_end + config.store_timeout);
+                // Only a first release that ran before the commit landed
+                // leaves the orphan to the second; one after it must free it.
+                if first.is_none_or(|r| r.start.seq < a.start.seq) {
+                    let first_end = first.map_or(end.virt + config.store_timeout, |r| r.end.virt);
+                    due = Some(first_end + config.store_timeout);
+                }
             }
             end.seq
         };
