@@ -227,7 +227,7 @@ impl Outbox {
 
     /// Marks a claimed row that could not be read back `dead`, with why.
     async fn bury(&self, id: i64, owner: &[u8], error: &OutboxError) -> Result<(), OutboxError> {
-        tracing::error!(id, %error, "outbox row cannot be read back; marked dead, not sent");
+        tracing::error!(id, %error, "outbox row cannot be read back: marking it dead, not sent");
         let message = error.to_string();
         with_backend!(self, |pool, sql| {
             sqlx::query(sql::BURY)
@@ -499,11 +499,11 @@ fn lenient(value: i64) -> u32 {
 }
 
 /// A claimed row as both dialects return it.
-#[derive(sqlx::FromRow)]
 ///
 /// Text comes as bytes and counts as 64-bit integers, so that a row the
 /// worker cannot use fails on its own ([`ClaimRow::into_delivery`]), not
 /// the whole claim.
+#[derive(sqlx::FromRow)]
 struct ClaimRow {
     id: i64,
     owner: Vec<u8>,
