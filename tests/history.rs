@@ -408,6 +408,11 @@ fn finds_a_heartbeat_that_gives_up_after_a_failure() {
     finds(Mutation::HeartbeatGivesUp, "exclusive");
 }
 
+#[test]
+fn finds_a_stored_response_that_keeps_one_value_per_header() {
+    finds(Mutation::HeadersAsMap, "replay");
+}
+
 /// With hole `n` no longer excused, no schedule may show it: 500 memory
 /// schedules of the hole's own (past those of the main run, so each such
 /// test adds schedules rather than repeating them).

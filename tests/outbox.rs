@@ -986,14 +986,16 @@ macro_rules! outbox_tests {
                 receiver.script(
                     &key,
                     vec![Answer {
-                        delay: Duration::from_millis(1200),
+                        delay: Duration::from_millis(2400),
                         ..Answer::status(201)
                     }],
                 );
                 db.submit("sub-1", &["crm"], true).await;
                 // The delivery takes four leases; the rescuer runs often.
+                // (A 300 ms lease once ran out on a loaded machine, its
+                // renewal queued behind other tests' SQLite writes.)
                 let config = WorkerConfig {
-                    lease: Duration::from_millis(300),
+                    lease: Duration::from_millis(600),
                     rescue_interval: Duration::from_millis(20),
                     ..fast()
                 };
@@ -1501,6 +1503,53 @@ async fn an_sqlite_row_no_worker_can_read_does_not_strand_its_batch() {
         .all(|row| row.last_error_class.as_deref() == Some("unreadable")));
     let counts = db.outbox.counts().await.unwrap();
     assert_eq!((counts.running, counts.dead), (4, 3));
+    assert_eq!(db.outbox.metrics().unreadable(), 3);
+    assert!(db
+        .outbox
+        .metrics()
+        .render_prometheus()
+        .contains("outbox_unreadable_total 3\n"));
+}
+
+/// A claim that finds only unreadable rows buries them all and hands the
+/// worker nothing: the worker read that as an empty queue and slept a
+/// whole poll interval with due rows behind them (from a review). Here the
+/// poll interval is an hour and nothing wakes the worker: the row behind
+/// is delivered all the same.
+#[tokio::test]
+async fn a_claim_of_only_unreadable_rows_does_not_put_the_worker_to_sleep() {
+    let db = TestDb::sqlite().await;
+    let Pool::Lite(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    for n in 0..4u8 {
+        sqlx::query(
+            "INSERT INTO outbox_messages (topic, source, payload)
+             VALUES ('crm', CAST(?1 AS TEXT), CAST('{}' AS BLOB))",
+        )
+        .bind(&[0xc3u8, 0x28, 0xa0, n][..])
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    db.submit("sub-1", &["crm"], true).await;
+    let receiver = Receiver::start().await;
+    let outbox = db.another_outbox().await;
+    let config = WorkerConfig {
+        concurrency: 2,
+        poll_interval: Duration::from_secs(3600),
+        listen: false,
+        ..fast()
+    };
+    let worker = spawn_worker(outbox.clone(), &receiver, config);
+    eventually(
+        "the row behind the unreadable ones is delivered",
+        || async { state_of(&db.outbox, "crm", "sub-1").await.state == State::Completed },
+    )
+    .await;
+    worker.shutdown().await;
+    assert_eq!(outbox.metrics().unreadable(), 4);
+    assert_eq!(outbox.metrics().delivered(), 1);
 }
 
 /// A worker that cannot renew its lease (its renewals cannot reach the

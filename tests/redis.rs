@@ -841,3 +841,170 @@ async fn a_tls_url_is_refused_not_sent_in_the_clear() {
         assert!(made.is_err(), "{url} was taken");
     }
 }
+
+/// A TCP relay in front of Redis that can hold what the client sends: the
+/// bytes are taken (the client's write succeeds, as into a kernel buffer
+/// on a half-dead path) and delivered to Redis only when released — a
+/// network that stalls and then recovers, late.
+struct Relay {
+    addr: SocketAddr,
+    held: tokio::sync::watch::Sender<bool>,
+}
+
+impl Relay {
+    async fn start(redis: &str) -> Relay {
+        let redis = redis
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (held, watch) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(&redis).await.unwrap();
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                let mut watch = watch.clone();
+                let (chunks, mut queued) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+                tokio::spawn(async move {
+                    use tokio::io::AsyncReadExt;
+                    let mut buf = vec![0; 64 * 1024];
+                    while let Ok(n @ 1..) = client_read.read(&mut buf).await {
+                        let _ = chunks.send(buf[..n].to_vec());
+                    }
+                });
+                tokio::spawn(async move {
+                    use tokio::io::AsyncWriteExt;
+                    while let Some(chunk) = queued.recv().await {
+                        if watch.wait_for(|held| !held).await.is_err()
+                            || server_write.write_all(&chunk).await.is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                });
+            }
+        });
+        Relay { addr, held }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    fn hold(&self, held: bool) {
+        self.held.send_replace(held);
+    }
+}
+
+/// Two replicas of one deployment (one store of record, one Redis): `a`
+/// reaches Redis through `relay`, `b` directly. Short timeout and fill TTL,
+/// so the tombstones a purge leaves expire within seconds.
+async fn replicas(test: &str) -> (Relay, RedisCache<MemoryStore>, RedisCache<MemoryStore>) {
+    let relay = Relay::start(&shared_url()).await;
+    let inner = MemoryStore::new();
+    let mut config = RedisCacheConfig::new(relay.url())
+        .prefix(prefix(test))
+        .timeout(Duration::from_millis(200));
+    config.fill_ttl = Duration::from_millis(200);
+    let a = RedisCache::new(inner.clone(), config.clone()).unwrap();
+    config.url = shared_url();
+    let b = RedisCache::new(inner, config).unwrap();
+    (relay, a, b)
+}
+
+/// Until the client has given up on `cache`'s writes (its timeout).
+async fn given_up(cache: &RedisCache<MemoryStore>) {
+    tokio::time::timeout(Duration::from_secs(5), cache.settled())
+        .await
+        .expect("a held write gives up within its timeout");
+}
+
+#[tokio::test]
+async fn a_write_held_in_the_network_past_a_purge_never_revives_the_record() {
+    let (relay, a, b) = replicas("late-purge").await;
+    let (k, fp) = (random_key(), fingerprint(21));
+    // The lookup goes through before the network stalls.
+    let owner = acquire(&a, &k, &fp).await;
+    relay.hold(true);
+    assert!(a
+        .complete(&k, &owner, &outcome("secret"), TTL)
+        .await
+        .unwrap());
+    given_up(&a).await;
+    // The operator purges through the other replica; its tombstones then
+    // run out, and only then does the stalled write reach Redis.
+    let purge = b.admin().unwrap().purge(&k).await.unwrap();
+    assert!(purge, "the record was in the store of record");
+    tokio::time::sleep(TOMBSTONE_LIFE + Duration::from_millis(300)).await;
+    relay.hold(false);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        b.get(&k).await.unwrap(),
+        None,
+        "a purged record came back from Redis"
+    );
+    let mut redis = redis(&shared_url()).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}*", b.namespace().unwrap()))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "Redis still holds {keys:?}");
+}
+
+/// How long a purge's tombstone lives in [`replicas`]: `fill_ttl`, two
+/// timeouts, the 5 s the documentation allows for clocks, and a second.
+const TOMBSTONE_LIFE: Duration = Duration::from_millis(200 + 2 * 200 + 5_000 + 1_000);
+
+#[tokio::test]
+async fn a_write_held_past_its_records_expiry_never_replaces_the_next_record() {
+    let (relay, a, b) = replicas("late-next").await;
+    let (k, fp) = (random_key(), fingerprint(22));
+    let short = Duration::from_millis(800);
+    let owner = acquire(&a, &k, &fp).await;
+    relay.hold(true);
+    assert!(a
+        .complete(&k, &owner, &outcome("old"), short)
+        .await
+        .unwrap());
+    given_up(&a).await;
+    // The old record runs out; the key is used again, through `b`.
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let owner = acquire(&b, &k, &fp).await;
+    assert!(b.complete(&k, &owner, &outcome("new"), TTL).await.unwrap());
+    b.settled().await;
+    relay.hold(false);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        existing(&b, &k, &fp).await.state,
+        RecordState::Completed(outcome("new")),
+        "the old record's late copy replaced the new one's"
+    );
+    assert_eq!(
+        hits(&b),
+        1,
+        "the new record's entry was answered from Redis"
+    );
+}
+
+#[tokio::test]
+async fn a_write_held_within_its_deadline_still_lands() {
+    let (relay, a, b) = replicas("late-ok").await;
+    let (k, fp) = (random_key(), fingerprint(23));
+    let owner = acquire(&a, &k, &fp).await;
+    relay.hold(true);
+    assert!(a.complete(&k, &owner, &outcome("slow"), TTL).await.unwrap());
+    given_up(&a).await;
+    relay.hold(false);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        existing(&b, &k, &fp).await.state,
+        RecordState::Completed(outcome("slow"))
+    );
+    assert_eq!(hits(&b), 1, "the late write landed, within its deadline");
+}

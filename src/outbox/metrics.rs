@@ -73,6 +73,7 @@ pub struct OutboxMetrics {
     pub(crate) delivered: Counter,
     pub(crate) retried: Counter,
     pub(crate) dead: Counter,
+    pub(crate) unreadable: Counter,
     pub(crate) rescued: Counter,
     pub(crate) lost_leases: Counter,
     pub(crate) claim_latency: Histogram,
@@ -107,6 +108,12 @@ impl OutboxMetrics {
         self.dead.get()
     }
 
+    /// Claimed rows that could not be read back (a value of the wrong type,
+    /// stored by plain SQL) and were marked `dead` unsent.
+    pub fn unreadable(&self) -> u64 {
+        self.unreadable.get()
+    }
+
     /// Rows whose expired lease was re-queued by this process's rescuer.
     pub fn rescued(&self) -> u64 {
         self.rescued.get()
@@ -138,6 +145,11 @@ impl OutboxMetrics {
                 "dead",
                 "Rows sent to dead by a failed attempt.",
                 self.dead(),
+            ),
+            (
+                "unreadable",
+                "Claimed rows that could not be read back, sent to dead unsent.",
+                self.unreadable(),
             ),
             ("rescued", "Expired leases re-queued.", self.rescued()),
             (
@@ -178,7 +190,7 @@ mod tests {
         assert!(text.contains("outbox_delivered_total 3\n"), "{text}");
         assert!(text.contains("outbox_dead_total 1\n"), "{text}");
         assert!(text.contains("outbox_enqueued_total 0\n"), "{text}");
-        assert_eq!(text.matches("# TYPE").count(), 9);
+        assert_eq!(text.matches("# TYPE").count(), 10);
         metrics.delivery_latency.observe(Duration::from_millis(3));
         metrics.delivery_latency.observe(Duration::from_secs(60));
         let text = metrics.render_prometheus();

@@ -180,14 +180,30 @@ impl Outbox {
     /// becomes `running` under a fresh owner token with a lease of `lease`,
     /// and its attempt count goes up by one. Rows held by a concurrent
     /// claimer are skipped, never waited for or handed out twice.
+    ///
+    /// A claimed row that cannot be read back (stored by plain SQL with a
+    /// value of the wrong type) is marked `dead` at once, not delivered,
+    /// and counted in [`OutboxMetrics::unreadable`](super::OutboxMetrics::unreadable).
     pub async fn claim(
         &self,
         limit: usize,
         lease: Duration,
         topics: Option<&[String]>,
     ) -> Result<Vec<Delivery>, OutboxError> {
+        Ok(self.claim_rows(limit, lease, topics).await?.0)
+    }
+
+    /// [`claim`](Self::claim), and how many rows the statement claimed
+    /// (the unreadable ones too): fewer than `limit` means none more was
+    /// due.
+    pub(super) async fn claim_rows(
+        &self,
+        limit: usize,
+        lease: Duration,
+        topics: Option<&[String]>,
+    ) -> Result<(Vec<Delivery>, usize), OutboxError> {
         if limit == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), 0));
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let started = std::time::Instant::now();
@@ -206,7 +222,7 @@ impl Outbox {
         // with its reason, and the rows claimed with it are delivered (read
         // as a batch, they were stranded with it, lease after lease, until
         // `dead` unsent).
-        let mut deliveries = Vec::with_capacity(rows.len());
+        let (mut deliveries, claimed) = (Vec::with_capacity(rows.len()), rows.len());
         for row in rows {
             let (id, owner) = (row.id, row.owner.clone());
             match row.into_delivery() {
@@ -222,14 +238,14 @@ impl Outbox {
             }
         }
         self.metrics.claimed.add(deliveries.len() as u64);
-        Ok(deliveries)
+        Ok((deliveries, claimed))
     }
 
     /// Marks a claimed row that could not be read back `dead`, with why.
     async fn bury(&self, id: i64, owner: &[u8], error: &OutboxError) -> Result<(), OutboxError> {
         tracing::error!(id, %error, "outbox row cannot be read back: marking it dead, not sent");
         let message = error.to_string();
-        with_backend!(self, |pool, sql| {
+        let buried = with_backend!(self, |pool, sql| {
             sqlx::query(sql::BURY)
                 .bind(id)
                 .bind(owner)
@@ -238,6 +254,9 @@ impl Outbox {
                 .await?
                 .rows_affected()
         });
+        if buried == 1 {
+            self.metrics.unreadable.inc();
+        }
         Ok(())
     }
 

@@ -259,9 +259,15 @@ impl<D: Deliverer> Worker<D> {
             if free > 0 {
                 // The leases run from no earlier than the claim was sent.
                 let sent = Instant::now();
-                match outbox.claim(free, config.lease, topics.as_deref()).await {
-                    Ok(deliveries) => {
-                        queue_drained = deliveries.len() < free;
+                match outbox
+                    .claim_rows(free, config.lease, topics.as_deref())
+                    .await
+                {
+                    Ok((deliveries, claimed)) => {
+                        // Unreadable rows went dead in the claim: they
+                        // count, or a batch of them would look like an
+                        // empty queue and the worker would sleep a poll.
+                        queue_drained = claimed < free;
                         for delivery in deliveries {
                             tasks.spawn(deliver(
                                 outbox.clone(),

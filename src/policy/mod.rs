@@ -196,7 +196,8 @@ pub struct Policy {
     pub unreplayable_status: u16,
     /// Which upstream statuses are stored and replayed; any other status
     /// releases the key so a corrected request can go through.
-    /// Default `["2xx", "3xx"]`.
+    /// Default `["2xx", "3xx"]`. A 1xx status is refused: an interim
+    /// answer, or a 101 protocol switch, is no outcome to replay.
     pub store_statuses: StatusSet,
     /// The redirect targets that mean success. When set, a stored 3xx
     /// consumes the key only if its `Location` (absolute or relative; its
@@ -405,6 +406,15 @@ impl Policy {
                     .map_err(|error| invalid("success_redirects", error.reason))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        if (100..=199).any(|code| {
+            StatusCode::from_u16(code).is_ok_and(|status| self.store_statuses.contains(status))
+        }) {
+            return Err(invalid(
+                "store_statuses",
+                "holds a 1xx status: an interim answer (or a 101 protocol switch) is no \
+                 outcome to replay; list final statuses only, such as `2xx`",
+            ));
+        }
         if !success_redirects.is_empty()
             && !(300..=399).any(|code| {
                 StatusCode::from_u16(code).is_ok_and(|status| self.store_statuses.contains(status))

@@ -341,6 +341,20 @@ fn validation_names_the_field() {
     assert_eq!(bad.validate().unwrap_err().field, "scope_headers");
     let bad = Policy::default().key(KeySource::JsonPointer("key".into()));
     assert_eq!(bad.validate().unwrap_err().field, "key");
+    for interim in ["1xx", "101", "199-200", "2xx,100"] {
+        let bad = Policy {
+            store_statuses: interim.parse().unwrap(),
+            ..Policy::default()
+        };
+        let error = bad.validate().unwrap_err();
+        assert_eq!(error.field, "store_statuses", "{interim}");
+        assert!(error.reason.contains("1xx"), "{interim}: {}", error.reason);
+    }
+    let fine = Policy {
+        store_statuses: "200-399".parse().unwrap(),
+        ..Policy::default()
+    };
+    fine.validate().unwrap();
 }
 
 #[test]

@@ -9,7 +9,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use super::faulty::{Answer, Fault, FaultKind, Op, Stamp, StoreEvent, Switch};
-use super::sim::{deadline, host_of, Exec, History, Req, Schedule, Seen, Upstream, BODIES};
+use super::sim::{
+    deadline, host_of, upstream_headers, Exec, History, Req, Schedule, Seen, Upstream, BODIES,
+    LOCATIONS,
+};
 use tower_idempotency::store::OwnerToken;
 
 /// One broken invariant. `hole` names the item of the "guarantee holes"
@@ -157,6 +160,51 @@ fn excused_release(switches: &[Switch], instance: usize, from: u64, to: u64) -> 
         }
     }
     hits(at_from)
+}
+
+/// What is wrong with the headers of a replay of `exec` (`None`: nothing):
+/// every header the upstream answered with comes back, each name's values
+/// in their order, and `Location` for a redirect; `Set-Cookie` (no
+/// `replay_set_cookie` here) and a header `Connection` named do not.
+fn replayed_headers(exec: &Exec, headers: &[(String, Vec<u8>)]) -> Option<String> {
+    let (replayed, not_replayed) = upstream_headers(exec.id);
+    let mut expected: Vec<(&str, Vec<u8>)> = replayed;
+    if let Upstream::Redirect(i) = exec.upstream {
+        expected.push(("location", LOCATIONS[i].as_bytes().to_vec()));
+    }
+    let mut problems = Vec::new();
+    let mut names: Vec<&str> = expected.iter().map(|(name, _)| *name).collect();
+    names.sort_unstable();
+    names.dedup();
+    for name in names {
+        let want: Vec<&[u8]> = expected
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_slice())
+            .collect();
+        let got: Vec<&[u8]> = headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+            .collect();
+        if want != got {
+            problems.push(format!(
+                "`{name}` is {:?}, not {:?}",
+                got.iter()
+                    .map(|v| String::from_utf8_lossy(v))
+                    .collect::<Vec<_>>(),
+                want.iter()
+                    .map(|v| String::from_utf8_lossy(v))
+                    .collect::<Vec<_>>()
+            ));
+        }
+    }
+    for (name, _) in not_replayed {
+        if headers.iter().any(|(n, _)| n == name) {
+            problems.push(format!("`{name}` was replayed"));
+        }
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
 }
 
 pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
@@ -496,6 +544,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         let Seen::Reply {
             status,
             replayed,
+            headers,
             body: Some(body),
         } = &answered.seen
         else {
@@ -552,6 +601,13 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                     "request {}'s replay of exec {} is not byte-identical",
                     req.id, exec.id
                 ),
+            );
+        }
+        if let Some(text) = replayed_headers(exec, headers) {
+            flag(
+                "replay",
+                None,
+                format!("request {}'s replay of exec {}: {text}", req.id, exec.id),
             );
         }
         if !same_request(req.body, origin.body) {

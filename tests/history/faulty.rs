@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
 use tokio::sync::Notify;
 use tower_idempotency::store::{
     Claim, Fingerprint, Outcome, OwnerToken, Record, RecordState, ScopeKey,
@@ -94,6 +95,9 @@ pub enum Mutation {
     /// (modelled in the instance's wrapper), so its lease runs out under a
     /// live request although the fault was brief.
     HeartbeatGivesUp,
+    /// The stored response keeps one value per header name (the last), as
+    /// a store that kept headers in a map would.
+    HeadersAsMap,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -403,6 +407,17 @@ impl Mutant {
                 .call(move |s| async move { s.complete(&key, &owner, &outcome, ttl).await })
                 .await
         };
+        let mut outcome = outcome;
+        if let (Some(Mutation::HeadersAsMap), Outcome::Stored(response)) =
+            (self.mutation, &mut outcome)
+        {
+            let mut kept: Vec<(HeaderName, HeaderValue)> = Vec::new();
+            for (name, value) in response.headers.drain(..) {
+                kept.retain(|(n, _)| *n != name);
+                kept.push((name, value));
+            }
+            response.headers = kept;
+        }
         let mut result = complete(self.backend.clone(), owner, outcome.clone()).await;
         if self.mutation == Some(Mutation::UnfencedCompletion) && matches!(result, Ok(false)) {
             let holder = lock(&self.owners).get(&key).copied();

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use rand::rngs::StdRng;
@@ -379,6 +379,8 @@ pub enum Seen {
     Reply {
         status: StatusCode,
         replayed: bool,
+        /// Every header, in order, as the client read it.
+        headers: Vec<(String, Vec<u8>)>,
         /// `None`: the body failed.
         body: Option<Bytes>,
     },
@@ -563,7 +565,40 @@ async fn upstream(
     if let Upstream::Redirect(i) = script.upstream {
         response = response.header(http::header::LOCATION, LOCATIONS[i]);
     }
+    let (replayed, not_replayed) = upstream_headers(exec);
+    for (name, value) in replayed.into_iter().chain(not_replayed) {
+        response = response.header(name, HeaderValue::from_bytes(&value).unwrap());
+    }
     Ok(response.body(body).unwrap())
+}
+
+/// Header lines, by name, in order.
+pub type Headers = Vec<(&'static str, Vec<u8>)>;
+
+/// The headers execution `exec` answers with besides `Location`: those a
+/// replay must carry, in this order (a repeated name, a value that is not
+/// UTF-8), and those it must not (a cookie, and a hop-by-hop header named
+/// by `Connection`), as README states them.
+pub fn upstream_headers(exec: usize) -> (Headers, Headers) {
+    let replayed = vec![
+        ("content-type", b"text/plain; charset=utf-8".to_vec()),
+        ("x-exec", exec.to_string().into_bytes()),
+        ("x-trace", format!("first-{exec}").into_bytes()),
+        (
+            "x-bytes",
+            [b"caf\xe9 ".as_slice(), exec.to_string().as_bytes()].concat(),
+        ),
+        ("x-trace", format!("second-{exec}").into_bytes()),
+    ];
+    let not_replayed = vec![
+        (
+            "set-cookie",
+            format!("session={exec}; HttpOnly").into_bytes(),
+        ),
+        ("connection", b"x-hop".to_vec()),
+        ("x-hop", format!("hop-{exec}").into_bytes()),
+    ];
+    (replayed, not_replayed)
 }
 
 /// The longest a request may take, by its script and the configuration.
@@ -739,6 +774,11 @@ fn seen(result: Result<Response<Bytes>, std::io::Error>) -> Seen {
         Ok(response) => Seen::Reply {
             status: response.status(),
             replayed: response.headers().contains_key("idempotent-replayed"),
+            headers: response
+                .headers()
+                .iter()
+                .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+                .collect(),
             body: response
                 .extensions()
                 .get::<BodyOk>()

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
@@ -30,10 +30,31 @@ fn tombstone(key: String, ms: u64) -> ::redis::Cmd {
     cmd
 }
 
-/// `SET KEYS[1] ARGV[1] PX ARGV[3]`, unless it holds the tombstone
-/// `ARGV[2]`.
-const UNLESS_TOMBSTONE: &str = "if redis.call('GET', KEYS[1]) == ARGV[2] then return 0 end \
-     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3]) return 1";
+/// How long after a write was handed to Redis, by Redis's own clock,
+/// Redis still applies it, beyond the call's timeout (twice: once for the
+/// wait to be sent, once for the call itself): room for the clocks of this
+/// machine and Redis's to differ. A write that arrives later (held in a
+/// half-dead connection, a stalled network) is dropped, so it can neither
+/// outlive a purge's tombstone nor land after the record it copies expired.
+pub(super) const WRITE_SLACK: Duration = Duration::from_secs(5);
+
+/// One background write, applied by Redis only while Redis's clock reads
+/// no later than `ARGV[3]` (Unix ms), and then:
+///
+/// * `ARGV[4] == "nx"` (a fill): only where no entry is;
+/// * otherwise (a completion): anywhere but over a purge's tombstone
+///   (`ARGV[5]`).
+///
+/// `SET KEYS[1] ARGV[1] PX ARGV[2]`; returns 1 when written, 0 when an
+/// entry kept its place, and `-(ms late)` when the deadline had passed.
+/// One key, so one slot: atomic on a cluster too. `TIME` before a write
+/// needs effects replication, the default since Redis 5.
+const WRITE: &str = "local t = redis.call('TIME') \
+     local late = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[3]) \
+     if late > 0 then return -late end \
+     local entry = redis.call('GET', KEYS[1]) \
+     if entry and (ARGV[4] == 'nx' or entry == ARGV[5]) then return 0 end \
+     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1";
 
 /// Whether a write may replace an existing entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -167,9 +188,14 @@ impl Link {
     }
 
     /// Writes an entry in the background, so the caller's answer never
-    /// waits for Redis. The entry expires at `expires` (its remaining time
-    /// is taken when the write is sent, so a write that ran late cannot
-    /// outlive the record it copies).
+    /// waits for Redis. Called right after the inner store gave the truth
+    /// it copies. The entry expires at `expires` (its remaining time is
+    /// taken when the write is sent), and Redis applies it only until a
+    /// deadline by its own clock: the sooner of `expires` and now plus
+    /// twice the timeout plus [`WRITE_SLACK`]. So a write held up on its
+    /// way (a half-dead connection, a stalled network) can neither outlive
+    /// a purge's tombstone, nor land after the record it copies expired
+    /// (over the entry of a newer record), nor live on past it.
     pub(super) fn write_behind(
         self: &Arc<Self>,
         key: &ScopeKey,
@@ -177,11 +203,15 @@ impl Link {
         expires: Instant,
         mode: Write,
     ) {
+        let now = Instant::now();
+        let within =
+            (2 * self.config.timeout + WRITE_SLACK).min(expires.saturating_duration_since(now));
+        let deadline = unix_ms(SystemTime::now() + within);
         self.writing.fetch_add(1, SeqCst);
         let (link, key) = (self.clone(), *key);
         tokio::spawn(async move {
             let left = expires.saturating_duration_since(Instant::now());
-            link.write(&key, value, left, mode).await;
+            link.write(&key, value, left, deadline, mode).await;
             if link.writing.fetch_sub(1, SeqCst) == 1 {
                 link.written.notify_waiters();
             }
@@ -203,45 +233,52 @@ impl Link {
         }
     }
 
-    pub(super) async fn write(
+    /// One [`WRITE`]: `ttl` from now, applied by Redis until `deadline`
+    /// (Unix ms, Redis's clock).
+    async fn write(
         self: &Arc<Self>,
         key: &ScopeKey,
         value: Vec<u8>,
         ttl: Duration,
+        deadline: u64,
         mode: Write,
     ) {
         let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
         let Some(key) = self.key(key).filter(|_| ms > 0) else {
             return;
         };
-        let cmd = match mode {
-            Write::IfAbsent => {
-                let mut cmd = ::redis::cmd("SET");
-                cmd.arg(key).arg(value).arg("PX").arg(ms).arg("NX");
-                cmd
-            }
-            // One key, so one slot: atomic on a cluster too.
-            Write::Overwrite => {
-                let mut cmd = ::redis::cmd("EVAL");
-                cmd.arg(UNLESS_TOMBSTONE)
-                    .arg(1)
-                    .arg(key)
-                    .arg(value)
-                    .arg(&[TOMBSTONE][..])
-                    .arg(ms);
-                cmd
-            }
-        };
-        let _: Option<::redis::Value> = self.call(&cmd).await;
+        let mut cmd = ::redis::cmd("EVAL");
+        cmd.arg(WRITE)
+            .arg(1)
+            .arg(key)
+            .arg(value)
+            .arg(ms)
+            .arg(deadline)
+            .arg(match mode {
+                Write::IfAbsent => "nx",
+                Write::Overwrite => "overwrite",
+            })
+            .arg(&[TOMBSTONE][..]);
+        let answer: Option<i64> = self.call(&cmd).await;
+        if let Some(late) = answer.filter(|answer| *answer < 0) {
+            // Sent within the timeout, yet past a deadline seconds later:
+            // Redis's clock runs ahead of ours.
+            self.failed(&format!(
+                "Redis refused a write that reached it {} ms after its deadline: its clock \
+                 runs ahead of this machine's (or the write waited to be sent); entries \
+                 are not cached until the clocks agree",
+                -late
+            ));
+        }
     }
 
     /// Overwrites the cached copies of `keys`' records with tombstones
-    /// that outlive any copy made before (a fill lands within `fill_ttl`
-    /// of its read, a write within the timeout): a tombstone is a miss,
-    /// and a fill never replaces it. Runs even while cooling down; an
+    /// that outlive any copy made before ([`tombstone_ttl`]: Redis drops a
+    /// write that reaches it after its deadline): a tombstone is a miss,
+    /// and no write replaces it. Runs even while cooling down; an
     /// error means some copies may still be answered.
     pub(super) async fn invalidate(self: &Arc<Self>, keys: &[ScopeKey]) -> Result<(), String> {
-        let ttl = self.config.fill_ttl + self.config.timeout + Duration::from_secs(1);
+        let ttl = tombstone_ttl(&self.config);
         let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
         let connection = tokio::time::timeout(self.config.timeout, self.connection())
             .await
@@ -393,6 +430,20 @@ impl Link {
             );
         }
     }
+}
+
+/// How long a purge's tombstone lives: longer than any write handed to
+/// Redis before it may still be applied ([`Link::write_behind`]'s
+/// deadline), by `fill_ttl` plus a second — the room left for this
+/// machine's clock to run ahead of Redis's.
+pub(super) fn tombstone_ttl(config: &RedisCacheConfig) -> Duration {
+    config.fill_ttl + 2 * config.timeout + WRITE_SLACK + Duration::from_secs(1)
+}
+
+/// `time` in milliseconds since the Unix epoch (0 before it).
+fn unix_ms(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis().min(u64::MAX as u128) as u64)
 }
 
 /// The Redis key of a record: `namespace` then the scope key's hex in a

@@ -144,7 +144,8 @@ pub(super) fn redact(url: &str) -> String {
 /// * **Expiry.** An entry written by `complete` gets the record's TTL minus
 ///   the time elapsed since just *before* the inner call, so it expires no
 ///   later than the inner record (up to the one-way delay to Redis, far
-///   below any real TTL). The [`Store`] trait cannot tell the remaining
+///   below any real TTL: Redis drops a write that reaches it past its
+///   deadline, below). The [`Store`] trait cannot tell the remaining
 ///   retention of a record found by a lookup, so an entry *filled* from the
 ///   inner store lives at most [`RedisCacheConfig::fill_ttl`] (and, in
 ///   `reserve`, at most the route's TTL). This is the one stale window: for
@@ -156,6 +157,17 @@ pub(super) fn redact(url: &str) -> String {
 ///   purge's tombstone), fills only write where nothing is cached (`SET
 ///   NX`), so a slow fill of an old record can never replace the entry of a
 ///   newer completion, and no late copy revives a purged record.
+/// * **A write held up on its way.** A write the client gave up on (its
+///   timeout) may still be in a stalled connection and reach Redis later.
+///   Each write carries a deadline — the sooner of the copied record's
+///   expiry and twice the timeout plus 5 s after the truth was read — and
+///   Redis, by its own clock, drops it past that. So a late write never
+///   lands over a newer record's entry after its own record expired, and
+///   never outlives a purge's tombstone, which lives longer than any
+///   deadline by `fill_ttl` plus a second. This needs this machine's clock
+///   and Redis's to agree within that margin; a Redis clock more than 5 s
+///   ahead makes Redis drop every write (counted and logged as errors:
+///   replays then come from the inner store).
 ///
 /// # Purges
 ///
@@ -471,7 +483,8 @@ impl<S: Store> Maintenance for RedisCache<S> {
             ),
             (
                 "idempotency_redis_errors_total",
-                "Redis calls that failed, timed out or read an undecodable entry.",
+                "Redis calls that failed, timed out, read an undecodable entry or wrote \
+                 past their deadline.",
                 redis.errors.load(Relaxed),
             ),
             (
