@@ -207,6 +207,23 @@ fn replayed_headers(exec: &Exec, headers: &[(String, Vec<u8>)]) -> Option<String
     (!problems.is_empty()).then(|| problems.join("; "))
 }
 
+/// Whether `instance` had a fault in force (of any kind, on any call) at
+/// some moment between the sequence numbers `from` and `to`, or crashed.
+fn faulted(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
+    let mut current = None;
+    for switch in switches.iter().filter(|s| s.instance == instance) {
+        if switch.at.seq > to {
+            break;
+        }
+        if switch.at.seq < from {
+            current = switch.fault;
+        } else if switch.crash || switch.fault.is_some() {
+            return true;
+        }
+    }
+    current.is_some()
+}
+
 pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
     let config = &schedule.config;
     let reqs: HashMap<usize, &Req> = schedule.requests().map(|r| (r.id, r)).collect();
@@ -832,6 +849,41 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                     e.request
                 ),
             );
+        }
+    }
+
+    // 7. Liveness: "store unavailable" (503) is earned. A request whose
+    //    instance had no fault in force from its sending to its answer (nor
+    //    crashed meanwhile) gets no 503: the engine refuses only when its own
+    //    calls to the store fail. (A store that answers with another key's
+    //    record is a fault of its own: a sealed engine refuses that record.)
+    if config.mutation != Some(super::faulty::Mutation::ReplayOtherRecord) {
+        for answered in &history.answers {
+            let Seen::Reply { status, body, .. } = &answered.seen else {
+                continue;
+            };
+            let req = reqs[&answered.request];
+            // The engine's own refusal, not an upstream's 503 relayed.
+            let own = body.as_deref().and_then(exec_id).is_none();
+            if status.as_u16() == 503
+                && own
+                && !faulted(
+                    &history.switches,
+                    answered.instance,
+                    answered.sent.seq,
+                    answered.at.seq,
+                )
+            {
+                flag(
+                    "liveness",
+                    None,
+                    format!(
+                        "request {} was refused with 503 although its instance's store had \
+                         no fault from its sending to its answer",
+                        req.id
+                    ),
+                );
+            }
         }
     }
 

@@ -397,6 +397,9 @@ pub enum Seen {
 #[derive(Clone, Debug)]
 pub struct Answered {
     pub request: usize,
+    /// The engine instance that answered (a fresh one after a crash has a
+    /// number of its own, unlike the schedule's slot).
+    pub instance: usize,
     pub sent: Stamp,
     pub at: Stamp,
     pub seen: Seen,
@@ -644,7 +647,7 @@ async fn play(schedule: &Schedule, backend: Backend) -> History {
                 let target = &mut instances[req.instance];
                 let handle = tokio::spawn(client(
                     shared.clone(),
-                    target.svc.clone(),
+                    (target.svc.clone(), target.faulty.instance),
                     config.clone(),
                     req.clone(),
                 ));
@@ -672,6 +675,7 @@ async fn play(schedule: &Schedule, backend: Backend) -> History {
                 let now = mutant.stamp();
                 shared.answers.lock().unwrap().push(Answered {
                     request: id,
+                    instance: instance.faulty.instance,
                     sent: now,
                     at: now,
                     seen: Seen::Crashed,
@@ -730,7 +734,8 @@ async fn in_flight(mutant: &Mutant, key: tower_idempotency::store::ScopeKey) -> 
     }
 }
 
-async fn client(shared: Arc<Shared>, svc: Svc, config: Config, req: Req) {
+/// Sends `req` to `svc`, the engine instance numbered `instance`.
+async fn client(shared: Arc<Shared>, (svc, instance): (Svc, usize), config: Config, req: Req) {
     let mut request = Request::post(PATHS[req.path])
         .header("host", HOSTS[req.host])
         .header("idempotency-key", raw_key(&config, &req))
@@ -762,6 +767,7 @@ async fn client(shared: Arc<Shared>, svc: Svc, config: Config, req: Req) {
     let at = shared.mutant.stamp();
     shared.answers.lock().unwrap().push(Answered {
         request: req.id,
+        instance,
         sent,
         at,
         seen,

@@ -45,9 +45,12 @@ impl<S: Store> RedisCache<S> {
 
     /// Purges with Redis kept in step: the copies are overwritten before
     /// the inner records are deleted (so a failure deletes nothing), and
-    /// again after — a timeout later, so a completion's copy still on its
-    /// way to Redis, or a record that appeared meanwhile, is overwritten
-    /// too.
+    /// again after, a timeout later, with tombstones that live from then
+    /// on: a copy read before the delete and still on its way lands before
+    /// they expire (so it never replaces them), and a record that appeared
+    /// meanwhile is overwritten too. The second pass is tried three times
+    /// (a cooldown apart): once the records are deleted, a purge run again
+    /// (of a principal) no longer finds their keys.
     async fn purge_through<F, Fut>(
         &self,
         before: &[ScopeKey],
@@ -62,11 +65,17 @@ impl<S: Store> RedisCache<S> {
         if !deleted.is_empty() {
             tokio::time::sleep(self.redis.config.timeout).await;
         }
-        self.invalidate(
-            &deleted,
-            "the records were deleted from the store of record",
-        )
-        .await?;
+        let done = "the records were deleted from the store of record, after their copies \
+                    were overwritten once";
+        let mut second = self.invalidate(&deleted, done).await;
+        for _ in 1..3 {
+            if second.is_ok() {
+                break;
+            }
+            tokio::time::sleep(self.redis.config.cooldown).await;
+            second = self.invalidate(&deleted, done).await;
+        }
+        second?;
         Ok(deleted)
     }
 }

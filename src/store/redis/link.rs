@@ -30,31 +30,62 @@ fn tombstone(key: String, ms: u64) -> ::redis::Cmd {
     cmd
 }
 
-/// How long after a write was handed to Redis, by Redis's own clock,
-/// Redis still applies it, beyond the call's timeout (twice: once for the
-/// wait to be sent, once for the call itself): room for the clocks of this
-/// machine and Redis's to differ. A write that arrives later (held in a
-/// half-dead connection, a stalled network) is dropped, so it can neither
-/// outlive a purge's tombstone nor land after the record it copies expired.
+/// How long after the inner store was asked for the truth a copy of it
+/// may still be applied, beyond the Redis call's timeout: room for the
+/// inner call itself, the wait to be sent, and Redis's clock running
+/// ahead of this machine's. A write that arrives later (held in a
+/// half-dead connection, a stalled network) is dropped by Redis, and one
+/// not sent by then is not sent at all; so no copy outlives a purge's
+/// tombstone ([`tombstone_ttl`]).
 pub(super) const WRITE_SLACK: Duration = Duration::from_secs(5);
 
-/// One background write, applied by Redis only while Redis's clock reads
-/// no later than `ARGV[3]` (Unix ms), and then:
+/// How much sooner than its record a copy expires: room for Redis's clock
+/// running behind this machine's, so a copy never outlives its record
+/// (and a late copy never lands after its record expired, over a newer
+/// record's entry). A record kept for less than this is not cached.
+pub(super) const EXPIRY_MARGIN: Duration = Duration::from_secs(1);
+
+/// One background write (`ARGV[1]`), applied by Redis only while Redis's
+/// clock reads no later than the deadline `ARGV[3]`, expiring at `ARGV[2]`
+/// (both Unix ms), and then:
 ///
 /// * `ARGV[4] == "nx"` (a fill): only where no entry is;
 /// * otherwise (a completion): anywhere but over a purge's tombstone
 ///   (`ARGV[5]`).
 ///
-/// `SET KEYS[1] ARGV[1] PX ARGV[2]`; returns 1 when written, 0 when an
-/// entry kept its place, and `-(ms late)` when the deadline had passed.
-/// One key, so one slot: atomic on a cluster too. `TIME` before a write
-/// needs effects replication, the default since Redis 5.
-const WRITE: &str = "local t = redis.call('TIME') \
-     local late = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[3]) \
+/// Returns 1 when written, 0 when an entry kept its place or the copy
+/// would already have expired, and `-(ms late)` when the deadline had
+/// passed. One key, so one slot: atomic on a cluster too. `TIME` before
+/// a write needs the script replicated by its effects: the default since
+/// Redis 5, asked for on 5 and 6 (a no-op since 7).
+const WRITE: &str = "redis.replicate_commands() \
+     local t = redis.call('TIME') \
+     local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) \
+     local late = now - tonumber(ARGV[3]) \
      if late > 0 then return -late end \
+     local px = tonumber(ARGV[2]) - now \
+     if px <= 0 then return 0 end \
      local entry = redis.call('GET', KEYS[1]) \
      if entry and (ARGV[4] == 'nx' or entry == ARGV[5]) then return 0 end \
-     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1";
+     redis.call('SET', KEYS[1], ARGV[1], 'PX', string.format('%d', px)) return 1";
+
+/// When the inner store was asked for the truth a copy holds: just before
+/// the call that gave it (a completion, a lookup). A copy's deadline and
+/// expiry count from here, not from its answer, which may come late.
+#[derive(Clone, Copy)]
+pub(super) struct Asked {
+    at: Instant,
+    wall: SystemTime,
+}
+
+impl Asked {
+    pub(super) fn now() -> Self {
+        Asked {
+            at: Instant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+}
 
 /// Whether a write may replace an existing entry.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -179,39 +210,55 @@ impl Link {
         }
     }
 
-    /// Copies a completed `record` found in the inner store into Redis.
-    pub(super) fn fill(self: &Arc<Self>, key: &ScopeKey, record: &Record, ttl: Duration) {
+    /// Copies a completed `record` found in the inner store (asked at
+    /// `asked`) into Redis, to be kept `ttl`.
+    pub(super) fn fill(
+        self: &Arc<Self>,
+        key: &ScopeKey,
+        record: &Record,
+        asked: Asked,
+        ttl: Duration,
+    ) {
         if let RecordState::Completed(outcome) = &record.state {
             let value = encode(&record.fingerprint, outcome);
-            self.write_behind(key, value, Instant::now() + ttl, Write::IfAbsent);
+            self.write_behind(key, value, asked, ttl, Write::IfAbsent);
         }
     }
 
     /// Writes an entry in the background, so the caller's answer never
-    /// waits for Redis. Called right after the inner store gave the truth
-    /// it copies. The entry expires at `expires` (its remaining time is
-    /// taken when the write is sent), and Redis applies it only until a
-    /// deadline by its own clock: the sooner of `expires` and now plus
-    /// twice the timeout plus [`WRITE_SLACK`]. So a write held up on its
-    /// way (a half-dead connection, a stalled network) can neither outlive
-    /// a purge's tombstone, nor land after the record it copies expired
-    /// (over the entry of a newer record), nor live on past it.
+    /// waits for Redis. Both bounds count from `asked`, when the inner
+    /// store was asked for the truth the entry copies: the entry expires
+    /// [`EXPIRY_MARGIN`] before `ttl` has passed, and Redis applies it only
+    /// until the timeout plus [`WRITE_SLACK`] has, by its own clock (a
+    /// write not sent by then is not sent). So a write held up on its way
+    /// (a half-dead connection, a stalled network), or one whose store
+    /// answer came late, can neither outlive a purge's tombstone, nor land
+    /// after the record it copies expired (over the entry of a newer
+    /// record), nor live on past it.
     pub(super) fn write_behind(
         self: &Arc<Self>,
         key: &ScopeKey,
         value: Vec<u8>,
-        expires: Instant,
+        asked: Asked,
+        ttl: Duration,
         mode: Write,
     ) {
-        let now = Instant::now();
-        let within =
-            (2 * self.config.timeout + WRITE_SLACK).min(expires.saturating_duration_since(now));
-        let deadline = unix_ms(SystemTime::now() + within);
+        if asked.at.elapsed() > WRITE_SLACK {
+            self.failed(&format_args!(
+                "a copy for Redis came more than {WRITE_SLACK:?} after its store call began: \
+                 not cached"
+            ));
+            return;
+        }
+        let Some(keep) = ttl.checked_sub(EXPIRY_MARGIN) else {
+            return;
+        };
+        let expires = unix_ms(asked.wall + keep);
+        let deadline = unix_ms(asked.wall + self.config.timeout + WRITE_SLACK);
         self.writing.fetch_add(1, SeqCst);
         let (link, key) = (self.clone(), *key);
         tokio::spawn(async move {
-            let left = expires.saturating_duration_since(Instant::now());
-            link.write(&key, value, left, deadline, mode).await;
+            link.write(&key, value, expires, deadline, mode).await;
             if link.writing.fetch_sub(1, SeqCst) == 1 {
                 link.written.notify_waiters();
             }
@@ -233,18 +280,17 @@ impl Link {
         }
     }
 
-    /// One [`WRITE`]: `ttl` from now, applied by Redis until `deadline`
-    /// (Unix ms, Redis's clock).
+    /// One [`WRITE`]: expiring at `expires`, applied by Redis until
+    /// `deadline` (Unix ms, Redis's clock).
     async fn write(
         self: &Arc<Self>,
         key: &ScopeKey,
         value: Vec<u8>,
-        ttl: Duration,
+        expires: u64,
         deadline: u64,
         mode: Write,
     ) {
-        let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
-        let Some(key) = self.key(key).filter(|_| ms > 0) else {
+        let Some(key) = self.key(key) else {
             return;
         };
         let mut cmd = ::redis::cmd("EVAL");
@@ -252,7 +298,7 @@ impl Link {
             .arg(1)
             .arg(key)
             .arg(value)
-            .arg(ms)
+            .arg(expires)
             .arg(deadline)
             .arg(match mode {
                 Write::IfAbsent => "nx",
@@ -264,9 +310,9 @@ impl Link {
             // Sent within the timeout, yet past a deadline seconds later:
             // Redis's clock runs ahead of ours.
             self.failed(&format!(
-                "Redis refused a write that reached it {} ms after its deadline: its clock \
-                 runs ahead of this machine's (or the write waited to be sent); entries \
-                 are not cached until the clocks agree",
+                "Redis refused a write that reached it {} ms after its deadline (Unix ms {deadline} \
+                 by this machine's clock): Redis's clock runs ahead of this machine's, or the \
+                 write waited to be sent; entries are not cached until the clocks agree",
                 -late
             ));
         }
@@ -432,12 +478,13 @@ impl Link {
     }
 }
 
-/// How long a purge's tombstone lives: longer than any write handed to
-/// Redis before it may still be applied ([`Link::write_behind`]'s
-/// deadline), by `fill_ttl` plus a second — the room left for this
-/// machine's clock to run ahead of Redis's.
+/// How long a purge's tombstone lives: longer than any copy of a record
+/// read before the purge deleted it may still be applied (within the
+/// timeout plus [`WRITE_SLACK`] of its read, [`Link::write_behind`]), by
+/// `fill_ttl` plus a second — the room left for this machine's clock to
+/// run ahead of Redis's.
 pub(super) fn tombstone_ttl(config: &RedisCacheConfig) -> Duration {
-    config.fill_ttl + 2 * config.timeout + WRITE_SLACK + Duration::from_secs(1)
+    config.fill_ttl + config.timeout + WRITE_SLACK + Duration::from_secs(1)
 }
 
 /// `time` in milliseconds since the Unix epoch (0 before it).

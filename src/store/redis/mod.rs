@@ -21,7 +21,7 @@ use super::{
 mod admin;
 mod link;
 
-use link::{cluster_nodes, Link, Target, Write};
+use link::{cluster_nodes, Asked, Link, Target, Write};
 
 /// How [`RedisCache`] reaches Redis.
 #[derive(Clone)]
@@ -123,7 +123,8 @@ pub(super) fn redact(url: &str) -> String {
 /// * Only completed records are cached, and only *after* the inner store
 ///   committed them: [`Store::complete`] writes to Redis once the inner
 ///   store returned `true` — in the background, so the answer does not
-///   wait for Redis ([`RedisCache::settled`] waits for such writes).
+///   wait for Redis ([`RedisCache::settled`] waits for such writes; one
+///   that timed out may still land later, within its deadline, below).
 /// * A lookup ([`Store::reserve`], [`Store::get`]) asks Redis first. A hit
 ///   is returned as the record that stands ([`Claim::Existing`]), whatever
 ///   the request's fingerprint: the engine replays it when the fingerprint
@@ -141,33 +142,37 @@ pub(super) fn redact(url: &str) -> String {
 /// in-flight records only). So while the inner record lives, the cached copy
 /// is exactly what the inner store would answer. Two things remain:
 ///
-/// * **Expiry.** An entry written by `complete` gets the record's TTL minus
-///   the time elapsed since just *before* the inner call, so it expires no
-///   later than the inner record (up to the one-way delay to Redis, far
-///   below any real TTL: Redis drops a write that reaches it past its
-///   deadline, below). The [`Store`] trait cannot tell the remaining
-///   retention of a record found by a lookup, so an entry *filled* from the
-///   inner store lives at most [`RedisCacheConfig::fill_ttl`] (and, in
-///   `reserve`, at most the route's TTL). This is the one stale window: for
-///   at most `fill_ttl` after the inner record expired, a request with that
-///   key gets the old replay (or mismatch) instead of a fresh execution. It
-///   can never cause a second execution. Keep `fill_ttl` short (default
-///   60 s) relative to the retention.
+/// * **Expiry.** An entry written by `complete` expires a second (a
+///   margin for Redis's clock running behind ours) before the record's TTL
+///   has passed since just *before* the inner call, so it expires before
+///   the inner record; a record kept for less than a second is not cached.
+///   The [`Store`] trait cannot tell the remaining retention of a record
+///   found by a lookup, so an entry *filled* from the inner store lives at
+///   most [`RedisCacheConfig::fill_ttl`] from just before the lookup (and,
+///   in `reserve`, at most the route's TTL). This is the one stale window:
+///   for at most `fill_ttl` after the inner record expired, a request with
+///   that key gets the old replay (or mismatch) instead of a fresh
+///   execution. It can never cause a second execution. Keep `fill_ttl`
+///   short (default 60 s) relative to the retention.
 /// * **A new record after expiry.** Completions overwrite (anything but a
 ///   purge's tombstone), fills only write where nothing is cached (`SET
 ///   NX`), so a slow fill of an old record can never replace the entry of a
 ///   newer completion, and no late copy revives a purged record.
 /// * **A write held up on its way.** A write the client gave up on (its
-///   timeout) may still be in a stalled connection and reach Redis later.
-///   Each write carries a deadline — the sooner of the copied record's
-///   expiry and twice the timeout plus 5 s after the truth was read — and
-///   Redis, by its own clock, drops it past that. So a late write never
-///   lands over a newer record's entry after its own record expired, and
-///   never outlives a purge's tombstone, which lives longer than any
-///   deadline by `fill_ttl` plus a second. This needs this machine's clock
-///   and Redis's to agree within that margin; a Redis clock more than 5 s
-///   ahead makes Redis drop every write (counted and logged as errors:
-///   replays then come from the inner store).
+///   timeout), or one made from a store answer that came late, may reach
+///   Redis long after the truth it copies was read. Every write is a
+///   script that applies it only while Redis's clock is within the timeout
+///   plus 5 s of the moment the inner store was asked (a write not sent by
+///   then is not sent), and only while the copy has not expired. So a late
+///   write never lands over a newer record's entry after its own record
+///   expired, and never outlives a purge's tombstone, which lives longer
+///   than any such write by `fill_ttl` plus a second. This compares clocks:
+///   each replica's with Redis's (each node's, on a cluster). Redis's
+///   running more than 5 s ahead makes it drop every write (counted and
+///   logged as errors: replays then come from the inner store); ours
+///   running ahead by more than `fill_ttl` plus a second lets a late write
+///   outlive a tombstone, and Redis's running behind by more than a second
+///   lets a copy outlive its record by the difference.
 ///
 /// # Purges
 ///
@@ -358,12 +363,13 @@ impl<S: Store> RedisCache<S> {
         if let Some(record) = self.redis.lookup(key).await {
             return Ok(Claim::Existing(record));
         }
+        let asked = Asked::now();
         let claim = inner().await?;
         match &claim {
             Claim::Acquired { .. } => self.redis.remember(*owner, *fingerprint),
             Claim::Existing(record) => {
                 let ttl = ttl.min(self.redis.config.fill_ttl);
-                self.redis.fill(key, record, ttl);
+                self.redis.fill(key, record, asked, ttl);
             }
         }
         Ok(claim)
@@ -393,7 +399,7 @@ impl<S: Store> Store for RedisCache<S> {
     ) -> Result<bool, StoreError> {
         // Taken before the inner store starts its clock, so the cached entry
         // expires no later than the inner record.
-        let started = Instant::now();
+        let asked = Asked::now();
         let fingerprint = self.redis.fingerprint_of(owner);
         // On an error the entry stays, for the engine's retry.
         let done = self.inner.complete(key, owner, outcome, ttl).await?;
@@ -401,7 +407,7 @@ impl<S: Store> Store for RedisCache<S> {
         if let (true, Some(fingerprint)) = (done, fingerprint) {
             let value = encode(&fingerprint, outcome);
             self.redis
-                .write_behind(key, value, started + ttl, Write::Overwrite);
+                .write_behind(key, value, asked, ttl, Write::Overwrite);
         }
         Ok(done)
     }
@@ -428,9 +434,11 @@ impl<S: Store> Store for RedisCache<S> {
         if let Some(record) = self.redis.lookup(key).await {
             return Ok(Some(record));
         }
+        let asked = Asked::now();
         let record = self.inner.get(key).await?;
         if let Some(record) = &record {
-            self.redis.fill(key, record, self.redis.config.fill_ttl);
+            self.redis
+                .fill(key, record, asked, self.redis.config.fill_ttl);
         }
         Ok(record)
     }
