@@ -13,7 +13,7 @@ use super::sim::{
     deadline, host_of, upstream_headers, Exec, History, Req, Schedule, Seen, Upstream, BODIES,
     LOCATIONS,
 };
-use tower_idempotency::store::OwnerToken;
+use tower_idempotency::store::{OwnerToken, ScopeKey};
 
 /// One broken invariant. `hole` names the item of the "guarantee holes"
 /// issue that explains it, when one does.
@@ -205,6 +205,24 @@ fn replayed_headers(exec: &Exec, headers: &[(String, Vec<u8>)]) -> Option<String
         }
     }
     (!problems.is_empty()).then(|| problems.join("; "))
+}
+
+/// The `type` of a problem answer (`None`: not one).
+fn problem_type(body: &[u8]) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Some(value.get("type")?.as_str()?.to_owned())
+}
+
+/// Whether a reservation of `key` by no request of the schedule (a
+/// renewal's, a takeover's late commit) was acquired before `before`.
+fn acquired_without_request(store: &[StoreEvent], key: ScopeKey, before: u64) -> bool {
+    store.iter().any(|e| {
+        e.op == Op::Reserve
+            && e.key == key
+            && e.request.is_none()
+            && matches!(e.answer, Answer::Acquired(_))
+            && e.start.seq < before
+    })
 }
 
 /// Whether `instance` had a fault in force (of any kind, on any call) at
@@ -884,6 +902,76 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                     ),
                 );
             }
+        }
+    }
+
+    // 9b. Conflicts are earned. "In flight" (409) only while another
+    //     request's reservation of the same key may still hold it: one
+    //     acquired before the answer, of which no accepted completion or
+    //     release ended before the request was sent. "Mismatch" (422) only
+    //     if a reservation of the scope was acquired for a different
+    //     request before the answer. "Response incomplete" (409) only if an
+    //     execution of the scope broke off mid-body.
+    //     (A store that answers with another key's record is excused, as
+    //     above.)
+    let lying_store = config.mutation == Some(super::faulty::Mutation::ReplayOtherRecord);
+    for answered in history.answers.iter().filter(|_| !lying_store) {
+        let Seen::Reply {
+            body: Some(body), ..
+        } = &answered.seen
+        else {
+            continue;
+        };
+        let Some(problem) = problem_type(body) else {
+            continue;
+        };
+        let req = reqs[&answered.request];
+        let Some(key) = store
+            .iter()
+            .find(|e| e.request == Some(req.id) && e.op == Op::Reserve)
+            .map(|e| e.key)
+        else {
+            continue;
+        };
+        let others = || {
+            acquired.iter().filter(move |(r, a)| {
+                **r != req.id && a.key == key && a.start.seq < answered.at.seq
+            })
+        };
+        let earned = match problem.as_str() {
+            "urn:tower-idempotency:in-flight" => {
+                others().any(|(_, a)| {
+                    let owner = a.owner.expect("acquired");
+                    !store.iter().any(|e| {
+                        e.owner == Some(owner)
+                            && matches!(e.op, Op::Complete | Op::Release)
+                            && matches!(e.answer, Answer::Done(true))
+                            && e.end.seq < answered.sent.seq
+                    })
+                }) || acquired_without_request(store, key, answered.at.seq)
+            }
+            // Whitespace aside (README: the JSON fingerprint ignores it),
+            // any other body may be another request.
+            "urn:tower-idempotency:key-mismatch" => {
+                let bare = |i: usize| BODIES[i].replace(' ', "");
+                others().any(|(r, _)| bare(reqs[r].body) != bare(req.body))
+            }
+            "urn:tower-idempotency:response-incomplete" => history.execs.iter().any(|e| {
+                e.upstream == Upstream::MidBody
+                    && acquired.get(&e.request).is_some_and(|a| a.key == key)
+            }),
+            _ => true,
+        };
+        if !earned {
+            flag(
+                "liveness",
+                None,
+                format!(
+                    "request {} was answered `{problem}` although nothing in its history \
+                     made its key so",
+                    req.id
+                ),
+            );
         }
     }
 
