@@ -415,6 +415,20 @@ fn finds_a_stored_response_that_keeps_one_value_per_header() {
     finds(Mutation::HeadersAsMap, "replay");
 }
 
+/// A store that fails now and then with no fault switched on: the engine's
+/// 503s are not earned.
+#[test]
+fn finds_a_store_that_fails_without_a_fault() {
+    finds(Mutation::SpuriousUnavailable, "liveness");
+}
+
+/// A store that answers "in flight" for a key its holder released: the
+/// 409 is not earned.
+#[test]
+fn finds_a_released_key_answered_as_in_flight() {
+    finds(Mutation::ReleasedKeyInFlight, "liveness");
+}
+
 /// With hole `n` no longer excused, no schedule may show it: 500 memory
 /// schedules of the hole's own (past those of the main run, so each such
 /// test adds schedules rather than repeating them).

@@ -98,6 +98,12 @@ pub enum Mutation {
     /// The stored response keeps one value per header name (the last), as
     /// a store that kept headers in a map would.
     HeadersAsMap,
+    /// Every fifth reservation fails as if the store were down, with no
+    /// fault switched on: the engine's 503s are no longer earned.
+    SpuriousUnavailable,
+    /// A reservation of a key its holder released answers, once, that the
+    /// key is still in flight (a store that kept a stale row).
+    ReleasedKeyInFlight,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -190,6 +196,11 @@ pub struct Mutant {
     /// Requests to which a reserve or a get answered, as the engine saw it
     /// (through any fault), that the key's record is there.
     saw_held: Mutex<std::collections::HashSet<usize>>,
+    /// Reservations made, for [`Mutation::SpuriousUnavailable`].
+    reserves: AtomicU64,
+    /// Keys released since their last reservation, for
+    /// [`Mutation::ReleasedKeyInFlight`].
+    released: Mutex<std::collections::HashSet<ScopeKey>>,
 }
 
 /// A fault switched on or off on one instance, or its crash.
@@ -223,6 +234,8 @@ impl Mutant {
             answered: Mutex::default(),
             gave_up: Mutex::default(),
             saw_held: Mutex::default(),
+            reserves: AtomicU64::new(0),
+            released: Mutex::default(),
         })
     }
 
@@ -323,7 +336,28 @@ impl Mutant {
                 .call(move |s| async move { s.reserve(&key, &fp, &owner, lease, ttl).await })
                 .await
         };
-        let mut result = reserve(self.backend.clone()).await;
+        let spurious = self.mutation == Some(Mutation::SpuriousUnavailable)
+            && self.reserves.fetch_add(1, Ordering::SeqCst) % 5 == 4;
+        let mut result = if spurious {
+            Err(StoreError::Unavailable("spurious (mutation)".into()))
+        } else {
+            reserve(self.backend.clone()).await
+        };
+        if self.mutation == Some(Mutation::ReleasedKeyInFlight)
+            && matches!(result, Ok(Claim::Acquired { .. }))
+            && lock(&self.released).remove(&key)
+        {
+            self.backend
+                .call(move |s| async move { s.release(&key, &owner).await })
+                .await
+                .ok();
+            result = Ok(Claim::Existing(Record {
+                fingerprint: fp,
+                state: RecordState::InFlight {
+                    lease_remaining: lease,
+                },
+            }));
+        }
         if self.mutation == Some(Mutation::TakeoverIgnoresLease) {
             if let Ok(Claim::Existing(record)) = &result {
                 let holder = lock(&self.owners).get(&key).copied();
@@ -457,6 +491,7 @@ impl Mutant {
                 .await
         };
         if let Ok(true) = result {
+            lock(&self.released).insert(key);
             if self.mutation != Some(Mutation::ReleaseForgetsWaiters) {
                 self.notify(&key);
             }
