@@ -312,6 +312,40 @@ fn postgres_store_histories_keep_the_guarantee() {
     assert_clean(&findings);
 }
 
+/// The same histories with the Redis front cache before the store (a
+/// memory store on the I/O runtime, so its leases run on the real clock,
+/// as a SQL store's do): replays from Redis, copies written behind the
+/// answers, fills after misses. The cache must change no outcome.
+#[cfg(feature = "redis")]
+#[test]
+fn redis_fronted_histories_keep_the_guarantee() {
+    let io = io_runtime();
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    let config = tower_idempotency::RedisCacheConfig::new(url)
+        .prefix(format!("history:{}:", uuid::Uuid::new_v4().simple()));
+    let cache = tower_idempotency::RedisCache::new(MemoryStore::new(), config).unwrap();
+    let store: Arc<dyn Store> = Arc::new(cache.clone());
+    let handle = io.handle().clone();
+    let started = Instant::now();
+    let findings = explore(
+        StoreKind::Sql,
+        &seeds(300),
+        None,
+        KNOWN_HOLES,
+        &|| Backend::Remote(store.clone(), handle.clone()),
+        false,
+    );
+    report("redis over memory", &findings, started);
+    assert_clean(&findings);
+    let counters = cache.maintenance().unwrap().counters();
+    let hits = counters
+        .iter()
+        .find(|(name, _, _)| *name == "idempotency_redis_hits_total")
+        .map_or(0, |(_, _, n)| *n);
+    eprintln!("history[redis over memory]: {counters:?}");
+    assert!(hits > 0, "no replay came from Redis: {counters:?}");
+}
+
 /// Runs memory schedules with `mutation` until one violates the guarantee;
 /// asserts that one does within the budget (4,000: the rarest need about
 /// 1,000 on one seed range and 1,500 on another; a found one stops the run)
