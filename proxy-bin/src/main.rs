@@ -356,4 +356,24 @@ fn warn_of_shared_scopes(routes: &tower_idempotency::Routes) {
              set `principal` (or `scope_headers`) unless the backend serves one tenant"
         );
     }
+    let cookies: Vec<String> = routes
+        .iter()
+        .filter_map(|route| {
+            let policy = route.policy.as_ref()?.policy();
+            let leaks = policy.replay_set_cookie
+                && policy.principal.is_none()
+                && policy.scope_headers.is_empty();
+            leaks.then(|| match &route.path {
+                PathPattern::Prefix(path) | PathPattern::Glob(path) => path.clone(),
+            })
+        })
+        .collect();
+    if !cookies.is_empty() {
+        tracing::warn!(
+            routes = %cookies.join(" "),
+            "covered routes that replay `Set-Cookie` in one shared key space: a caller \
+             sending another's key is handed the cookies (a session) minted for the other; \
+             set `principal` (or `scope_headers`), or `replay_set_cookie = false`"
+        );
+    }
 }

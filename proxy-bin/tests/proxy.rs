@@ -892,6 +892,9 @@ async fn replays_come_from_a_redis_cluster_front_cache() {
 async fn routes_whose_callers_share_one_key_space_are_named_at_start() {
     let config = "[[route]]\npath = \"/shared\"\n\n\
                   [[route]]\npath = \"/scoped\"\nscope_headers = [\"authorization\"]\n\n\
+                  [[route]]\npath = \"/scoped-cookies\"\nscope_headers = [\"authorization\"]\n\
+                  replay_set_cookie = true\n\n\
+                  [[route]]\npath = \"/cookies\"\nreplay_set_cookie = true\n\n\
                   [[route]]\npath = \"/plain\"\nenabled = false\n";
     let backend = Backend::start().await;
     let dir = temp_dir("shared-scopes");
@@ -930,6 +933,15 @@ async fn routes_whose_callers_share_one_key_space_are_named_at_start() {
     assert!(warning.contains("/shared"), "{warning}");
     assert!(!warning.contains("/scoped"), "{warning}");
     assert!(!warning.contains("/plain"), "{warning}");
+    // Worse: a shared key space that replays cookies hands out sessions.
+    let cookies = text
+        .lines()
+        .find(|line| line.contains("replay `Set-Cookie`"))
+        .unwrap_or_else(|| panic!("no warning of replayed cookies in:\n{text}"));
+    assert!(cookies.contains("WARN"), "{cookies}");
+    assert!(cookies.contains("/cookies"), "{cookies}");
+    assert!(!cookies.contains("/shared"), "{cookies}");
+    assert!(!cookies.contains("/scoped-cookies"), "{cookies}");
 }
 
 /// Pingora puts the raw bytes of a head it cannot parse in its error,
