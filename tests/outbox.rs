@@ -380,6 +380,14 @@ fn fast() -> WorkerConfig {
     }
 }
 
+fn spawn_worker_to(
+    outbox: Outbox,
+    deliverer: WebhookDeliverer,
+    config: WorkerConfig,
+) -> WorkerHandle {
+    Worker::new(outbox, deliverer).config(config).spawn()
+}
+
 fn spawn_worker(outbox: Outbox, receiver: &Receiver, config: WorkerConfig) -> WorkerHandle {
     Worker::new(outbox, receiver.deliverer())
         .config(config)
@@ -1125,6 +1133,37 @@ macro_rules! outbox_tests {
                 .await;
                 worker.shutdown().await;
                 assert_eq!(receiver.effects.load(SeqCst), 1);
+            }
+
+            /// A receiver behind our layer whose handler outlasts its
+            /// `execution_timeout` keeps "executed, outcome unknown" (504)
+            /// for the delivery key and replays it to every redelivery:
+            /// retrying could never get another answer (from a review).
+            /// The first 504 is retried (it may be a passing failure); its
+            /// replay sends the row to `dead` at once, saying why, instead
+            /// of spending every attempt on the same answer.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_receivers_kept_outcome_unknown_is_dead_at_its_replay_not_retried_on() {
+                let db = db().await;
+                let policy = Policy {
+                    execution_timeout: Duration::from_millis(100),
+                    ..Policy::default()
+                };
+                let receiver = LayeredReceiver::start_with(Duration::from_secs(2), policy).await;
+                db.submit("sub-1", &["crm"], true).await;
+                let worker = spawn_worker_to(db.another_outbox().await, receiver.deliverer(), fast());
+                eventually("dead", || async {
+                    state_of(&db.outbox, "crm", "sub-1").await.state == State::Dead
+                })
+                .await;
+                worker.shutdown().await;
+                let row = state_of(&db.outbox, "crm", "sub-1").await;
+                assert_eq!((row.attempt, row.last_status), (2, Some(504)), "{row:?}");
+                assert_eq!(row.last_error_class.as_deref(), Some("permanent"));
+                let reason = row.last_error.unwrap_or_default();
+                assert!(reason.contains("outcome unknown"), "{reason}");
+                assert_eq!(*receiver.requests.lock().unwrap(), [false, true]);
+                assert!(receiver.entered.load(SeqCst) <= 1, "the receiver ran twice");
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

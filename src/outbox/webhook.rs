@@ -218,7 +218,10 @@ impl Destination {
 /// any status labelled `Problem-Type: urn:tower-idempotency:in-flight` (this
 /// crate's layer and proxy, whatever their route's `in_flight_status`), or
 /// a 409 or 425 with `Retry-After`; any other status is permanent, as is a topic
-/// without a destination. A connection error or a timeout is transient.
+/// without a destination, and so is an idempotent receiver's replay of
+/// "executed, outcome unknown" (502 or 504 with `Idempotent-Replayed:
+/// true` and this crate's `Problem-Type`): every redelivery of the key
+/// would get it. A connection error or a timeout is transient.
 /// The receiver's `X-Request-Id` (or `Request-Id`) is kept; its answer
 /// body is read (up to 64 KiB) and discarded, never stored.
 ///
@@ -329,6 +332,20 @@ where
             });
         }
         let retry_after = headers.get(RETRY_AFTER).and_then(retry_after);
+        if receiver_kept_outcome_unknown(&headers) {
+            return Err(DeliveryError {
+                class: ErrorClass::Permanent,
+                status: Some(status.as_u16()),
+                request_id,
+                retry_after: None,
+                reason: format!(
+                    "HTTP {}: the receiver keeps \"executed, outcome unknown\" for this \
+                     delivery key (a replay), so every redelivery is answered the same; check \
+                     whether it acted, then purge the key there before retrying the row",
+                    status.as_u16()
+                ),
+            });
+        }
         Err(DeliveryError {
             class: class_of(status.as_u16(), retry_after.is_some(), &headers),
             status: Some(status.as_u16()),
@@ -362,6 +379,27 @@ fn class_of(status: u16, retry_after: bool, headers: &HeaderMap) -> ErrorClass {
         (409 | 425, true) => ErrorClass::Transient,
         _ => ErrorClass::of_status(status),
     }
+}
+
+/// Whether the answer is an idempotent receiver's replay of "executed,
+/// outcome unknown" (this crate's layer and `idempotency-proxy` keep the
+/// 502 `upstream-unavailable` or 504 `upstream-timeout` of an execution
+/// whose upstream failed after receiving it, and replay it to every retry
+/// with `Idempotent-Replayed: true`): retrying the same key can never get
+/// another answer.
+fn receiver_kept_outcome_unknown(headers: &HeaderMap) -> bool {
+    let replayed = headers
+        .get(crate::engine::REPLAYED_HEADER)
+        .is_some_and(|value| value.as_bytes() == b"true");
+    let unknown = headers.get(PROBLEM_TYPE_HEADER).is_some_and(|kind| {
+        [
+            ProblemKind::UpstreamTimeout,
+            ProblemKind::UpstreamUnavailable,
+        ]
+        .iter()
+        .any(|k| kind.as_bytes() == k.type_uri().as_bytes())
+    });
+    replayed && unknown
 }
 
 /// A `Retry-After` value: delay-seconds or an HTTP date (from now).
