@@ -50,7 +50,7 @@ pub mod store;
 
 pub use engine::{Engine, EngineConfig};
 #[cfg(feature = "layer")]
-pub use layer::{Idempotency, IdempotencyLayer, Principal};
+pub use layer::{ExecutionScope, Idempotency, IdempotencyLayer, Principal};
 pub use metrics::{Event, Metrics};
 #[cfg(feature = "outbox")]
 pub use outbox::{Outbox, Worker, WorkerConfig};

@@ -453,14 +453,14 @@ fn finds_a_stored_response_that_keeps_one_value_per_header() {
 /// 503s are not earned.
 #[test]
 fn finds_a_store_that_fails_without_a_fault() {
-    finds(Mutation::SpuriousUnavailable, "liveness");
+    finds(Mutation::SpuriousUnavailable, "refusal-earned");
 }
 
 /// A store that answers "in flight" for a key its holder released: the
 /// 409 is not earned.
 #[test]
 fn finds_a_released_key_answered_as_in_flight() {
-    finds(Mutation::ReleasedKeyInFlight, "liveness");
+    finds(Mutation::ReleasedKeyInFlight, "conflict-earned");
 }
 
 /// With hole `n` no longer excused, no schedule may show it: 500 memory

@@ -1983,3 +1983,64 @@ async fn the_form_platform_example_takes_each_submission_and_each_integration_on
     assert_eq!(effects.len(), 2, "{effects:?}");
     assert!(effects.values().all(|n| *n == 1), "{effects:?}");
 }
+
+/// A handler that enqueues its message and then answers a status that
+/// releases the key (a 500 after its commit: the row stands) runs again on
+/// the retry: with a source of its own making (a new submission id) it
+/// would enqueue a second message, delivered twice. With the layer's
+/// `ExecutionScope` as the source, the second execution's enqueue finds
+/// the first's row: one message per key, however often the key runs; and
+/// another key, or another caller with the same key, gets its own.
+#[tokio::test]
+async fn a_key_that_runs_again_enqueues_its_message_once_with_the_execution_scope() {
+    use tower::ServiceExt;
+    use tower_idempotency::{ExecutionScope, Principal};
+
+    let db = TestDb::sqlite().await;
+    let outbox = db.outbox.clone();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let added = Arc::new(Mutex::new(Vec::new()));
+    let handler = {
+        let (runs, added) = (runs.clone(), added.clone());
+        move |axum::Extension(scope): axum::Extension<ExecutionScope>| async move {
+            let message = Message::new("crm", scope.as_str(), payload("order"));
+            let fresh = outbox.enqueue(&message).await.unwrap();
+            added.lock().unwrap().push(fresh);
+            // The first run fails after its commit: the key is released.
+            if runs.fetch_add(1, SeqCst) == 0 {
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                StatusCode::CREATED
+            }
+        }
+    };
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .layer(IdempotencyLayer::new(engine));
+    let send = |key: &'static str, user: &'static str| {
+        let app = app.clone();
+        async move {
+            let mut request = axum::http::Request::post("/orders")
+                .header("idempotency-key", key)
+                .header("content-type", "application/json")
+                .body(axum::body::Body::from(r#"{"item":1}"#))
+                .unwrap();
+            request.extensions_mut().insert(Principal::new(user));
+            app.oneshot(request).await.unwrap().status()
+        }
+    };
+    assert_eq!(send("k1", "alice").await, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(send("k1", "alice").await, StatusCode::CREATED);
+    assert_eq!(send("k1", "alice").await, StatusCode::CREATED, "a replay");
+    assert_eq!(runs.load(SeqCst), 2, "the released key ran again");
+    assert_eq!(
+        *added.lock().unwrap(),
+        [true, false],
+        "one message for the key"
+    );
+    assert_eq!(send("k2", "alice").await, StatusCode::CREATED);
+    assert_eq!(send("k1", "bob").await, StatusCode::CREATED);
+    assert_eq!(*added.lock().unwrap(), [true, false, true, true]);
+    assert_eq!(db.outbox.counts().await.unwrap().total(), 3);
+}

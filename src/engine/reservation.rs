@@ -152,6 +152,12 @@ impl Reservation {
         self.key.short()
     }
 
+    /// The stable id of the key's scope, for the handler that executes
+    /// under it ([`ExecutionScope`](crate::layer::ExecutionScope)).
+    pub fn scope_id(&self) -> String {
+        self.key.to_hex()
+    }
+
     /// The route's policy.
     pub fn policy(&self) -> &RoutePolicy {
         &self.policy

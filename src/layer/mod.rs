@@ -73,4 +73,4 @@ mod service;
 pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
 pub use layer::IdempotencyLayer;
-pub use service::{Idempotency, Principal};
+pub use service::{ExecutionScope, Idempotency, Principal};

@@ -34,6 +34,31 @@ impl Principal {
     }
 }
 
+/// Set by the layer on a request it executes under a held key: a stable id
+/// of the request's idempotency scope (its route's scope, principal and
+/// key; the hex of the scope key, keyed by the engine's key secret when one
+/// is set), the same for every execution of that key — a second one after
+/// a released key, or a takeover after a crash — and different for any
+/// other key, principal, route or host.
+///
+/// Use it where the handler records an effect that must happen once per
+/// key even when the key runs again: as an outbox `Message`'s `source`,
+/// so a handler that enqueued, then answered a status that releases the
+/// key (a 500 after its commit), enqueues nothing the second time (the
+/// outbox keeps one row per topic and source). It is an opaque hash: no
+/// key, principal or body can be read from it. Not set on a request
+/// forwarded without a held key (an uncovered route, a fail-open route
+/// whose store is down).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ExecutionScope(pub String);
+
+impl ExecutionScope {
+    /// The id, 64 hex digits.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 /// Makes unsafe requests to the inner service take effect once. Built by
 /// [`IdempotencyLayer`](super::IdempotencyLayer); see the
 /// [module docs](crate::layer) for the guarantees.
@@ -317,6 +342,10 @@ where
     for value in request.headers().get_all(http::header::ACCEPT) {
         accept.append(http::header::ACCEPT, value.clone());
     }
+    let mut request = request;
+    request
+        .extensions_mut()
+        .insert(ExecutionScope(reservation.scope_id()));
     reservation.acting();
     let call = tokio::time::timeout_at(deadline, inner.call(request)).await;
     let Ok(call) = call else {

@@ -13,7 +13,7 @@ use super::sim::{
     deadline, host_of, upstream_headers, Exec, History, Req, Schedule, Seen, Upstream, BODIES,
     LOCATIONS,
 };
-use tower_idempotency::store::{OwnerToken, ScopeKey};
+use tower_idempotency::store::OwnerToken;
 
 /// One broken invariant. `hole` names the item of the "guarantee holes"
 /// issue that explains it, when one does.
@@ -213,21 +213,17 @@ fn problem_type(body: &[u8]) -> Option<String> {
     Some(value.get("type")?.as_str()?.to_owned())
 }
 
-/// Whether a reservation of `key` by no request of the schedule (a
-/// renewal's, a takeover's late commit) was acquired before `before`.
-fn acquired_without_request(store: &[StoreEvent], key: ScopeKey, before: u64) -> bool {
-    store.iter().any(|e| {
-        e.op == Op::Reserve
-            && e.key == key
-            && e.request.is_none()
-            && matches!(e.answer, Answer::Acquired(_))
-            && e.start.seq < before
-    })
-}
-
-/// Whether `instance` had a fault in force (of any kind, on any call) at
-/// some moment between the sequence numbers `from` and `to`, or crashed.
+/// Whether `instance` had a fault on the calls a refusal comes from (its
+/// lookups, waits and renewals) in force at some moment between the
+/// sequence numbers `from` and `to`, or crashed.
 fn faulted(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
+    let refuses = |f: Option<Fault>| {
+        f.is_some_and(|f| {
+            [Op::Reserve, Op::Get, Op::Wait, Op::Renew]
+                .iter()
+                .any(|op| f.hits(*op))
+        })
+    };
     let mut current = None;
     for switch in switches.iter().filter(|s| s.instance == instance) {
         if switch.at.seq > to {
@@ -235,11 +231,11 @@ fn faulted(switches: &[Switch], instance: usize, from: u64, to: u64) -> bool {
         }
         if switch.at.seq < from {
             current = switch.fault;
-        } else if switch.crash || switch.fault.is_some() {
+        } else if switch.crash || refuses(switch.fault) {
             return true;
         }
     }
-    current.is_some()
+    refuses(current)
 }
 
 pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
@@ -870,52 +866,65 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         }
     }
 
-    // 7. Liveness: "store unavailable" (503) is earned. A request whose
-    //    instance had no fault in force from its sending to its answer (nor
-    //    crashed meanwhile) gets no 503: the engine refuses only when its own
-    //    calls to the store fail. (A store that answers with another key's
-    //    record is a fault of its own: a sealed engine refuses that record.)
-    if config.mutation != Some(super::faulty::Mutation::ReplayOtherRecord) {
-        for answered in &history.answers {
-            let Seen::Reply { status, body, .. } = &answered.seen else {
-                continue;
-            };
-            let req = reqs[&answered.request];
-            // The engine's own refusal, not an upstream's 503 relayed.
-            let own = body.as_deref().and_then(exec_id).is_none();
-            if status.as_u16() == 503
-                && own
-                && !faulted(
-                    &history.switches,
-                    answered.instance,
-                    answered.sent.seq,
-                    answered.at.seq,
-                )
-            {
-                flag(
-                    "liveness",
-                    None,
-                    format!(
-                        "request {} was refused with 503 although its instance's store had \
-                         no fault from its sending to its answer",
-                        req.id
-                    ),
-                );
-            }
+    // 7. Refusals are earned: "store unavailable" (503) only when the
+    //    engine's own calls to the store could fail. On the memory store
+    //    (which neither fails nor stalls by itself) a request whose
+    //    instance had no fault on its lookups or renewals in force from its
+    //    sending to its answer, and did not crash, gets no 503. (A real
+    //    database can time out under load by itself: not judged there. A
+    //    request a lying store answered with another key's record, the
+    //    mutation, is excused: a sealed engine refuses that record.)
+    for answered in history.answers.iter().filter(|_| !real) {
+        let Seen::Reply { status, body, .. } = &answered.seen else {
+            continue;
+        };
+        let req = reqs[&answered.request];
+        if status.as_u16() != 503
+            || body.as_deref().and_then(problem_type).as_deref()
+                != Some("urn:tower-idempotency:store-unavailable")
+            || history.substituted.contains(&req.id)
+        {
+            continue;
+        }
+        if !faulted(
+            &history.switches,
+            answered.instance,
+            answered.sent.seq,
+            answered.at.seq,
+        ) {
+            flag(
+                "refusal-earned",
+                None,
+                format!(
+                    "request {} was refused with 503 although its instance's store had \
+                     no fault on its lookups or renewals from its sending to its answer",
+                    req.id
+                ),
+            );
         }
     }
 
-    // 9b. Conflicts are earned. "In flight" (409) only while another
-    //     request's reservation of the same key may still hold it: one
-    //     acquired before the answer, of which no accepted completion or
-    //     release ended before the request was sent. "Mismatch" (422) only
-    //     if a reservation of the scope was acquired for a different
-    //     request before the answer. "Response incomplete" (409) only if an
-    //     execution of the scope broke off mid-body.
-    //     (A store that answers with another key's record is excused, as
-    //     above.)
-    let lying_store = config.mutation == Some(super::faulty::Mutation::ReplayOtherRecord);
-    for answered in history.answers.iter().filter(|_| !lying_store) {
+    // 9b. Conflicts are earned, judged against the record the request's
+    //     last lookup (reserve or get) could have met: a reservation of its
+    //     key by another owner, started before that lookup ended, that no
+    //     later reservation of the key had replaced before the lookup began
+    //     (several may qualify when calls overlap). "In flight" (409) only
+    //     if such a reservation was neither completed nor released before
+    //     the lookup began; "key mismatch" (422) only if one, not released
+    //     before it, was for a body that differs in more than whitespace;
+    //     "response incomplete" (409) only if a mid-body break of the key
+    //     was stored (its owner's completion accepted) before the answer.
+    //     On the memory store only: with a real clock, leases and
+    //     retention run while the schedule's clock stands still, and calls
+    //     overlap in ways the sequence numbers do not order.
+    let acquisitions: Vec<&StoreEvent> = store
+        .iter()
+        .filter(|e| e.op == Op::Reserve && matches!(e.answer, Answer::Acquired(_)))
+        .collect();
+    let done_by = |owner: OwnerToken, op: Op, before: u64| {
+        accepted(op, owner).any(move |e| e.end.seq < before)
+    };
+    for answered in history.answers.iter().filter(|_| !real) {
         let Seen::Reply {
             body: Some(body), ..
         } = &answered.seen
@@ -926,49 +935,63 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             continue;
         };
         let req = reqs[&answered.request];
-        let Some(key) = store
+        if history.substituted.contains(&req.id) {
+            continue;
+        }
+        let Some(lookup) = store
             .iter()
-            .find(|e| e.request == Some(req.id) && e.op == Op::Reserve)
-            .map(|e| e.key)
+            .filter(|e| e.request == Some(req.id) && matches!(e.op, Op::Reserve | Op::Get))
+            .filter(|e| e.start.seq < answered.at.seq)
+            .max_by_key(|e| e.start.seq)
         else {
             continue;
         };
-        let others = || {
-            acquired.iter().filter(move |(r, a)| {
-                **r != req.id && a.key == key && a.start.seq < answered.at.seq
+        let key = lookup.key;
+        let met: Vec<&StoreEvent> = acquisitions
+            .iter()
+            .copied()
+            .filter(|a| a.key == key && a.request != Some(req.id))
+            .filter(|a| a.start.seq < lookup.end.seq)
+            .filter(|a| {
+                !acquisitions.iter().any(|b| {
+                    b.key == key
+                        && b.owner != a.owner
+                        && b.start.seq > a.end.seq
+                        && b.end.seq < lookup.start.seq
+                })
             })
-        };
+            .collect();
+        let owner = |a: &StoreEvent| a.owner.expect("acquired");
         let earned = match problem.as_str() {
-            "urn:tower-idempotency:in-flight" => {
-                others().any(|(_, a)| {
-                    let owner = a.owner.expect("acquired");
-                    !store.iter().any(|e| {
-                        e.owner == Some(owner)
-                            && matches!(e.op, Op::Complete | Op::Release)
-                            && matches!(e.answer, Answer::Done(true))
-                            && e.end.seq < answered.sent.seq
-                    })
-                }) || acquired_without_request(store, key, answered.at.seq)
-            }
+            "urn:tower-idempotency:in-flight" => met.iter().any(|a| {
+                !done_by(owner(a), Op::Complete, lookup.start.seq)
+                    && !done_by(owner(a), Op::Release, lookup.start.seq)
+            }),
             // Whitespace aside (README: the JSON fingerprint ignores it),
             // any other body may be another request.
             "urn:tower-idempotency:key-mismatch" => {
                 let bare = |i: usize| BODIES[i].replace(' ', "");
-                others().any(|(r, _)| bare(reqs[r].body) != bare(req.body))
+                met.iter().any(|a| {
+                    !done_by(owner(a), Op::Release, lookup.start.seq)
+                        && a.request
+                            .is_some_and(|r| bare(reqs[&r].body) != bare(req.body))
+                })
             }
             "urn:tower-idempotency:response-incomplete" => history.execs.iter().any(|e| {
                 e.upstream == Upstream::MidBody
-                    && acquired.get(&e.request).is_some_and(|a| a.key == key)
+                    && acquired.get(&e.request).is_some_and(|a| {
+                        a.key == key && done_by(owner(a), Op::Complete, answered.at.seq)
+                    })
             }),
             _ => true,
         };
         if !earned {
             flag(
-                "liveness",
+                "conflict-earned",
                 None,
                 format!(
-                    "request {} was answered `{problem}` although nothing in its history \
-                     made its key so",
+                    "request {} was answered `{problem}` although no record its last lookup \
+                     could have met made its key so",
                     req.id
                 ),
             );

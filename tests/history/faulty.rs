@@ -201,6 +201,9 @@ pub struct Mutant {
     /// Keys released since their last reservation, for
     /// [`Mutation::ReleasedKeyInFlight`].
     released: Mutex<std::collections::HashSet<ScopeKey>>,
+    /// Requests answered with another key's record
+    /// ([`Mutation::ReplayOtherRecord`]).
+    substituted: Mutex<std::collections::HashSet<usize>>,
 }
 
 /// A fault switched on or off on one instance, or its crash.
@@ -236,6 +239,7 @@ impl Mutant {
             saw_held: Mutex::default(),
             reserves: AtomicU64::new(0),
             released: Mutex::default(),
+            substituted: Mutex::default(),
         })
     }
 
@@ -271,6 +275,11 @@ impl Mutant {
     /// The requests the engine was told their key's record is there.
     pub fn saw_held(&self) -> std::collections::HashSet<usize> {
         lock(&self.saw_held).clone()
+    }
+
+    /// Requests a lying store answered with another key's record.
+    pub fn substituted(&self) -> std::collections::HashSet<usize> {
+        lock(&self.substituted).clone()
     }
 
     /// Whether the store keeps time by the real clock.
@@ -381,6 +390,7 @@ impl Mutant {
             if let Ok(Claim::Existing(record)) = &mut result {
                 if let Some(other) = self.other_record(&key) {
                     *record = other;
+                    lock(&self.substituted).extend(call.1);
                 }
             }
         }
@@ -415,6 +425,7 @@ impl Mutant {
             if let Ok(Some(record)) = &mut result {
                 if let Some(other) = self.other_record(&key) {
                     *record = other;
+                    lock(&self.substituted).extend(call.1);
                 }
             }
         }

@@ -420,6 +420,8 @@ pub struct History {
     /// The requests the engine was told (by a reserve or a get that
     /// reached it) their key's record is there.
     pub saw_held: std::collections::HashSet<usize>,
+    /// Requests the store answered with another key's record (a mutation).
+    pub substituted: std::collections::HashSet<usize>,
     /// The owners whose reservation answered `Acquired` through the fault
     /// wrapper: to the engine, or to the guard that releases a reservation
     /// the engine gave up on (the checker tells them apart by time).
@@ -720,6 +722,7 @@ async fn play(schedule: &Schedule, backend: Backend) -> History {
         switches: mutant.switches(),
         reserve_ends: mutant.reserve_ends(),
         saw_held: mutant.saw_held(),
+        substituted: mutant.substituted(),
         answered: mutant.answered(),
     }
 }
