@@ -423,6 +423,22 @@ async fn two_hosts_never_share_a_response() {
         assert!(again.replayed(), "{same}: {again:?}");
         assert_eq!(again.text(), "shop order 1");
     }
+    // Two `Host` lines, as a server that keeps both hands them on (the
+    // tenant's handler may read either): scoped by both, so neither
+    // tenant's response comes back, and the pair's own is not theirs.
+    let mut two = order("/orders", "tenant-a.example", "order-1001");
+    two.headers_mut().append(
+        http::header::HOST,
+        http::HeaderValue::from_static("tenant-b.example"),
+    );
+    let both = call(&app, two).await;
+    assert!(
+        !both.replayed(),
+        "two Host lines got a tenant's replay: {both:?}"
+    );
+    assert_eq!(both.text(), "shop order 3");
+    let b = call(&app, order("/orders", "tenant-b.example", "order-1001")).await;
+    assert_eq!(b.text(), "shop order 2", "tenant B's own replay");
     // The option turns it off: one key space for every host name.
     let engine = Engine::new(
         MemoryStore::new(),

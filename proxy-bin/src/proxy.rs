@@ -419,7 +419,9 @@ impl ProxyHttp for IdempotencyProxy {
 /// and Go read `/orders`; a target that is not UTF-8 it reads with its
 /// bytes replaced (so `/a/\xff` and `/a/\xfe` would share a scope); and an
 /// absolute-form target without `Host`, or any HTTP/1.1 request without
-/// one (RFC 9112 requires it), names a host the scope never sees.
+/// one (RFC 9112 requires it), names a host the scope never sees; and two
+/// `Host` lines (RFC 9112 forbids them) name two, of which a backend may
+/// read either.
 fn refused_target(request: &RequestHeader) -> Option<&'static str> {
     if !request.raw_path_is_utf8() {
         return Some("The request target is not UTF-8: percent-encode it.");
@@ -431,7 +433,16 @@ fn refused_target(request: &RequestHeader) -> Option<&'static str> {
             .is_some_and(|start| start.eq_ignore_ascii_case(scheme))
     });
     let host = request.headers.contains_key(header::HOST);
-    if request.version == http::Version::HTTP_11 && !host {
+    if request
+        .headers
+        .get_all(header::HOST)
+        .iter()
+        .nth(1)
+        .is_some()
+    {
+        // RFC 9112, 3.2: a backend may read either line, another tenant's.
+        Some("A request must carry one Host header, not several.")
+    } else if request.version == http::Version::HTTP_11 && !host {
         // RFC 9112, 3.2: no `Host`, no authority to scope the key by.
         Some("An HTTP/1.1 request must carry a Host header.")
     } else if target.first() == Some(&b'/') || target == b"*" {

@@ -1302,6 +1302,39 @@ async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
 /// host to Python's `urlsplit` and Node's `new URL`. Impact ("at most one
 /// execution", "never leaks one"). Fix: such targets get 400 and are never
 /// forwarded (a `//` target only where either reading is covered).
+/// Two `Host` lines (RFC 9112, 3.2: a server must answer 400): the engine
+/// would scope by both, but a backend reads one of them, the first or the
+/// last, and may serve another tenant's host: refused before anything is
+/// forwarded, covered or not (from an audit of the host guarantee).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_with_two_host_lines_is_refused() {
+    let (upstream, accepted) =
+        closing_backend(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok").await;
+    let dir = temp_dir("breaks-two-hosts");
+    let config = "[[route]]\npath = \"/orders\"\nmethods = [\"POST\"]\n";
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    for request in [
+        &b"POST /orders HTTP/1.1\r\nHost: shop-a.example\r\nHost: shop-b.example\r\n\
+           Idempotency-Key: order-1001\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"[..],
+        b"GET /status HTTP/1.1\r\nHost: shop-a.example\r\nHost: shop-b.example\r\n\
+          Connection: close\r\n\r\n",
+    ] {
+        // (Pingora's HTTP/1 parser refuses it first, with a bare 400; the
+        // proxy's own check stands behind it.)
+        let answer = raw_exchange(proxy.addr, request).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 0, "nothing was forwarded");
+    let answer = raw_exchange(
+        proxy.addr,
+        b"GET /status HTTP/1.1\r\nHost: shop-a.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn request_targets_the_proxy_cannot_read_as_the_backend_does_are_refused() {
     let (upstream, accepted) =

@@ -185,7 +185,8 @@ pub(super) fn front_controller_path(path: &str) -> Option<&str> {
 /// extractor prefers the header, the engine used to prefer the URI), and
 /// HTTP/1.1 absolute-form requests and HTTP/2 `:authority` with a `host`
 /// line can carry two: scoped by both, no reading shares a scope with
-/// another tenant's. Host names select tenants; the port does not
+/// another tenant's; so do several `Host` lines. Host names select
+/// tenants; the port does not
 /// (instances of one deployment listen on different ports, and
 /// `example.com` and `example.com:443` are one target).
 pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
@@ -194,8 +195,9 @@ pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
         host.to_ascii_lowercase()
     };
     let from_uri = uri.authority().map(|authority| normal(authority.host()));
-    let from_header = headers.get(http::header::HOST).map(|value| {
-        match http::uri::Authority::try_from(value.as_bytes()) {
+    let mut hosts: Vec<String> = from_uri.into_iter().collect();
+    for value in headers.get_all(http::header::HOST) {
+        let host = match http::uri::Authority::try_from(value.as_bytes()) {
             Ok(authority) => normal(authority.host()),
             // Not a valid authority: the value itself, with its spaces
             // (and so its `%`) escaped, so that no value reads as the two
@@ -203,13 +205,15 @@ pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
             Err(_) => normal(&String::from_utf8_lossy(value.as_bytes()))
                 .replace('%', "%25")
                 .replace(' ', "%20"),
+        };
+        // Several `Host` lines (RFC 9112 forbids them; a server may read
+        // the first or the last): scoped by every one, so no reading
+        // shares a scope with another tenant's.
+        if !hosts.contains(&host) {
+            hosts.push(host);
         }
-    });
-    match (from_uri, from_header) {
-        (Some(uri), Some(header)) if uri != header => format!("{uri} {header}"),
-        (Some(host), _) | (None, Some(host)) => host,
-        (None, None) => String::new(),
     }
+    hosts.join(" ")
 }
 
 /// The form a path is routed and scoped by; the request itself is

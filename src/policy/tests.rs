@@ -534,3 +534,24 @@ fn a_host_value_with_a_space_never_reads_as_two_hosts() {
     );
     assert_ne!(one, escaped);
 }
+
+/// Two `Host` lines (RFC 9112 forbids them; a server may read either):
+/// scoped by both, apart from either tenant alone.
+#[test]
+fn several_host_lines_scope_by_every_one() {
+    let mut headers = http::HeaderMap::new();
+    headers.append(http::header::HOST, http::HeaderValue::from_static("a.com"));
+    headers.append(
+        http::header::HOST,
+        http::HeaderValue::from_static("B.com:8080"),
+    );
+    let uri = http::Uri::from_static("/orders");
+    let both = scope_host(&uri, &headers);
+    assert_eq!(both, "a.com b.com");
+    let mut one = http::HeaderMap::new();
+    one.insert(http::header::HOST, http::HeaderValue::from_static("a.com"));
+    assert_ne!(scope_host(&uri, &one), both);
+    let mut same = one.clone();
+    same.append(http::header::HOST, http::HeaderValue::from_static("A.com."));
+    assert_eq!(scope_host(&uri, &same), "a.com", "one host, spelled twice");
+}
