@@ -977,6 +977,59 @@ async fn a_connection_is_not_reused_past_the_idle_time_the_upstream_announces() 
     );
 }
 
+/// Scenario (from an audit of the pool): the upstream answers a covered
+/// order `201` on a kept-alive connection, announcing no idle time, and
+/// closes that connection a moment later (its own idle timeout), once
+/// with a FIN and once with a reset (`SO_LINGER 0`). The next order, well
+/// after, must not be written on the dead connection: the write would go
+/// out, the read fail, and the order be kept "executed, outcome unknown"
+/// (502) for good although it never reached the upstream. Each order runs
+/// once, on a fresh connection, answered 201.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pooled_connection_the_upstream_closed_unannounced_is_never_written_to() {
+    for reset in [false, true] {
+        let (upstream, connections) = raw_backend(move |mut conn| async move {
+            use tokio::io::AsyncWriteExt;
+            if !read_request(&mut conn, &mut Vec::new()).await {
+                return;
+            }
+            let answer = b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok";
+            if conn.write_all(answer).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            if reset {
+                // A zero linger resets at once: nothing blocks on the drop.
+                #[allow(deprecated)]
+                let _ = conn.set_linger(Some(std::time::Duration::ZERO));
+                drop(conn);
+            } else {
+                let _ = conn.shutdown().await;
+            }
+        })
+        .await;
+        let proxy = orders_proxy(upstream, "breaks-stale-pool").await;
+        assert_eq!(json_order(&proxy, "first").await.0, 201);
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let (status, text) = json_order(&proxy, "second").await;
+        assert_eq!((status, text.as_str()), (201, "ok"), "reset: {reset}");
+        assert_eq!(connections.load(Ordering::SeqCst), 2, "reset: {reset}");
+        // The second order ran: its retry is its replay, not a kept 502.
+        let retry = proxy
+            .send(
+                "POST",
+                "/orders",
+                &[
+                    ("idempotency-key", "second"),
+                    ("content-type", "application/json"),
+                ],
+                "{}",
+            )
+            .await;
+        assert_eq!((retry.status, retry.replayed()), (201, true), "reset: {reset}");
+    }
+}
+
 /// Scenario: an upstream answers `GET /status` with a `204` that declares
 /// a body (`Content-Length: 49`, a framework bug or a hostile app) and
 /// sends those 49 bytes only later — here when the connection carries its
