@@ -1026,7 +1026,11 @@ async fn a_pooled_connection_the_upstream_closed_unannounced_is_never_written_to
                 "{}",
             )
             .await;
-        assert_eq!((retry.status, retry.replayed()), (201, true), "reset: {reset}");
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (201, true),
+            "reset: {reset}"
+        );
     }
 }
 

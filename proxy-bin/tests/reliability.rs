@@ -1180,6 +1180,107 @@ async fn sigterm_past_shutdown_timeout_leaves_no_key_to_run_again() {
     assert_eq!(backend.hits("/slow"), 1, "the retry ran the request again");
 }
 
+/// Attack (from an audit of the shutdown guarantee): SIGTERM while the
+/// upstream is still sending a covered answer's body (its head and the
+/// first KiB of 100 KB out, then a KiB every 100 ms), past
+/// `shutdown_timeout`. The upstream has acted. The first client never gets
+/// a body that looks whole, and the retry on the restarted proxy is
+/// answered from the key (the drain's "outcome unknown", or "response
+/// incomplete"), replayed, without the upstream running again.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_mid_body_past_shutdown_timeout_never_runs_the_request_again() {
+    const LENGTH: usize = 100_000;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                counted.fetch_add(1, Ordering::SeqCst);
+                let head = format!(
+                    "HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\n\
+                     Content-Length: {LENGTH}\r\n\r\n"
+                );
+                if conn.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                for _ in 0..LENGTH / 1000 {
+                    if conn.write_all(&[b'x'; 1000]).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            });
+        }
+    });
+    let dir = temp_dir("sigterm-mid-body");
+    let config = config("1s").replacen("[proxy]\n", "[proxy]\nshutdown_timeout = \"1999ms\"\n", 1);
+    let start = || {
+        let mut args = ProxyArgs::new(upstream.clone(), &config, &dir);
+        args.store = "sqlite://idempotency.db".into();
+        Proxy::start(args)
+    };
+    let mut first = start().await;
+    let client = client();
+    let addr = first.addr;
+    let running = tokio::spawn({
+        let client = client.clone();
+        async move { try_request(&client, post(addr, "/orders", "cut-by-sigterm", "{}")).await }
+    });
+    while hits.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first.terminate();
+    first.wait_exit().await;
+    // A cut connection (an error here) is what the client should see.
+    if let Ok(reply) = running.await.unwrap() {
+        assert!(
+            reply.status != 201 || reply.body.len() < LENGTH,
+            "the first client got a whole-looking answer: {} bytes",
+            reply.body.len()
+        );
+    }
+    // Past the lease the first proxy no longer renews.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = start().await;
+    let retry = try_request(
+        &client,
+        post(second.addr, "/orders", "cut-by-sigterm", "{}"),
+    )
+    .await
+    .expect("the retry is answered");
+    assert!(
+        [504, 409].contains(&retry.status),
+        "{} {}",
+        retry.status,
+        retry.text()
+    );
+    assert_eq!(
+        retry
+            .headers
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "{retry:?}"
+    );
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "the retry ran the request again"
+    );
+}
+
 /// Three proxies share one PostgreSQL database; every key is sent three
 /// times to each of them at once: each key executes exactly once and all
 /// nine requests get the same answer.
