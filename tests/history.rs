@@ -276,17 +276,7 @@ fn sqlite_store_histories_keep_the_guarantee() {
         ))
         .unwrap(),
     );
-    let handle = io.handle().clone();
-    let started = Instant::now();
-    let findings = explore(
-        StoreKind::Sql,
-        &seeds(800),
-        None,
-        KNOWN_HOLES,
-        &|| Backend::Remote(store.clone(), handle.clone()),
-        false,
-    );
-    report("sqlite", &findings, started);
+    let findings = explore_remote("sqlite", store, &io, 800);
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
@@ -298,18 +288,29 @@ fn sqlite_store_histories_keep_the_guarantee() {
 fn postgres_store_histories_keep_the_guarantee() {
     let io = io_runtime();
     let store: Arc<dyn Store> = Arc::new(io.block_on(fixtures::postgres_store()));
+    assert_clean(&explore_remote("postgres", store, &io, 300));
+}
+
+/// `n` schedules on `store`, a store of the I/O runtime `io` keeping its
+/// leases by the real clock, reported as `name`.
+fn explore_remote(
+    name: &str,
+    store: Arc<dyn Store>,
+    io: &tokio::runtime::Runtime,
+    n: usize,
+) -> Findings {
     let handle = io.handle().clone();
     let started = Instant::now();
     let findings = explore(
         StoreKind::Sql,
-        &seeds(300),
+        &seeds(n),
         None,
         KNOWN_HOLES,
         &|| Backend::Remote(store.clone(), handle.clone()),
         false,
     );
-    report("postgres", &findings, started);
-    assert_clean(&findings);
+    report(name, &findings, started);
+    findings
 }
 
 /// The same histories with the Redis front cache before the store (a
@@ -325,18 +326,7 @@ fn redis_fronted_histories_keep_the_guarantee() {
         .prefix(format!("history:{}:", uuid::Uuid::new_v4().simple()));
     let cache = tower_idempotency::RedisCache::new(MemoryStore::new(), config).unwrap();
     let store: Arc<dyn Store> = Arc::new(cache.clone());
-    let handle = io.handle().clone();
-    let started = Instant::now();
-    let findings = explore(
-        StoreKind::Sql,
-        &seeds(300),
-        None,
-        KNOWN_HOLES,
-        &|| Backend::Remote(store.clone(), handle.clone()),
-        false,
-    );
-    report("redis over memory", &findings, started);
-    assert_clean(&findings);
+    assert_clean(&explore_remote("redis over memory", store, &io, 300));
     let counters = cache.maintenance().unwrap().counters();
     let hits = counters
         .iter()

@@ -336,38 +336,31 @@ fn store_kind(spec: &str) -> &str {
 /// alone (no `principal`, no `scope_headers`): every caller of such a route
 /// shares one key space, so a caller that sends another's key is answered
 /// with the other's response. Right for a single-tenant backend; a warning
-/// so that no one runs it by oversight in front of several users.
+/// so that no one runs it by oversight in front of several users. Worse
+/// where such a route replays `Set-Cookie` (a session): warned apart.
 fn warn_of_shared_scopes(routes: &tower_idempotency::Routes) {
-    let shared: Vec<String> = routes
-        .iter()
-        .filter_map(|route| {
-            let policy = route.policy.as_ref()?.policy();
-            let shared = policy.principal.is_none() && policy.scope_headers.is_empty();
-            shared.then(|| match &route.path {
-                PathPattern::Prefix(path) | PathPattern::Glob(path) => path.clone(),
+    let shared = |also: fn(&tower_idempotency::Policy) -> bool| -> Vec<String> {
+        routes
+            .iter()
+            .filter_map(|route| {
+                let policy = route.policy.as_ref()?.policy();
+                let shared = policy.principal.is_none() && policy.scope_headers.is_empty();
+                (shared && also(policy)).then(|| match &route.path {
+                    PathPattern::Prefix(path) | PathPattern::Glob(path) => path.clone(),
+                })
             })
-        })
-        .collect();
-    if !shared.is_empty() {
+            .collect()
+    };
+    let all = shared(|_| true);
+    if !all.is_empty() {
         tracing::warn!(
-            routes = %shared.join(" "),
+            routes = %all.join(" "),
             "covered routes without `principal` or `scope_headers`: all their callers share \
              one key space, and a caller sending another's key gets the other's response; \
              set `principal` (or `scope_headers`) unless the backend serves one tenant"
         );
     }
-    let cookies: Vec<String> = routes
-        .iter()
-        .filter_map(|route| {
-            let policy = route.policy.as_ref()?.policy();
-            let leaks = policy.replay_set_cookie
-                && policy.principal.is_none()
-                && policy.scope_headers.is_empty();
-            leaks.then(|| match &route.path {
-                PathPattern::Prefix(path) | PathPattern::Glob(path) => path.clone(),
-            })
-        })
-        .collect();
+    let cookies = shared(|policy| policy.replay_set_cookie);
     if !cookies.is_empty() {
         tracing::warn!(
             routes = %cookies.join(" "),
