@@ -439,6 +439,16 @@ fn finds_a_stored_response_that_keeps_one_value_per_header() {
     finds(Mutation::HeadersAsMap, "replay");
 }
 
+#[test]
+fn finds_a_replayed_cookie() {
+    finds(Mutation::CookieKept, "replay");
+}
+
+#[test]
+fn finds_a_redirect_replayed_without_its_location() {
+    finds(Mutation::LocationDropped, "replay");
+}
+
 /// A store that fails now and then with no fault switched on: the engine's
 /// 503s are not earned.
 #[test]

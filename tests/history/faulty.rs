@@ -98,6 +98,13 @@ pub enum Mutation {
     /// The stored response keeps one value per header name (the last), as
     /// a store that kept headers in a map would.
     HeadersAsMap,
+    /// The stored response gains the upstream's cookie back (a store, or
+    /// an engine, that keeps `Set-Cookie` although the route does not
+    /// replay it).
+    CookieKept,
+    /// The stored response loses its `Location` (a redirect replayed
+    /// without its target).
+    LocationDropped,
     /// Every fifth reservation fails as if the store were down, with no
     /// fault switched on: the engine's 503s are no longer earned.
     SpuriousUnavailable,
@@ -462,6 +469,18 @@ impl Mutant {
                 kept.push((name, value));
             }
             response.headers = kept;
+        }
+        if let Outcome::Stored(response) = &mut outcome {
+            match self.mutation {
+                Some(Mutation::CookieKept) => response.headers.push((
+                    http::header::SET_COOKIE,
+                    HeaderValue::from_static("session=kept"),
+                )),
+                Some(Mutation::LocationDropped) => response
+                    .headers
+                    .retain(|(name, _)| name != http::header::LOCATION),
+                _ => {}
+            }
         }
         let mut result = complete(self.backend.clone(), owner, outcome.clone()).await;
         if self.mutation == Some(Mutation::UnfencedCompletion) && matches!(result, Ok(false)) {
