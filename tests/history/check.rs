@@ -162,6 +162,38 @@ fn excused_release(switches: &[Switch], instance: usize, from: u64, to: u64) -> 
     hits(at_from)
 }
 
+/// What is wrong with the headers of `exec`'s own caller's answer (`None`:
+/// nothing): the end-to-end headers the upstream answered with reach it,
+/// each name's values in their order, its cookie included (minted for
+/// this caller).
+fn relayed_headers(exec: &Exec, headers: &[(String, Vec<u8>)]) -> Option<String> {
+    let (replayed, not_replayed) = upstream_headers(exec.id);
+    let cookie = not_replayed
+        .into_iter()
+        .filter(|(name, _)| *name == "set-cookie");
+    let expected: Vec<(&str, Vec<u8>)> = replayed.into_iter().chain(cookie).collect();
+    let mut names: Vec<&str> = expected.iter().map(|(name, _)| *name).collect();
+    names.sort_unstable();
+    names.dedup();
+    let problems: Vec<String> = names
+        .into_iter()
+        .filter_map(|name| {
+            let want: Vec<&[u8]> = expected
+                .iter()
+                .filter(|(n, _)| *n == name)
+                .map(|(_, v)| v.as_slice())
+                .collect();
+            let got: Vec<&[u8]> = headers
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+                .collect();
+            (want != got).then(|| format!("`{name}` has {} values, not {}", got.len(), want.len()))
+        })
+        .collect();
+    (!problems.is_empty()).then(|| problems.join("; "))
+}
+
 /// What is wrong with the headers of a replay of `exec` (`None`: nothing):
 /// every header the upstream answered with comes back, each name's values
 /// in their order, and `Location` for a redirect; `Set-Cookie` (no
@@ -615,6 +647,12 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                         "request {} got exec {}'s answer without a replay mark",
                         req.id, exec.id
                     ),
+                );
+            } else if let Some(text) = relayed_headers(exec, headers) {
+                flag(
+                    "relay",
+                    None,
+                    format!("request {}'s own answer (exec {}): {text}", req.id, exec.id),
                 );
             }
             continue;
