@@ -153,9 +153,15 @@ impl Reservation {
     }
 
     /// The stable id of the key's scope, for the handler that executes
-    /// under it ([`ExecutionScope`](crate::layer::ExecutionScope)).
+    /// under it (the layer's `ExecutionScope`): a domain-separated
+    /// SHA-256 of the scope key, so it is not the key the store files the
+    /// record under.
     pub fn scope_id(&self) -> String {
-        self.key.to_hex()
+        use sha2::{Digest, Sha256};
+        let mut id = Sha256::new();
+        id.update(b"tower-idempotency execution scope\0");
+        id.update(self.key.as_bytes());
+        hex::encode(id.finalize())
     }
 
     /// The route's policy.

@@ -35,20 +35,23 @@ impl Principal {
 }
 
 /// Set by the layer on a request it executes under a held key: a stable id
-/// of the request's idempotency scope (its route's scope, principal and
-/// key; the hex of the scope key, keyed by the engine's key secret when one
-/// is set), the same for every execution of that key — a second one after
-/// a released key, or a takeover after a crash — and different for any
-/// other key, principal, route or host.
+/// of the request's idempotency scope (everything its key is scoped by:
+/// principal, method, host unless `scope_authority` is off, path, scope
+/// headers, key), the same for every execution of that key — a second one
+/// after a released key, or a takeover after a crash — and different for
+/// any other scope. A domain-separated SHA-256 of the scope key (itself
+/// keyed by the engine's key secret when one is set): not the id the store
+/// files the record under.
 ///
 /// Use it where the handler records an effect that must happen once per
 /// key even when the key runs again: as an outbox `Message`'s `source`,
 /// so a handler that enqueued, then answered a status that releases the
 /// key (a 500 after its commit), enqueues nothing the second time (the
-/// outbox keeps one row per topic and source). It is an opaque hash: no
-/// key, principal or body can be read from it. Not set on a request
-/// forwarded without a held key (an uncovered route, a fail-open route
-/// whose store is down).
+/// outbox keeps one row per topic and source). It is an opaque hash; but
+/// without a key secret, whoever knows (or guesses) a request's key and
+/// principal can compute it. Not set on a request forwarded without a held
+/// key (an uncovered route, a fail-open route whose store is down): take
+/// it as an `Option`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ExecutionScope(pub String);
 

@@ -196,8 +196,9 @@ pub struct Policy {
     pub unreplayable_status: u16,
     /// Which upstream statuses are stored and replayed; any other status
     /// releases the key so a corrected request can go through.
-    /// Default `["2xx", "3xx"]`. A 1xx status is refused: an interim
-    /// answer, or a 101 protocol switch, is no outcome to replay.
+    /// Default `["2xx", "3xx"]`. A 1xx status is never stored, whatever
+    /// the set holds: an interim answer, or a 101 protocol switch, is no
+    /// outcome to replay.
     pub store_statuses: StatusSet,
     /// The redirect targets that mean success. When set, a stored 3xx
     /// consumes the key only if its `Location` (absolute or relative; its
@@ -406,15 +407,6 @@ impl Policy {
                     .map_err(|error| invalid("success_redirects", error.reason))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        if (100..=199).any(|code| {
-            StatusCode::from_u16(code).is_ok_and(|status| self.store_statuses.contains(status))
-        }) {
-            return Err(invalid(
-                "store_statuses",
-                "holds a 1xx status: an interim answer (or a 101 protocol switch) is no \
-                 outcome to replay; list final statuses only, such as `2xx`",
-            ));
-        }
         if !success_redirects.is_empty()
             && !(300..=399).any(|code| {
                 StatusCode::from_u16(code).is_ok_and(|status| self.store_statuses.contains(status))
@@ -536,7 +528,9 @@ impl RoutePolicy {
         headers: &HeaderMap,
         target: &RequestTarget<'_>,
     ) -> bool {
-        if !self.policy.store_statuses.contains(status) {
+        // An interim answer, or a 101 protocol switch, is no outcome to
+        // replay, whatever the set says ("100-599" is "everything").
+        if status.is_informational() || !self.policy.store_statuses.contains(status) {
             return false;
         }
         if !status.is_redirection() {

@@ -253,8 +253,13 @@ impl Link {
         let Some(keep) = ttl.checked_sub(EXPIRY_MARGIN) else {
             return;
         };
-        let expires = unix_ms(asked.wall + keep);
-        let deadline = unix_ms(asked.wall + self.config.timeout + WRITE_SLACK);
+        let later = |by: Duration| asked.wall.checked_add(by).map(unix_ms);
+        let (Some(expires), Some(deadline)) = (
+            later(keep),
+            later(self.config.timeout.saturating_add(WRITE_SLACK)),
+        ) else {
+            return;
+        };
         self.writing.fetch_add(1, SeqCst);
         let (link, key) = (self.clone(), *key);
         tokio::spawn(async move {
