@@ -904,16 +904,23 @@ impl Relay {
     }
 }
 
+/// A 200 ms timeout and fill TTL, so the tombstones a purge leaves expire
+/// within seconds ([`TOMBSTONE_LIFE`]).
+fn quick(url: &str, test: &str) -> RedisCacheConfig {
+    let mut config = RedisCacheConfig::new(url)
+        .prefix(prefix(test))
+        .timeout(Duration::from_millis(200));
+    config.fill_ttl = Duration::from_millis(200);
+    config
+}
+
 /// Two replicas of one deployment (one store of record, one Redis): `a`
 /// reaches Redis through `relay`, `b` directly. Short timeout and fill TTL,
 /// so the tombstones a purge leaves expire within seconds.
 async fn replicas(test: &str) -> (Relay, RedisCache<MemoryStore>, RedisCache<MemoryStore>) {
     let relay = Relay::start(&shared_url()).await;
     let inner = MemoryStore::new();
-    let mut config = RedisCacheConfig::new(relay.url())
-        .prefix(prefix(test))
-        .timeout(Duration::from_millis(200));
-    config.fill_ttl = Duration::from_millis(200);
+    let mut config = quick(&relay.url(), test);
     let a = RedisCache::new(inner.clone(), config.clone()).unwrap();
     config.url = shared_url();
     let b = RedisCache::new(inner, config).unwrap();
@@ -1027,10 +1034,7 @@ async fn a_write_held_within_its_deadline_still_lands() {
 async fn a_store_answer_that_comes_back_after_a_purge_is_not_cached() {
     let memory = MemoryStore::new();
     let (inner, faults) = counting(memory.clone());
-    let mut config = RedisCacheConfig::new(shared_url())
-        .prefix(prefix("late-answer"))
-        .timeout(Duration::from_millis(200));
-    config.fill_ttl = Duration::from_millis(200);
+    let config = quick(&shared_url(), "late-answer");
     let a = RedisCache::new(inner, config.clone()).unwrap();
     let b = RedisCache::new(memory, config).unwrap();
     let (k, fp) = (random_key(), fingerprint(24));

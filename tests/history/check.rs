@@ -172,25 +172,7 @@ fn relayed_headers(exec: &Exec, headers: &[(String, Vec<u8>)]) -> Option<String>
         .into_iter()
         .filter(|(name, _)| *name == "set-cookie");
     let expected: Vec<(&str, Vec<u8>)> = replayed.into_iter().chain(cookie).collect();
-    let mut names: Vec<&str> = expected.iter().map(|(name, _)| *name).collect();
-    names.sort_unstable();
-    names.dedup();
-    let problems: Vec<String> = names
-        .into_iter()
-        .filter_map(|name| {
-            let want: Vec<&[u8]> = expected
-                .iter()
-                .filter(|(n, _)| *n == name)
-                .map(|(_, v)| v.as_slice())
-                .collect();
-            let got: Vec<&[u8]> = headers
-                .iter()
-                .filter(|(n, _)| n == name)
-                .map(|(_, v)| v.as_slice())
-                .collect();
-            (want != got).then(|| format!("`{name}` has {} values, not {}", got.len(), want.len()))
-        })
-        .collect();
+    let problems = mismatches(&expected, headers);
     (!problems.is_empty()).then(|| problems.join("; "))
 }
 
@@ -204,39 +186,43 @@ fn replayed_headers(exec: &Exec, headers: &[(String, Vec<u8>)]) -> Option<String
     if let Upstream::Redirect(i) = exec.upstream {
         expected.push(("location", LOCATIONS[i].as_bytes().to_vec()));
     }
-    let mut problems = Vec::new();
-    let mut names: Vec<&str> = expected.iter().map(|(name, _)| *name).collect();
-    names.sort_unstable();
-    names.dedup();
-    for name in names {
-        let want: Vec<&[u8]> = expected
-            .iter()
-            .filter(|(n, _)| *n == name)
-            .map(|(_, v)| v.as_slice())
-            .collect();
-        let got: Vec<&[u8]> = headers
-            .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, v)| v.as_slice())
-            .collect();
-        if want != got {
-            problems.push(format!(
-                "`{name}` is {:?}, not {:?}",
-                got.iter()
-                    .map(|v| String::from_utf8_lossy(v))
-                    .collect::<Vec<_>>(),
-                want.iter()
-                    .map(|v| String::from_utf8_lossy(v))
-                    .collect::<Vec<_>>()
-            ));
-        }
-    }
+    let mut problems = mismatches(&expected, headers);
     for (name, _) in not_replayed {
         if headers.iter().any(|(n, _)| n == name) {
             problems.push(format!("`{name}` was replayed"));
         }
     }
     (!problems.is_empty()).then(|| problems.join("; "))
+}
+
+/// Each name of `expected` whose values in `headers` are not exactly its
+/// values there, byte for byte, in their order.
+fn mismatches(expected: &[(&str, Vec<u8>)], headers: &[(String, Vec<u8>)]) -> Vec<String> {
+    let shown = |values: &[&[u8]]| -> Vec<String> {
+        values
+            .iter()
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect()
+    };
+    let mut names: Vec<&str> = expected.iter().map(|(name, _)| *name).collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let want: Vec<&[u8]> = expected
+                .iter()
+                .filter(|(n, _)| *n == name)
+                .map(|(_, v)| v.as_slice())
+                .collect();
+            let got: Vec<&[u8]> = headers
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+                .collect();
+            (want != got).then(|| format!("`{name}` is {:?}, not {:?}", shown(&got), shown(&want)))
+        })
+        .collect()
 }
 
 /// The `type` of a problem answer (`None`: not one).
