@@ -350,7 +350,7 @@ impl Engine {
     }
 
     /// Releases, owner-checked and in the background, a reservation whose
-    /// answer was lost: at once and, since a call that failed may still
+    /// answer was lost (or whose release failed): at once and, since a call that failed may still
     /// commit (a reset connection whose statement ran on at the server),
     /// again after `store_timeout`; or, when the call was `abandoned` still
     /// running, once at once (the [`Unanswered`] guard releases again when
@@ -358,7 +358,7 @@ impl Engine {
     /// touches anyone else's record; a graceful shutdown waits for each
     /// release under way ([`Engine::drain`]), not for the wait before the
     /// second (a process that exits then leaves the orphan to its lease).
-    fn release_lost(&self, key: ScopeKey, owner: OwnerToken, abandoned: bool) {
+    pub(super) fn release_lost(&self, key: ScopeKey, owner: OwnerToken, abandoned: bool) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };

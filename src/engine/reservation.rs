@@ -341,7 +341,12 @@ impl Reservation {
                 tracing::info!(outcome = "released", status = status.as_u16(), duration_us = self.started.elapsed().as_micros() as u64, key = %Short::of(&self.key), "idempotency")
             }
             Err(error) => {
-                tracing::warn!(%error, key = %Short::of(&self.key), "idempotency release failed; the key frees when its lease expires")
+                // The key would stay in flight for the rest of its lease,
+                // and a corrected request be refused as a duplicate: tried
+                // again in the background (owner-checked, so never anyone
+                // else's record), at once and after `store_timeout`.
+                tracing::warn!(%error, key = %Short::of(&self.key), "idempotency release failed; retried in the background, else the key frees when its lease expires");
+                engine.release_lost(self.key, self.owner, false);
             }
         }
     }

@@ -1378,3 +1378,21 @@ async fn a_body_limit_over_the_whole_budget_is_bounded_by_it() {
     let permit = engine.body_permit(&policy, &chunked);
     assert!(permit.is_ok(), "an idle engine refused a body as overload");
 }
+
+/// An answer that does not consume the key (a 422 to fix the form) whose
+/// release fails once: the release is tried again, so the corrected
+/// request executes at once instead of meeting its own key in flight until
+/// the lease (a minute here) ends.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_fails_is_tried_again() {
+    let (engine, faults, policy, reservation) = reserved_over_faulty().await;
+    faults.set_next(Op::Release, Fault::Down, 1);
+    let recorder = reservation
+        .record(StatusCode::UNPROCESSABLE_ENTITY, &HeaderMap::new())
+        .await;
+    assert!(!recorder.is_recording());
+    assert_eq!(faults.calls(Op::Release), 1);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(faults.inner_calls(Op::Release), 1, "released again");
+    proceed(begin(&engine, &policy, "k").await).release().await;
+}
