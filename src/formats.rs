@@ -149,7 +149,11 @@ pub(crate) fn spells_json(headers: &HeaderMap) -> bool {
 ///   its media type (`multipart/form-data; boundary=+JSON`, a form with a
 ///   parameter `x=/json`);
 /// * a multipart type whose boundary PHP or Rack reads otherwise than
-///   [`multipart_boundary`] ([`boundary_read_one_way`]).
+///   [`multipart_boundary`] ([`boundary_read_one_way`]);
+/// * a `charset` other than UTF-8 or US-ASCII ([`charset_is_utf8`]):
+///   Django REST framework and Express decode the body by it before they
+///   parse it, so under UTF-7 `+ACY-` is a `&` to them and text here, and
+///   two bodies sorted alike here would read as different forms there.
 pub fn read_more_than_one_way(headers: &HeaderMap) -> bool {
     let mut lines = headers.get_all(http::header::CONTENT_TYPE).iter();
     let Some(first) = lines.next() else {
@@ -163,6 +167,31 @@ pub fn read_more_than_one_way(headers: &HeaderMap) -> bool {
         || media_type.contains(',')
         || (spells_json(headers) && !is_json(text))
         || (is_media_type(text, "multipart/form-data") && !boundary_read_one_way(text))
+        || !charset_is_utf8(text)
+}
+
+/// Whether every `charset` parameter of `content_type` (none is UTF-8 by
+/// default for JSON and forms alike) names UTF-8 or its subset US-ASCII,
+/// the only text this crate's readers decode. A quoted value is read
+/// unquoted; a name is matched without regard to case, as both are by
+/// RFC 9110.
+pub fn charset_is_utf8(content_type: &str) -> bool {
+    content_type.split(';').skip(1).all(|parameter| {
+        let Some((name, value)) = parameter.split_once('=') else {
+            return true;
+        };
+        if !name.trim().eq_ignore_ascii_case("charset") {
+            return true;
+        }
+        let value = value.trim();
+        let value = value
+            .strip_prefix('"')
+            .and_then(|quoted| quoted.strip_suffix('"'))
+            .unwrap_or(value);
+        ["utf-8", "utf8", "us-ascii"]
+            .iter()
+            .any(|utf8| value.eq_ignore_ascii_case(utf8))
+    })
 }
 
 /// Whether PHP and Rack read the same boundary from a multipart content

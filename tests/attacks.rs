@@ -657,3 +657,125 @@ fn location_as_request_path(from: &str, location: &str) -> String {
         None => location.to_owned(),
     }
 }
+
+// ---------------------------------------------------------------------------
+// A body in another charset
+
+/// `POST /orders` with `content_type` and `body` under `key`.
+fn typed(key: &str, content_type: &str, body: &'static str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header("idempotency-key", key)
+        .header(http::header::CONTENT_TYPE, content_type)
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+/// Django REST framework and Express decode a body by its `charset` before
+/// they parse it. Under UTF-7 `+ACY-` is `&` and `+ACI-…` a run of quotes
+/// and commas, so two bodies that sort alike as UTF-8 text (fields or
+/// members swapped, or one excluded field holding the difference) are two
+/// different orders there: the second must get 422, never the first's
+/// answer. Under UTF-8 a reordered form is still the same request.
+#[tokio::test]
+async fn a_body_in_another_charset_is_compared_as_it_was_sent() {
+    let h = Harness::new(Policy {
+        fingerprint_exclude: vec!["/client_ts".into()],
+        ..Policy::default()
+    });
+    let form = "application/x-www-form-urlencoded; charset=utf-7";
+    let json = "application/json; Charset=\"UTF-7\"";
+    for (n, (content_type, first, second)) in [
+        (
+            form,
+            "x=+ACY-amount=10&y=+ACY-amount=1000",
+            "y=+ACY-amount=1000&x=+ACY-amount=10",
+        ),
+        (
+            json,
+            r#"{"x":"+ACIALAAiAGEAbQBvAHUAbgB0ACIAOgAxADAALAAiAHoAIgA6ACI-","y":"+ACIALAAiAGEAbQBvAHUAbgB0ACIAOgAxADAAMAAwACwAIgB3ACIAOgAi-"}"#,
+            r#"{"y":"+ACIALAAiAGEAbQBvAHUAbgB0ACIAOgAxADAAMAAwACwAIgB3ACIAOgAi-","x":"+ACIALAAiAGEAbQBvAHUAbgB0ACIAOgAxADAALAAiAHoAIgA6ACI-"}"#,
+        ),
+        (
+            json,
+            r#"{"amount":10,"client_ts":"+ACIALAAiAGEAbQBvAHUAbgB0ACIAOgAxADAAMAAwACwAIgBwAGEAZAAiADoAIg-"}"#,
+            r#"{"amount":10,"client_ts":"2024-01-01T00:00:00Z"}"#,
+        ),
+        (
+            "application/x-www-form-urlencoded; charset=shift_jis",
+            "a=1&b=2",
+            "b=2&a=1",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("charset-{n}");
+        let answer = h.send(typed(&key, content_type, first)).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        h.send(typed(&key, content_type, second))
+            .await
+            .assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-mismatch");
+        let again = h.send(typed(&key, content_type, first)).await;
+        assert!(again.replayed(), "the same bytes are still a replay");
+    }
+    assert_eq!(h.calls(), 4);
+    for (n, content_type) in [
+        "application/x-www-form-urlencoded; charset=UTF-8",
+        "application/x-www-form-urlencoded; charset=\"us-ascii\"",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("utf8-{n}");
+        let first = h.send(typed(&key, content_type, "a=1&b=2")).await;
+        let again = h.send(typed(&key, content_type, "b=2&a=1")).await;
+        assert!(again.replayed(), "{content_type}");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(h.calls(), 6);
+}
+
+/// Express decodes a UTF-7 JSON body before `method-override` reads it, so
+/// `{"+AF8-method":"PUT"}` is a `PUT` there: a `POST` path covered only
+/// for `PUT` (its key required) must still ask for the key, not pass the
+/// request through unprotected.
+#[tokio::test]
+async fn a_method_named_in_another_charset_does_not_skip_its_route() {
+    let routes = Routes::new()
+        .route(
+            "/orders",
+            Policy {
+                methods: vec!["PUT".into()],
+                required: true,
+                ..Policy::default()
+            },
+        )
+        .unwrap();
+    let h = echo_path(routes);
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header(
+            http::header::CONTENT_TYPE,
+            "application/json; charset=utf-7",
+        )
+        .body(Full::new(Bytes::from_static(br#"{"+AF8-method":"PUT"}"#)))
+        .unwrap();
+    h.send(request)
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    assert_eq!(h.calls(), 0, "the unprotected request reached the service");
+    // In UTF-8 the same POST names no method: forwarded as the POST it is.
+    let plain = Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header(
+            http::header::CONTENT_TYPE,
+            "application/json; charset=utf-8",
+        )
+        .body(Full::new(Bytes::from_static(br#"{"amount":1}"#)))
+        .unwrap();
+    assert_eq!(h.send(plain).await.status, StatusCode::CREATED);
+}

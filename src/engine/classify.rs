@@ -491,7 +491,9 @@ impl Named {
 
 /// Whether a `POST`'s body may name a method where no reading here can
 /// see it: a form or JSON body with a `Content-Encoding` (Express inflates
-/// it before `method-override` reads `_method`), or a multipart body
+/// it before `method-override` reads `_method`) or a `charset` other than
+/// UTF-8 (Express decodes a UTF-7 body, where `+AF8-method` is
+/// `_method`), or a multipart body
 /// malformed to this reader, or under a boundary PHP or Rack read
 /// otherwise, that spells `method` or `METHOD` somewhere (a part PHP reads
 /// as `_method` by its last `name`, say) or holds an extended parameter
@@ -513,7 +515,8 @@ fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
                 .iter()
                 .any(|spelled| memchr::memmem::find(body.bytes, spelled).is_some())
     };
-    is_post(head.method) && ((encoded() && may_name_in_body(head)) || multipart())
+    let decoded = || encoded() || !formats::charset_is_utf8(formats::content_type(head.headers));
+    is_post(head.method) && ((decoded() && may_name_in_body(head)) || multipart())
 }
 
 /// Whether `method` is `POST`, in any case (see [`RoutePolicy::applies_to`]).
