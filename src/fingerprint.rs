@@ -49,7 +49,7 @@
 use http::{header, HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
 
-use crate::formats::{self, Kind, View, METHOD_OVERRIDES};
+use crate::formats::{self, Kind, View};
 use crate::store::Fingerprint;
 
 pub use crate::formats::parse_pointer;
@@ -139,7 +139,7 @@ pub fn fingerprint_view(
     // handler: a retry naming another (or none) is another request. Both
     // kinds found in one pass over the headers.
     for (name, value) in headers {
-        let names = METHOD_OVERRIDES.contains(name) || formats::path_header(name).is_some();
+        let names = formats::method_override(name) || formats::path_header(name).is_some();
         if names && !fingerprint_headers.contains(name) {
             put(&mut hasher, name.as_str().as_bytes());
             put(&mut hasher, value.as_bytes());

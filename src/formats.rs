@@ -57,6 +57,27 @@ pub(crate) const METHOD_OVERRIDES: [http::HeaderName; 3] = [
     http::HeaderName::from_static("x-method-override"),
 ];
 
+/// Whether header `name` is one of the [`METHOD_OVERRIDES`], with `-` or
+/// `_` between its words: Puma hands Rack `X_HTTP_Method_Override` as
+/// `HTTP_X_HTTP_METHOD_OVERRIDE`, the key `Rack::MethodOverride` reads
+/// (and CGI-style servers map both spellings to one variable), so such a
+/// name is read, fingerprinted and forwarded like the usual one.
+pub(crate) fn method_override(name: &http::HeaderName) -> bool {
+    let name = name.as_str().as_bytes();
+    // Most names have none of these lengths: one comparison each.
+    if !matches!(name.len(), 13 | 17 | 22) {
+        return false;
+    }
+    METHOD_OVERRIDES.iter().any(|expected| {
+        let expected = expected.as_str().as_bytes();
+        name.len() == expected.len()
+            && name
+                .iter()
+                .zip(expected)
+                .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
+    })
+}
+
 /// How a request header names the path a backend may route by instead
 /// of the target ([`crate::engine::headers::path_readings`]).
 #[derive(Clone, Copy)]

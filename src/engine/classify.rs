@@ -302,7 +302,7 @@ fn overrides(head: &RequestHead<'_>, body: Option<&View<'_>>) -> Vec<Method> {
     let present = head
         .headers
         .keys()
-        .filter(|name| formats::METHOD_OVERRIDES.contains(name));
+        .filter(|name| formats::method_override(name));
     for name in present {
         let lines = head.headers.get_all(name);
         let ends = lines

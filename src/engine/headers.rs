@@ -132,7 +132,7 @@ fn not_forwarded_unless(
         connection_listed(request)
             .into_iter()
             .filter(|name| !READ_BY_THE_ENGINE.contains(name) && !read(name))
-            .filter(|name| !crate::formats::METHOD_OVERRIDES.contains(name))
+            .filter(|name| !formats::method_override(name))
             // Nor the path headers the engine routed by (`path_readings`).
             .filter(|name| formats::path_header(name).is_none())
             .filter(|name| !CONNECTION_SCOPED.contains(name) && !HOP_FRAMING.contains(name)),
