@@ -45,9 +45,55 @@ fn json() -> impl Strategy<Value = Json> {
     leaf.prop_recursive(4, 48, 6, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..6).prop_map(Json::Array),
-            prop::collection::btree_map(any::<String>(), inner, 0..6).prop_map(Json::Object),
+            prop::collection::btree_map(any::<String>(), inner, 0..6)
+                .prop_map(|members| Json::Object(without_folded_twins(members))),
         ]
     })
+}
+
+/// Case-insensitive readers (Go's `encoding/json`, .NET's
+/// `OrdinalIgnoreCase`) read keys equal but for case as one field, the
+/// last winning, so README keeps such keys in the order sent: `members`
+/// without a key that folds like an earlier one (an independent fold,
+/// coarser than any reader's: upper-cased, then lower-cased), so that
+/// any order of what is left means the same to every reader.
+fn without_folded_twins(members: BTreeMap<String, Json>) -> BTreeMap<String, Json> {
+    let mut seen = std::collections::HashSet::new();
+    members
+        .into_iter()
+        .filter(|(key, _)| seen.insert(fold(key)))
+        .collect()
+}
+
+/// The members of the JSON object `text` in the order sent, as serde's
+/// streaming reader meets them (its `Value` would sort them).
+fn members_in_order(text: &str) -> Vec<(String, serde_json::Value)> {
+    struct Members;
+    impl<'de> serde::de::Visitor<'de> for Members {
+        type Value = Vec<(String, serde_json::Value)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<M: serde::de::MapAccess<'de>>(
+            self,
+            mut map: M,
+        ) -> Result<Self::Value, M::Error> {
+            let mut members = Vec::new();
+            while let Some(member) = map.next_entry()? {
+                members.push(member);
+            }
+            Ok(members)
+        }
+    }
+    let mut reader = serde_json::Deserializer::from_str(text);
+    serde::Deserializer::deserialize_map(&mut reader, Members).unwrap()
+}
+
+fn fold(key: &str) -> String {
+    key.chars()
+        .flat_map(char::to_uppercase)
+        .flat_map(char::to_lowercase)
+        .collect()
 }
 
 /// A tiny deterministic generator driving key order and whitespace.
@@ -184,6 +230,53 @@ proptest! {
             canonical_json(second.as_bytes(), &[])
         );
         prop_assert_eq!(json_fp(&first), json_fp(&second));
+    }
+
+    /// Two members whose keys fold alike (`amount`/`Amount`, `sku`/`ſku`,
+    /// `kind`/`Kind` with Kelvin's `K`) are one field to a last-wins
+    /// case-insensitive reader, so swapping them changes what it reads:
+    /// the two orders are two requests, never one fingerprint.
+    #[test]
+    fn keys_that_fold_alike_in_another_order_are_another_request(
+        base in "[a-z]{1,6}", twist in any::<u64>(), first in any::<i32>(), second in any::<i32>(),
+        a in any::<u64>(), b in any::<u64>()
+    ) {
+        prop_assume!(first != second);
+        let mut tape = Tape(twist | 1);
+        let twin: String = base
+            .chars()
+            .enumerate()
+            .map(|(at, c)| match (at, c, tape.next() % 3) {
+                (_, 's', 0) => 'ſ',
+                (_, 'k', 0) => '\u{212a}',
+                (0, c, _) | (_, c, 1) => c.to_ascii_uppercase(),
+                (_, c, _) => c,
+            })
+            .collect();
+        prop_assert_ne!(&twin, &base);
+        prop_assert_eq!(fold(&twin), fold(&base));
+        let body = |order: [(&str, i32); 2], seed: u64| {
+            let mut tape = Tape(seed | 1);
+            let members: Vec<String> = order
+                .iter()
+                .map(|(key, value)| format!("{}{}:{}{value}", quoted(key), tape.space(), tape.space()))
+                .collect();
+            format!("{{\"other\":1,{}}}", members.join(","))
+        };
+        let one = body([(&base, first), (&twin, second)], a);
+        let other = body([(&twin, second), (&base, first)], b);
+        // The oracle: a last-wins reader folding keys reads `second`, then
+        // `first`.
+        let read = |text: &str| {
+            members_in_order(text)
+                .into_iter()
+                .filter(|(key, _)| fold(key) == fold(&base))
+                .last()
+                .and_then(|(_, value)| value.as_i64())
+        };
+        prop_assert_eq!(read(&one), Some(i64::from(second)));
+        prop_assert_eq!(read(&other), Some(i64::from(first)));
+        prop_assert_ne!(json_fp(&one), json_fp(&other));
     }
 
     #[test]
