@@ -271,7 +271,7 @@ proptest! {
             members_in_order(text)
                 .into_iter()
                 .filter(|(key, _)| fold(key) == fold(&base))
-                .last()
+                .next_back()
                 .and_then(|(_, value)| value.as_i64())
         };
         prop_assert_eq!(read(&one), Some(i64::from(second)));

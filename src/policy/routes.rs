@@ -82,9 +82,10 @@ impl PathPattern {
         }
     }
 
-    fn make_ascii_lowercase(&mut self) {
+    /// Lower-cased, beyond ASCII too (see [`Routes::find_spelled`]).
+    fn make_lowercase(&mut self) {
         match self {
-            PathPattern::Prefix(p) | PathPattern::Glob(p) => p.make_ascii_lowercase(),
+            PathPattern::Prefix(p) | PathPattern::Glob(p) => *p = p.to_lowercase(),
         }
     }
 }
@@ -283,7 +284,7 @@ impl Routes {
         self.case_insensitive = on;
         for route in &mut self.routes {
             if on {
-                route.path.make_ascii_lowercase();
+                route.path.make_lowercase();
             }
             if let Some(policy) = &mut route.policy {
                 Arc::make_mut(policy).case_insensitive_paths = on;
@@ -316,7 +317,7 @@ impl Routes {
     fn pattern(&self, pattern: &str) -> Result<PathPattern, PolicyError> {
         let mut path = PathPattern::parse(pattern)?;
         if self.case_insensitive {
-            path.make_ascii_lowercase();
+            path.make_lowercase();
         }
         Ok(path)
     }
@@ -355,10 +356,18 @@ impl Routes {
     /// reading reaches, whichever reading the backend takes.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
         let mut found = self.find_spelled(method, path);
-        if path.contains(';') {
-            found = prefer(found, || {
-                self.find_spelled(method, &strip_segment_parameters(path))
-            });
+        if let Some(at) = path.find(';') {
+            // Without the parameters, read every other way too (Tomcat and
+            // Spring strip them before they decode the rest:
+            // `/best%C3%A4tigen;jsessionid=1` is `/bestätigen`); and cut at
+            // the first `;`, as find-my-way before 8 (Fastify, Restify)
+            // reads it, a query (`/orders;/..` is `/orders`).
+            found = prefer(found, || self.find(method, &strip_segment_parameters(path)));
+            let cut = match &path[..at] {
+                "" => "/",
+                cut => cut,
+            };
+            found = prefer(found, || self.find(method, cut));
         }
         if path.contains('%') {
             found = prefer(found, || {
@@ -381,12 +390,17 @@ impl Routes {
     /// A route that leaves the full path alone (`enabled = false` for
     /// `/legacy.php/**`) decides for it, as for a format suffix, unless it
     /// leaves the routed path alone too (a trailing `/` exclusion).
+    ///
+    /// Under case-insensitive routing a path beyond ASCII (decoded from
+    /// `/best%C3%84tigen`) is matched lower-cased by Unicode, as ASP.NET
+    /// compares paths (`OrdinalIgnoreCase`: `Ä` is `ä`); its scope keeps
+    /// the ASCII folding of [`normalize`].
     fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        let normal = normalize(path, self.case_insensitive, true);
+        let normal = self.matched_form(path, true);
         let mut found = self.decide_formatted(method, &normal);
         if has_encoded_dot(path) {
             found = prefer(found, || {
-                self.decide_formatted(method, &normalize(path, self.case_insensitive, false))
+                self.decide_formatted(method, &self.matched_form(path, false))
             });
         }
         let Some(routed) = front_controller_path(&normal) else {
@@ -399,6 +413,16 @@ impl Routes {
             // routed path reaches first.
             Decision::LeftAlone(route) if !route.path.matches(routed) => found,
             _ => prefer(found, || self.find_spelled(method, routed)),
+        }
+    }
+
+    /// `path` normalised ([`normalize`]) and, under case-insensitive
+    /// routing, beyond ASCII lower-cased by Unicode too.
+    fn matched_form<'p>(&self, path: &'p str, decode_dots: bool) -> std::borrow::Cow<'p, str> {
+        let normal = normalize(path, self.case_insensitive, decode_dots);
+        match self.case_insensitive && !normal.is_ascii() {
+            true => std::borrow::Cow::Owned(normal.to_lowercase()),
+            false => normal,
         }
     }
 

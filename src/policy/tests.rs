@@ -563,3 +563,53 @@ fn several_host_lines_scope_by_every_one() {
     same.append(http::header::HOST, http::HeaderValue::from_static("A.com."));
     assert_eq!(scope_host(&uri, &same), "a.com", "one host, spelled twice");
 }
+
+/// Readings combine: a segment parameter beside an escape
+/// (`/best%C3%A4tigen;jsessionid=…`, which a servlet's `encodeURL` writes
+/// into a form's action), a `;` read as the start of a query
+/// (find-my-way before 8: `/orders;/..` is `/orders`), and under
+/// case-insensitive routing a decoded capital beyond ASCII (ASP.NET's
+/// `OrdinalIgnoreCase` reads `Ä` as `ä`): none escapes its required route.
+#[test]
+fn readings_combined_still_reach_their_required_route() {
+    let routes = |case_insensitive: bool| {
+        let routes = Routes::new().case_insensitive(case_insensitive);
+        routes
+            .route("/bestellung/bestätigen", Policy::default().required(true))
+            .unwrap()
+            .route("/v1/orders/*:cancel", Policy::default().required(true))
+            .unwrap()
+            .route("/orders", Policy::default().required(true))
+            .unwrap()
+            .route("/Übersicht/Zahlen", Policy::default().required(true))
+            .unwrap()
+    };
+    for path in [
+        "/bestellung/best%C3%A4tigen;jsessionid=AB12",
+        "/v1/orders/7%3Acancel;x=1",
+        "/orders;/..",
+        "/orders;x/../..",
+    ] {
+        for case_insensitive in [false, true] {
+            let routes = routes(case_insensitive);
+            let found = routes.find(&Method::POST, path);
+            assert!(
+                found.is_some_and(|found| found.policy().required),
+                "{path} escaped its required route"
+            );
+        }
+    }
+    for path in [
+        "/bestellung/best%C3%84tigen",
+        "/BESTELLUNG/BEST%C3%84TIGEN",
+        "/%C3%BCbersicht/zahlen",
+    ] {
+        let (folded, exact) = (routes(true), routes(false));
+        let found = folded.find(&Method::POST, path);
+        assert!(
+            found.is_some_and(|found| found.policy().required),
+            "{path} escaped its required route"
+        );
+        assert!(exact.find(&Method::POST, path).is_none(), "{path}");
+    }
+}
