@@ -836,3 +836,45 @@ async fn an_override_header_spelled_with_underscores_names_the_method() {
     assert!(h.send(named(Some("DELETE"))).await.replayed());
     assert_eq!(h.calls(), 1);
 }
+
+/// Two readings at once: a servlet's `encodeURL` appends `;jsessionid=…`
+/// to a form's action on a path with an escape, a client may send `;/..`
+/// (find-my-way before 8 cuts the path at `;`), and under case-insensitive
+/// routing a capital beyond ASCII (`%C3%84`): each still needs its key.
+#[tokio::test]
+async fn paths_read_two_ways_at_once_still_need_their_key() {
+    let routes = Routes::new()
+        .case_insensitive(true)
+        .route("/bestellung/bestätigen", Policy::default().required(true))
+        .unwrap()
+        .route("/orders", Policy::default().required(true))
+        .unwrap();
+    let h = echo_path(routes);
+    for path in [
+        "/bestellung/best%C3%A4tigen;jsessionid=AB12",
+        "/bestellung/best%C3%84tigen",
+        "/orders;/..",
+    ] {
+        h.send(no_key(Method::POST, path))
+            .await
+            .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    }
+    assert_eq!(h.calls(), 0, "an unprotected request reached the service");
+    let first = h
+        .send(with_key(
+            Method::POST,
+            "/bestellung/best%C3%A4tigen;jsessionid=AB12",
+            "k",
+        ))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = h
+        .send(with_key(
+            Method::POST,
+            "/bestellung/best%C3%A4tigen;jsessionid=AB12",
+            "k",
+        ))
+        .await;
+    assert!(again.replayed());
+    assert_eq!(h.calls(), 1);
+}
