@@ -104,6 +104,41 @@ async fn scope_headers_separate_callers() {
     assert_eq!(replies[2].body, replies[0].body);
 }
 
+/// A session cookie as the scope: an HTTP/2 client may send each cookie
+/// on a line of its own (RFC 9113, 8.2.3), its HTTP/1.1 retry the same
+/// cookies on one line. Both are one caller: the retry replays; another
+/// session's cookies are another caller.
+#[tokio::test]
+async fn cookies_split_over_lines_are_the_same_caller() {
+    let harness = Harness::new(Policy {
+        scope_headers: vec!["cookie".into()],
+        ..Policy::default()
+    });
+    let with_cookies = |lines: &[&'static str]| {
+        let mut request = order(KEY);
+        for line in lines {
+            let value = http::HeaderValue::from_static(line);
+            request.headers_mut().append(http::header::COOKIE, value);
+        }
+        request
+    };
+    let split = harness
+        .send(with_cookies(&["session=alice", "theme=dark"]))
+        .await;
+    assert_eq!(split.status, StatusCode::CREATED);
+    let joined = harness
+        .send(with_cookies(&["session=alice; theme=dark"]))
+        .await;
+    assert!(joined.replayed(), "{joined:?}");
+    assert_eq!(joined.body, split.body);
+    let bob = harness
+        .send(with_cookies(&["session=bob", "theme=dark"]))
+        .await;
+    assert!(!bob.replayed());
+    assert_ne!(bob.body, split.body);
+    assert_eq!(harness.calls(), 2);
+}
+
 /// A `tracing` writer into a shared buffer.
 #[derive(Clone, Default)]
 struct LogBuffer(Arc<Mutex<Vec<u8>>>);

@@ -28,7 +28,17 @@ pub(super) fn scope_key(
         }
     }
     for name in &policy.scope_headers {
-        for value in head.headers.get_all(name) {
+        let lines = head.headers.get_all(name);
+        if name == http::header::COOKIE && lines.iter().nth(1).is_some() {
+            // HTTP/2 may split one `Cookie` into a line per cookie (RFC
+            // 9113, 8.2.3), which an HTTP/1.1 retry sends as one: scoped
+            // as the one line they are joined into with `; `.
+            let joined: Vec<&[u8]> = lines.iter().map(|line| line.as_bytes()).collect();
+            put(name.as_str().as_bytes());
+            put(&joined.join(&b"; "[..]));
+            continue;
+        }
+        for value in lines {
             put(name.as_str().as_bytes());
             put(value.as_bytes());
         }

@@ -194,17 +194,26 @@ pub fn scope_host(uri: &http::Uri, headers: &http::HeaderMap) -> String {
         let host = host.strip_suffix('.').unwrap_or(host);
         host.to_ascii_lowercase()
     };
-    let from_uri = uri.authority().map(|authority| normal(authority.host()));
+    // Not a host (no valid authority, or one with userinfo, which no
+    // `Host` may hold and an application reading the header sees whole:
+    // `evil@shop-b.example` is not `shop-b.example` to it): the value
+    // itself, with its spaces (and so its `%`) escaped, so that no value
+    // reads as the two hosts below.
+    let verbatim = |value: &[u8]| {
+        normal(&String::from_utf8_lossy(value))
+            .replace('%', "%25")
+            .replace(' ', "%20")
+    };
+    let host_of = |authority: &http::uri::Authority| match authority.as_str().contains('@') {
+        true => verbatim(authority.as_str().as_bytes()),
+        false => normal(authority.host()),
+    };
+    let from_uri = uri.authority().map(host_of);
     let mut hosts: Vec<String> = from_uri.into_iter().collect();
     for value in headers.get_all(http::header::HOST) {
         let host = match http::uri::Authority::try_from(value.as_bytes()) {
-            Ok(authority) => normal(authority.host()),
-            // Not a valid authority: the value itself, with its spaces
-            // (and so its `%`) escaped, so that no value reads as the two
-            // hosts below.
-            Err(_) => normal(&String::from_utf8_lossy(value.as_bytes()))
-                .replace('%', "%25")
-                .replace(' ', "%20"),
+            Ok(authority) => host_of(&authority),
+            Err(_) => verbatim(value.as_bytes()),
         };
         // Several `Host` lines (RFC 9112 forbids them; a server may read
         // the first or the last): scoped by every one, so no reading

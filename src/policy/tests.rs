@@ -613,3 +613,26 @@ fn readings_combined_still_reach_their_required_route() {
         assert!(exact.find(&Method::POST, path).is_none(), "{path}");
     }
 }
+
+/// A `Host` with userinfo (no `Host` may hold one, and hyper lets it
+/// through to the layer) is not the host after the `@`: an application
+/// that reads the header whole sees another tenant than `shop-b.example`.
+#[test]
+fn a_host_with_userinfo_is_not_the_host_after_it() {
+    let uri = http::Uri::from_static("/orders");
+    let scoped = |host: &'static str| {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(http::header::HOST, http::HeaderValue::from_static(host));
+        scope_host(&uri, &headers)
+    };
+    assert_ne!(scoped("evil@shop-b.example"), scoped("shop-b.example"));
+    assert_ne!(
+        scoped("evil@shop-b.example"),
+        scoped("other@shop-b.example")
+    );
+    let absolute = http::Uri::from_static("http://evil@shop-b.example/orders");
+    assert_ne!(
+        scope_host(&absolute, &http::HeaderMap::new()),
+        scoped("shop-b.example")
+    );
+}
