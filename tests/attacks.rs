@@ -878,3 +878,103 @@ async fn paths_read_two_ways_at_once_still_need_their_key() {
     assert!(again.replayed());
     assert_eq!(h.calls(), 1);
 }
+
+/// Attack: a request holds its key while it waits for the inner service
+/// to be ready (a concurrency limit, a full buffer) and the store goes away
+/// for longer than the lease, so no renewal keeps it. A retry then takes
+/// the expired lease over and waits too. When the service is ready, the
+/// first must not run as well: it answers 503, and the key's request runs
+/// once, as the retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_lease_ran_out_while_it_waited_does_not_run() {
+    use std::sync::atomic::AtomicBool;
+    use std::task::{Context, Poll};
+    use tower_idempotency::store::{Fault, FaultyStore, Op};
+    /// Ready at once as it is; its clones (the layer calls a clone) only
+    /// once `open` is set. Records the key of every request it runs.
+    struct Gated {
+        open: Arc<AtomicBool>,
+        clone: bool,
+        runs: Arc<std::sync::Mutex<Vec<http::HeaderValue>>>,
+    }
+    impl Clone for Gated {
+        fn clone(&self) -> Self {
+            Gated {
+                open: self.open.clone(),
+                clone: true,
+                runs: self.runs.clone(),
+            }
+        }
+    }
+    impl tower::Service<Request<RequestBody<Full<Bytes>>>> for Gated {
+        type Response = Response<Full<Bytes>>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Response<Full<Bytes>>, Infallible>>;
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            if !self.clone || self.open.load(SeqCst) {
+                return Poll::Ready(Ok(()));
+            }
+            let waker = cx.waker().clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                waker.wake();
+            });
+            Poll::Pending
+        }
+        fn call(&mut self, request: Request<RequestBody<Full<Bytes>>>) -> Self::Future {
+            self.runs
+                .lock()
+                .unwrap()
+                .push(request.headers()["idempotency-key"].clone());
+            std::future::ready(Ok(Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Full::new(Bytes::from_static(b"done")))
+                .unwrap()))
+        }
+    }
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let policy = Policy {
+        lease: Duration::from_secs(2),
+        wait_timeout: Duration::from_millis(100),
+        ..Policy::default()
+    };
+    let layer = IdempotencyLayer::new(Engine::new(store, Routes::all(policy).unwrap()));
+    let gated = Gated {
+        open: Arc::default(),
+        clone: false,
+        runs: Arc::default(),
+    };
+    let send = |key: &str| {
+        let gated = Gated {
+            clone: false,
+            ..gated.clone()
+        };
+        let mut service = tower::Layer::layer(&layer, gated);
+        let request = with_key(Method::POST, "/orders", key);
+        tokio::spawn(async move {
+            let ready = tower::ServiceExt::ready(&mut service).await.unwrap();
+            Reply::read(tower::Service::call(ready, request).await.unwrap()).await
+        })
+    };
+    let waiting = send("pay");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    faults.set(Op::Renew, Fault::Down);
+    // Past the lease: the retry takes the key over; the store comes back
+    // while both still wait for the service.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let retry = send("pay");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    faults.clear(Op::Renew);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gated.open.store(true, SeqCst);
+    let (waiting, retry) = (waiting.await.unwrap(), retry.await.unwrap());
+    let runs = gated.runs.lock().unwrap().len();
+    assert_eq!(
+        runs, 1,
+        "the request ran {runs} times: {waiting:?} {retry:?}"
+    );
+    waiting.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+}

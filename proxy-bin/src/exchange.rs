@@ -248,10 +248,17 @@ impl Exchange {
             true => crate::upstream::Check::Kernel,
             false => crate::upstream::Check::Seen,
         };
-        // From here on the upstream may have the request.
-        if let Some(reservation) = &reservation {
-            reservation.acting();
-        }
+        // From here on the upstream may have the request; unless the key
+        // may be another arrival's by now (the store was out for the
+        // whole lease), which must not reach it.
+        let reservation = match reservation {
+            Some(reservation) if !reservation.acting() => {
+                let problem = reservation.lost(&request.headers).await;
+                self.send(Frame::Failed(problem), false).await;
+                return;
+            }
+            reservation => reservation,
+        };
         let mut session = match self.upstream.send(&request, &body, deadline, check).await {
             Ok(session) => session,
             Err(failure) => {

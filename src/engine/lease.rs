@@ -91,6 +91,10 @@ struct Held {
     settling: bool,
     /// Its request reached (or is reaching) the upstream: it may act.
     acting: bool,
+    /// Until when the store holds the lease for certain: the lease's
+    /// length after the last renewal that succeeded was sent (or after the
+    /// reservation was sent).
+    certain_until: Instant,
 }
 
 /// One registered lease; [`Lease::forget`] ends it.
@@ -208,10 +212,18 @@ impl Lease {
         self.renewer.forget(self.id);
     }
 
-    /// Marks the lease's request as acting: it reached the upstream.
-    pub(super) fn acting(&self) {
-        if let Some(held) = lock(&self.renewer.state).held.get_mut(&self.id) {
-            held.acting = true;
+    /// Marks the lease's request as acting: it reached the upstream. False,
+    /// and nothing marked, when the lease may be lost: the store said the
+    /// key is no longer this owner's, or no renewal succeeded within the
+    /// lease's length (another arrival may have taken it over).
+    pub(super) fn acting(&self) -> bool {
+        let mut state = lock(&self.renewer.state);
+        match state.held.get_mut(&self.id) {
+            Some(held) if Instant::now() < held.certain_until => {
+                held.acting = true;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -236,6 +248,7 @@ impl Renewer {
     ) -> u64 {
         let now = Instant::now();
         let renew_at = taken.min(now) + lease / 3;
+        let certain_until = taken.min(now) + lease;
         let mut state = lock(&self.state);
         let id = state.next_id;
         state.next_id += 1;
@@ -250,6 +263,7 @@ impl Renewer {
                 attempts: 0,
                 settling: false,
                 acting: false,
+                certain_until,
             },
         );
         // A running renewer is not woken (see the module docs): it looks
@@ -305,6 +319,7 @@ impl Renewer {
     fn renewed(&self, id: u64, sent: Instant) {
         if let Some(held) = lock(&self.state).held.get_mut(&id) {
             held.renew_at = held.renew_at.max(sent + held.lease / 3);
+            held.certain_until = held.certain_until.max(sent + held.lease);
         }
     }
 

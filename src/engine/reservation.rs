@@ -143,8 +143,26 @@ impl Reservation {
     /// the layer calls the inner service): from now on it may act, so a
     /// drain that abandons it stores "executed, outcome unknown" for its
     /// key ([`Engine::drain`]) rather than leave the key to its lease.
-    pub fn acting(&self) {
-        self.lease.acting();
+    ///
+    /// Returns false, marking nothing, when the key may no longer be this
+    /// request's: the store said so, or no renewal of the lease succeeded
+    /// for its whole length (a store outage), so another arrival may have
+    /// taken it over and be executing it. The request must then not reach
+    /// the upstream: answer [`Reservation::lost`] instead. (An execution
+    /// already running when its lease is lost is README's limit.)
+    #[must_use = "a request whose lease may be lost must not reach the upstream"]
+    pub fn acting(&self) -> bool {
+        self.lease.acting()
+    }
+
+    /// The answer for a request whose lease was lost before it reached the
+    /// upstream ([`Reservation::acting`] said false): 503 `store-unavailable`
+    /// with `Retry-After` (nothing ran; the retry finds the key's record),
+    /// and the key released, owner-checked, in case it is still ours.
+    pub async fn lost(self, request: &http::HeaderMap) -> http::Response<bytes::Bytes> {
+        let answer = self.engine.store_unavailable(request);
+        self.release_as(answer.status()).await;
+        answer
     }
 
     /// The short hash of the key, for correlating logs.

@@ -1054,7 +1054,7 @@ async fn a_drain_that_abandons_an_execution_leaves_its_key_no_second_run() {
     // for the inner service to be ready) is not marked: nothing can have
     // acted, and its key frees with its lease.
     let waiting = proceed(begin(&engine, &policy, "w").await);
-    running.acting();
+    assert!(running.acting());
     let report = engine.drain(Duration::from_millis(50)).await;
     assert_eq!((report.held, report.marked), (2, 1), "{report:?}");
     std::mem::forget(waiting);
@@ -1395,4 +1395,43 @@ async fn a_release_that_fails_is_tried_again() {
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(faults.inner_calls(Op::Release), 1, "released again");
     proceed(begin(&engine, &policy, "k").await).release().await;
+}
+
+/// A reservation whose lease no renewal kept for its whole length (the
+/// store out while the request waited for its upstream, say for the inner
+/// service to be ready) may have been taken over: it does not act. One
+/// renewed all along does, however long it waited.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_whose_lease_may_be_lost_does_not_act() {
+    let (engine, faults, policy) = faulty_engine(Policy {
+        lease: Duration::from_secs(3),
+        ..Policy::default()
+    });
+    let renewed = proceed(begin(&engine, &policy, "renewed").await);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(renewed.acting(), "renewed all along");
+
+    let stranded = proceed(begin(&engine, &policy, "stranded").await);
+    faults.set(Op::Renew, Fault::Down);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(faults.calls(Op::Renew) > 0, "renewals were tried");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    faults.clear(Op::Renew);
+    // Another arrival takes the expired lease over and runs.
+    let successor = proceed(begin(&engine, &policy, "stranded").await);
+    assert!(!stranded.acting(), "the lease was lost: it must not run");
+    let lost = stranded.lost(&HeaderMap::new()).await;
+    assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(lost.headers().contains_key(header::RETRY_AFTER));
+    // Its release was owner-checked: the successor still holds the key.
+    assert!(successor.acting());
+    let recorder = successor
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await;
+    let _ = recorder.end().await;
+    let Decision::Respond(replay) = begin(&engine, &policy, "stranded").await else {
+        panic!("the successor's answer was not kept");
+    };
+    assert_eq!(replay.headers()[REPLAYED_HEADER], "true");
+    renewed.release().await;
 }

@@ -349,7 +349,12 @@ where
     request
         .extensions_mut()
         .insert(ExecutionScope(reservation.scope_id()));
-    reservation.acting();
+    if !reservation.acting() {
+        // The key may be another arrival's now (the store was out for the
+        // whole lease while this one waited for the inner service).
+        let response = reservation.lost(&accept).await;
+        return Ok(response.map(ResponseBody::full));
+    }
     let call = tokio::time::timeout_at(deadline, inner.call(request)).await;
     let Ok(call) = call else {
         let response = reservation.execution_timed_out(&accept).await;
