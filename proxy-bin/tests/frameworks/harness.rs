@@ -337,8 +337,11 @@ impl Browser {
             .call(
                 "POST",
                 "/session",
+                // An element looked for is waited for (up to 10 s), not
+                // missed on a page still rendering on a loaded machine.
                 json!({"capabilities": {"alwaysMatch": {
                     "browserName": "chrome",
+                    "timeouts": {"implicit": 10000},
                     "goog:chromeOptions": {
                         "binary": "/usr/bin/chromium",
                         "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
