@@ -191,17 +191,31 @@ pub fn read_more_than_one_way(headers: &HeaderMap) -> bool {
         || !charset_is_utf8(text)
 }
 
+/// Whether any `Content-Type` line names a `charset` other than UTF-8
+/// ([`charset_is_utf8`]), read whole: a byte that is not UTF-8 before it
+/// (`x="\xe9"; charset=utf-7`, which Express's parser takes in a quoted
+/// string) hides it from [`content_type`], not from the backend.
+pub fn names_other_charset(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::CONTENT_TYPE)
+        .iter()
+        .any(|line| !charset_is_utf8(&String::from_utf8_lossy(line.as_bytes())))
+}
+
 /// Whether every `charset` parameter of `content_type` (none is UTF-8 by
 /// default for JSON and forms alike) names UTF-8 or its subset US-ASCII,
 /// the only text this crate's readers decode. A quoted value is read
 /// unquoted; a name is matched without regard to case, as both are by
-/// RFC 9110.
-pub fn charset_is_utf8(content_type: &str) -> bool {
+/// RFC 9110, and also as `charset*` (RFC 2231), which Django reads as
+/// `charset`.
+fn charset_is_utf8(content_type: &str) -> bool {
     content_type.split(';').skip(1).all(|parameter| {
         let Some((name, value)) = parameter.split_once('=') else {
             return true;
         };
-        if !name.trim().eq_ignore_ascii_case("charset") {
+        let name = name.trim();
+        let name = name.strip_suffix('*').unwrap_or(name).trim_end();
+        if !name.eq_ignore_ascii_case("charset") {
             return true;
         }
         let value = value.trim();

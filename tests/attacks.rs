@@ -707,6 +707,11 @@ async fn a_body_in_another_charset_is_compared_as_it_was_sent() {
             "a=1&b=2",
             "b=2&a=1",
         ),
+        (
+            "application/x-www-form-urlencoded; charset=utf-8; charset*=utf-7",
+            "x=+ACY-amount=10&y=+ACY-amount=1000",
+            "y=+ACY-amount=1000&x=+ACY-amount=10",
+        ),
     ]
     .into_iter()
     .enumerate()
@@ -720,7 +725,7 @@ async fn a_body_in_another_charset_is_compared_as_it_was_sent() {
         let again = h.send(typed(&key, content_type, first)).await;
         assert!(again.replayed(), "the same bytes are still a replay");
     }
-    assert_eq!(h.calls(), 4);
+    assert_eq!(h.calls(), 5);
     for (n, content_type) in [
         "application/x-www-form-urlencoded; charset=UTF-8",
         "application/x-www-form-urlencoded; charset=\"us-ascii\"",
@@ -734,7 +739,7 @@ async fn a_body_in_another_charset_is_compared_as_it_was_sent() {
         assert!(again.replayed(), "{content_type}");
         assert_eq!(again.body, first.body);
     }
-    assert_eq!(h.calls(), 6);
+    assert_eq!(h.calls(), 7);
 }
 
 /// Express decodes a UTF-7 JSON body before `method-override` reads it, so
@@ -754,18 +759,26 @@ async fn a_method_named_in_another_charset_does_not_skip_its_route() {
         )
         .unwrap();
     let h = echo_path(routes);
-    let request = Request::builder()
-        .method(Method::POST)
-        .uri("/orders")
-        .header(
-            http::header::CONTENT_TYPE,
-            "application/json; charset=utf-7",
-        )
-        .body(Full::new(Bytes::from_static(br#"{"+AF8-method":"PUT"}"#)))
-        .unwrap();
-    h.send(request)
-        .await
-        .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    // Also behind a byte that is not UTF-8 in a quoted parameter, which
+    // Express's parser takes, and spelled `charset*`, which Django takes.
+    for content_type in [
+        &b"application/json; charset=utf-7"[..],
+        b"application/json; x=\"\xe9\"; charset=utf-7",
+        b"application/json; charset*=utf-7",
+    ] {
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri("/orders")
+            .header(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_bytes(content_type).unwrap(),
+            )
+            .body(Full::new(Bytes::from_static(br#"{"+AF8-method":"PUT"}"#)))
+            .unwrap();
+        h.send(request)
+            .await
+            .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    }
     assert_eq!(h.calls(), 0, "the unprotected request reached the service");
     // In UTF-8 the same POST names no method: forwarded as the POST it is.
     let plain = Request::builder()
@@ -958,7 +971,10 @@ async fn a_request_whose_lease_ran_out_while_it_waited_does_not_run() {
         })
     };
     let waiting = send("pay");
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Timed from its reservation, however long a loaded machine took.
+    while faults.inner_calls(Op::Reserve) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     faults.set(Op::Renew, Fault::Down);
     // Past the lease: the retry takes the key over; the store comes back
     // while both still wait for the service.
@@ -977,4 +993,21 @@ async fn a_request_whose_lease_ran_out_while_it_waited_does_not_run() {
     waiting.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed());
+}
+
+/// Attack: a target of thousands of PHP front-controller segments
+/// (`/x.php/x.php/…/pay`, which nginx splits at the last) was read one
+/// controller deeper per segment, in recursion, until the stack overflowed
+/// and the whole process aborted. It is answered like any request.
+#[tokio::test]
+async fn a_path_of_many_front_controllers_is_answered_not_a_crash() {
+    let routes = Routes::new()
+        .route("/pay", Policy::default().required(true))
+        .unwrap();
+    let h = echo_path(routes);
+    let deep = format!("{}/pay", "/x.php".repeat(10_000));
+    h.send(no_key(Method::POST, &deep))
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    assert_eq!(h.calls(), 0);
 }

@@ -515,7 +515,7 @@ fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
                 .iter()
                 .any(|spelled| memchr::memmem::find(body.bytes, spelled).is_some())
     };
-    let decoded = || encoded() || !formats::charset_is_utf8(formats::content_type(head.headers));
+    let decoded = || encoded() || formats::names_other_charset(head.headers);
     is_post(head.method) && ((decoded() && may_name_in_body(head)) || multipart())
 }
 

@@ -160,6 +160,7 @@ impl Reservation {
     /// with `Retry-After` (nothing ran; the retry finds the key's record),
     /// and the key released, owner-checked, in case it is still ours.
     pub async fn lost(self, request: &http::HeaderMap) -> http::Response<bytes::Bytes> {
+        tracing::warn!(key = %Short::of(&self.key), "idempotency lease may have run out before the request reached its upstream; not executed, answered 503");
         let answer = self.engine.store_unavailable(request);
         self.release_as(answer.status()).await;
         answer

@@ -82,12 +82,35 @@ impl PathPattern {
         }
     }
 
-    /// Lower-cased, beyond ASCII too (see [`Routes::find_spelled`]).
+    /// Folded for case-insensitive matching, beyond ASCII too
+    /// ([`fold_case`]).
     fn make_lowercase(&mut self) {
         match self {
-            PathPattern::Prefix(p) | PathPattern::Glob(p) => *p = p.to_lowercase(),
+            PathPattern::Prefix(p) | PathPattern::Glob(p) => *p = fold_case(p),
         }
     }
+}
+
+/// How many PHP front controllers in a row a path is read through one by
+/// one ([`Routes::find`]); past them, straight to the rest after the last.
+const FRONT_CONTROLLER_HOPS: usize = 8;
+
+/// `text` folded one character at a time as .NET's `OrdinalIgnoreCase`
+/// compares (its simple upper case, then lower-cased for the ASCII
+/// routes): `ς`, `σ` and `Σ` are one letter, as are `µ` and `μ`, with no
+/// regard to where a letter stands; a letter whose case changes its length
+/// (`ß` is `SS`, `İ` is `i̇`) stays itself, as .NET keeps it.
+fn fold_case(text: &str) -> String {
+    fn single(mut chars: impl Iterator<Item = char>) -> Option<char> {
+        let first = chars.next()?;
+        chars.next().is_none().then_some(first)
+    }
+    text.chars()
+        .map(|c| {
+            let upper = single(c.to_uppercase()).unwrap_or(c);
+            single(upper.to_lowercase()).unwrap_or(upper)
+        })
+        .collect()
 }
 
 /// One step of a glob.
@@ -392,10 +415,25 @@ impl Routes {
     /// leaves the routed path alone too (a trailing `/` exclusion).
     ///
     /// Under case-insensitive routing a path beyond ASCII (decoded from
-    /// `/best%C3%84tigen`) is matched lower-cased by Unicode, as ASP.NET
-    /// compares paths (`OrdinalIgnoreCase`: `Ä` is `ä`); its scope keeps
+    /// `/best%C3%84tigen`) is matched folded letter by letter, as ASP.NET
+    /// compares paths (`OrdinalIgnoreCase`: `Ä` is `ä`; [`fold_case`]); its scope keeps
     /// the ASCII folding of [`normalize`].
+    ///
+    /// A path through more than [`FRONT_CONTROLLER_HOPS`] front
+    /// controllers (`/a.php/b.php/…`, which no application routes) is read
+    /// through the first ones and then as the rest after its last, as nginx
+    /// splits it: the work per request stays linear in the path, and a
+    /// target of thousands of such segments cannot exhaust the stack.
     fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+        self.find_spelled_at(method, path, 0)
+    }
+
+    fn find_spelled_at(
+        &self,
+        method: &Method,
+        path: &str,
+        hops: usize,
+    ) -> Option<&Arc<RoutePolicy>> {
         let normal = self.matched_form(path, true);
         let mut found = self.decide_formatted(method, &normal);
         if has_encoded_dot(path) {
@@ -403,25 +441,30 @@ impl Routes {
                 self.decide_formatted(method, &self.matched_form(path, false))
             });
         }
-        let Some(routed) = front_controller_path(&normal) else {
+        let Some(mut routed) = front_controller_path(&normal) else {
             return found;
         };
+        if hops + 1 >= FRONT_CONTROLLER_HOPS {
+            while let Some(further) = front_controller_path(routed) {
+                routed = further;
+            }
+        }
         match self.decide(method, &normal) {
             // A route leaving the full path alone decides for it, unless
             // it also leaves the routed path alone (a catch-all `/`
             // exclusion after the routes): broader than the route the
             // routed path reaches first.
             Decision::LeftAlone(route) if !route.path.matches(routed) => found,
-            _ => prefer(found, || self.find_spelled(method, routed)),
+            _ => prefer(found, || self.find_spelled_at(method, routed, hops + 1)),
         }
     }
 
     /// `path` normalised ([`normalize`]) and, under case-insensitive
-    /// routing, beyond ASCII lower-cased by Unicode too.
+    /// routing, beyond ASCII folded too ([`fold_case`]).
     fn matched_form<'p>(&self, path: &'p str, decode_dots: bool) -> std::borrow::Cow<'p, str> {
         let normal = normalize(path, self.case_insensitive, decode_dots);
         match self.case_insensitive && !normal.is_ascii() {
-            true => std::borrow::Cow::Owned(normal.to_lowercase()),
+            true => std::borrow::Cow::Owned(fold_case(&normal)),
             false => normal,
         }
     }

@@ -583,6 +583,8 @@ fn readings_combined_still_reach_their_required_route() {
             .unwrap()
             .route("/Übersicht/Zahlen", Policy::default().required(true))
             .unwrap()
+            .route("/λόγος", Policy::default().required(true))
+            .unwrap()
     };
     for path in [
         "/bestellung/best%C3%A4tigen;jsessionid=AB12",
@@ -603,6 +605,9 @@ fn readings_combined_still_reach_their_required_route() {
         "/bestellung/best%C3%84tigen",
         "/BESTELLUNG/BEST%C3%84TIGEN",
         "/%C3%BCbersicht/zahlen",
+        // σ for the route's ς (one letter to .NET: both Σ), anywhere.
+        "/%CE%BB%CF%8C%CE%B3%CE%BF%CF%83",
+        "/%CE%9B%CE%8C%CE%93%CE%9F%CE%A3",
     ] {
         let (folded, exact) = (routes(true), routes(false));
         let found = folded.find(&Method::POST, path);
@@ -635,4 +640,33 @@ fn a_host_with_userinfo_is_not_the_host_after_it() {
         scope_host(&absolute, &http::HeaderMap::new()),
         scoped("shop-b.example")
     );
+}
+
+/// Case folding for routes is .NET's, one letter at a time: `ß` is not
+/// `ss` (an exclusion of `/strasse` leaves `/straße` covered), nor `İ` an
+/// `i`; and a path of many front controllers is read in linear time,
+/// without deep recursion.
+#[test]
+fn case_folding_is_per_letter_and_front_controllers_are_bounded() {
+    let routes = Routes::new()
+        .case_insensitive(true)
+        .exclude("/strasse")
+        .unwrap()
+        .route("/", Policy::default().required(true))
+        .unwrap();
+    let found = routes.find(&Method::POST, "/stra%C3%9Fe");
+    assert!(found.is_some_and(|found| found.policy().required));
+    assert!(routes.find(&Method::POST, "/STRASSE").is_none());
+
+    let routes = Routes::new()
+        .route("/pay", Policy::default().required(true))
+        .unwrap();
+    let deep = format!("{}/pay", "/x.php".repeat(20_000));
+    let found = routes.find(&Method::POST, &deep);
+    assert!(
+        found.is_some_and(|found| found.policy().required),
+        "the last controller's rest"
+    );
+    let shallow = format!("{}/pay", "/x.php".repeat(3));
+    assert!(routes.find(&Method::POST, &shallow).is_some());
 }
