@@ -1664,3 +1664,35 @@ async fn an_http_1_0_client_never_gets_chunks() {
     // Nor another answer than the key's outcome (a 502 saying "retry").
     assert!(answer.is_empty(), "{answer}");
 }
+
+/// Scenario (from a review of the route readings): a request target of
+/// thousands of PHP front-controller segments (`/x.php/x.php/…/pay`) was
+/// read one controller deeper per segment, in recursion, until the stack
+/// overflowed and the proxy aborted: one request took every client's
+/// service down. Impact (availability, and every key in flight left to
+/// its lease). Now it is answered like any request, and the proxy serves
+/// the next one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_target_of_many_front_controllers_never_brings_the_proxy_down() {
+    let backend = common::Backend::start().await;
+    let dir = temp_dir("breaks-front-controllers");
+    let config = "[[route]]\npath = \"/pay\"\nrequired = true\n";
+    let proxy = Proxy::start(ProxyArgs::new(backend.url(), config, &dir))
+        .await
+        .owning(dir);
+    let deep = format!("{}/pay", "/x.php".repeat(8_000));
+    let request = format!(
+        "POST {deep} HTTP/1.1\r\nHost: shop.example\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+    );
+    let answer = exchange_raw(proxy.addr, &request).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 4"),
+        "{}",
+        &answer[..answer.len().min(300)]
+    );
+    assert_eq!(backend.total(), 0, "the unprotected request was forwarded");
+    let next = proxy
+        .send("POST", "/pay", &[("idempotency-key", "after-deep")], "{}")
+        .await;
+    assert_eq!(next.status, 200, "{}", next.text());
+}
