@@ -394,8 +394,10 @@ fn array_overrides(body: &View<'_>, content_type: &str) -> Vec<Vec<u8>> {
 
 /// Which override members a JSON body may hold, from one pass over it: a
 /// member's name can only be spelled as is (`_method`, `_METHOD`) or with
-/// a `\u` escape; the other escapes (`\"`, `\n`, …) stand for no letter
-/// and no `_`.
+/// a `\u` escape of a letter or `_` (`\u0040` to `\u007F`); the other
+/// escapes (`\"`, `\n`, `\u00e9`, …) stand for no letter and no `_`, so
+/// a body whose only escapes are such (text in any language, as Python's
+/// `json.dumps` writes it) is not walked.
 struct Spellings {
     escaped: bool,
     lower: bool,
@@ -422,7 +424,7 @@ fn override_spellings(body: &[u8]) -> Spellings {
     for at in memchr::memchr2_iter(b'_', b'\\', body) {
         let next = &body[at + 1..];
         if body[at] == b'\\' {
-            found.escaped |= next.first() == Some(&b'u');
+            found.escaped |= spells_ascii_letter(next);
         } else if next.starts_with(b"method") {
             found.lower = true;
         } else if next.starts_with(b"METHOD") {
@@ -433,6 +435,20 @@ fn override_spellings(body: &[u8]) -> Spellings {
         }
     }
     found
+}
+
+/// Whether `escape` (what follows a `\` in a JSON string) is a `\u`
+/// escape that may stand for an ASCII letter or `_`: `\u0040` to
+/// `\u007F`, in either case of hex digit. A malformed one counts as one,
+/// to be safe.
+fn spells_ascii_letter(escape: &[u8]) -> bool {
+    match escape {
+        [b'u', hex @ ..] if hex.len() >= 4 && hex[..4].iter().all(u8::is_ascii_hexdigit) => {
+            hex[..2] == *b"00" && matches!(hex[2], b'4'..=b'7')
+        }
+        [b'u', ..] => true,
+        _ => false,
+    }
 }
 
 /// The top-level `field` member of a JSON body, as Laravel (`_method`)
@@ -549,4 +565,33 @@ fn passes_without_key(policy: &RoutePolicy, head: &RequestHead<'_>) -> bool {
             key::extract(&settings.key, head.uri, head.headers, &[]),
             Ok(None)
         )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a `\u` escape that may stand for a letter or `_` makes a body
+    /// worth walking for `_method`: text escaped as Python writes it
+    /// (`\u00e9`, `\u4e2d`) does not, an escaped name does, and so does a
+    /// malformed escape.
+    #[test]
+    fn only_escapes_of_letters_may_spell_an_override() {
+        let walks = |body: &str| override_spellings(body.as_bytes()).may_name(OVERRIDE_FIELD);
+        for body in [
+            r#"{"note":"\u00e9t\u00E9","city":"\u4e2d","q":"\"x\"\n"}"#,
+            r#"{"a":"\u0020\u003F"}"#,
+        ] {
+            assert!(!walks(body), "{body}");
+        }
+        for body in [
+            r#"{"\u005fmethod":"PUT"}"#,
+            r#"{"_\u006Dethod":"PUT"}"#,
+            r#"{"_method":"PUT"}"#,
+            r#"{"x":"\u00"}"#,
+            r#"{"x":"\uzzzz"}"#,
+        ] {
+            assert!(walks(body), "{body}");
+        }
+    }
 }
