@@ -393,8 +393,13 @@ impl Routes {
             found = prefer(found, || self.find(method, cut));
         }
         if path.contains('%') {
+            // Read every other way too: under case-insensitive routing a
+            // decoded `%5C` is a `\` IIS reads as `/`.
             found = prefer(found, || {
-                decode_escapes(path).and_then(|decoded| self.find_spelled(method, &decoded))
+                decode_escapes(path).and_then(|decoded| match decoded.contains('\\') {
+                    true => self.find(method, &decoded),
+                    false => self.find_spelled(method, &decoded),
+                })
             });
         }
         if self.case_insensitive && path.contains('\\') {

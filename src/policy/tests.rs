@@ -602,6 +602,8 @@ fn readings_combined_still_reach_their_required_route() {
         }
     }
     for path in [
+        "/orders%5C",
+        "/x%5C..%5Corders",
         "/bestellung/best%C3%84tigen",
         "/BESTELLUNG/BEST%C3%84TIGEN",
         "/%C3%BCbersicht/zahlen",
