@@ -68,14 +68,19 @@ pub(crate) fn method_override(name: &http::HeaderName) -> bool {
     if !matches!(name.len(), 13 | 17 | 22) {
         return false;
     }
-    METHOD_OVERRIDES.iter().any(|expected| {
-        let expected = expected.as_str().as_bytes();
-        name.len() == expected.len()
-            && name
-                .iter()
-                .zip(expected)
-                .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
-    })
+    METHOD_OVERRIDES
+        .iter()
+        .any(|expected| spelled_as(name, expected.as_str().as_bytes()))
+}
+
+/// Whether header name `name` is `expected` with `-` or `_` between its
+/// words (CGI-style servers map both to one variable).
+fn spelled_as(name: &[u8], expected: &[u8]) -> bool {
+    name.len() == expected.len()
+        && name
+            .iter()
+            .zip(expected)
+            .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
 }
 
 /// How a request header names the path a backend may route by instead
@@ -101,13 +106,6 @@ pub(crate) fn path_header(name: &http::HeaderName) -> Option<(PathHeader, usize)
     if !matches!(name.len(), 9 | 11 | 13 | 14 | 18) {
         return None;
     }
-    let spelled = |expected: &[u8]| {
-        name.len() == expected.len()
-            && name
-                .iter()
-                .zip(expected)
-                .all(|(&b, &e)| b == e || (b == b'_' && e == b'-'))
-    };
     const NAMES: [(&[u8], PathHeader); PATH_HEADERS] = [
         (b"script-name", PathHeader::Prefix),
         (b"x-script-name", PathHeader::Prefix),
@@ -118,7 +116,7 @@ pub(crate) fn path_header(name: &http::HeaderName) -> Option<(PathHeader, usize)
     ];
     NAMES
         .iter()
-        .position(|(expected, _)| spelled(expected))
+        .position(|(expected, _)| spelled_as(name, expected))
         .map(|at| (NAMES[at].1, at))
 }
 
