@@ -176,11 +176,13 @@ impl Reservation {
     /// SHA-256 of the scope key, so it is not the key the store files the
     /// record under.
     pub fn scope_id(&self) -> String {
-        use sha2::{Digest, Sha256};
-        let mut id = Sha256::new();
-        id.update(b"tower-idempotency execution scope\0");
-        id.update(self.key.as_bytes());
-        hex::encode(id.finalize())
+        execution_scope_id(&self.key)
+    }
+
+    /// The scope key itself, for an id computed only when asked
+    /// ([`execution_scope_id`]).
+    pub(crate) fn scope_key(&self) -> ScopeKey {
+        self.key
     }
 
     /// The route's policy.
@@ -369,6 +371,15 @@ impl Reservation {
             }
         }
     }
+}
+
+/// [`Reservation::scope_id`] of the reservation holding `key`.
+pub(crate) fn execution_scope_id(key: &ScopeKey) -> String {
+    use sha2::{Digest, Sha256};
+    let mut id = Sha256::new();
+    id.update(b"tower-idempotency execution scope\0");
+    id.update(key.as_bytes());
+    hex::encode(id.finalize())
 }
 
 impl Drop for Reservation {

@@ -52,13 +52,49 @@ impl Principal {
 /// principal can compute it. Not set on a request forwarded without a held
 /// key (an uncovered route, a fail-open route whose store is down): take
 /// it as an `Option`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct ExecutionScope(pub String);
+///
+/// The id is computed when first asked for: a request whose handler never
+/// reads it costs a copy of 32 bytes.
+#[derive(Clone)]
+pub struct ExecutionScope {
+    key: crate::store::ScopeKey,
+    id: std::sync::OnceLock<String>,
+}
 
 impl ExecutionScope {
+    fn of(key: crate::store::ScopeKey) -> Self {
+        ExecutionScope {
+            key,
+            id: std::sync::OnceLock::new(),
+        }
+    }
+
     /// The id, 64 hex digits.
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.id
+            .get_or_init(|| crate::engine::execution_scope_id(&self.key))
+    }
+}
+
+impl PartialEq for ExecutionScope {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+
+impl Eq for ExecutionScope {}
+
+impl std::hash::Hash for ExecutionScope {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key.hash(state);
+    }
+}
+
+impl std::fmt::Debug for ExecutionScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ExecutionScope")
+            .field(&self.as_str())
+            .finish()
     }
 }
 
@@ -348,7 +384,7 @@ where
     let mut request = request;
     request
         .extensions_mut()
-        .insert(ExecutionScope(reservation.scope_id()));
+        .insert(ExecutionScope::of(reservation.scope_key()));
     if !reservation.acting() {
         // The key may be another arrival's now (the store was out for the
         // whole lease while this one waited for the inner service).
