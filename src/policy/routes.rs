@@ -96,19 +96,20 @@ impl PathPattern {
 const FRONT_CONTROLLER_HOPS: usize = 8;
 
 /// `text` folded one character at a time as .NET's `OrdinalIgnoreCase`
-/// compares (its simple upper case, then lower-cased for the ASCII
-/// routes): `ς`, `σ` and `Σ` are one letter, as are `µ` and `μ`, with no
-/// regard to where a letter stands; a letter whose case changes its length
-/// (`ß` is `SS`, `İ` is `i̇`) stays itself, as .NET keeps it.
+/// compares, by its simple upper case (ASCII then lower-cased, as the
+/// ASCII routes are): `ς`, `σ` and `Σ` are one letter, as are `µ` and
+/// `μ`, with no regard to where a letter stands; Kelvin's `K` and Ohm's
+/// `Ω` are upper case already and stay apart from `k` and `ω`; a letter
+/// whose upper case is longer (`ß` is `SS`) stays itself, as .NET keeps it.
 fn fold_case(text: &str) -> String {
-    fn single(mut chars: impl Iterator<Item = char>) -> Option<char> {
-        let first = chars.next()?;
-        chars.next().is_none().then_some(first)
-    }
     text.chars()
         .map(|c| {
-            let upper = single(c.to_uppercase()).unwrap_or(c);
-            single(upper.to_lowercase()).unwrap_or(upper)
+            let mut upper = c.to_uppercase();
+            let upper = match (upper.next(), upper.next()) {
+                (Some(single), None) => single,
+                _ => c,
+            };
+            upper.to_ascii_lowercase()
         })
         .collect()
 }
@@ -393,13 +394,20 @@ impl Routes {
             found = prefer(found, || self.find(method, cut));
         }
         if path.contains('%') {
-            // Read every other way too: under case-insensitive routing a
-            // decoded `%5C` is a `\` IIS reads as `/`.
+            // Decoded once, as backends decode (an escape the decoding
+            // makes, `%%35C`, stays text), and never read again through
+            // every reading, which a target of nested escapes would make
+            // exponential. Under case-insensitive routing a decoded `%5C`
+            // is also read as `/`, as IIS reads a `\`.
             found = prefer(found, || {
-                decode_escapes(path).and_then(|decoded| match decoded.contains('\\') {
-                    true => self.find(method, &decoded),
-                    false => self.find_spelled(method, &decoded),
-                })
+                let decoded = decode_escapes(path)?;
+                let slashed = || {
+                    let backslash = self.case_insensitive && decoded.contains('\\');
+                    backslash
+                        .then(|| self.find_spelled(method, &decoded.replace('\\', "/")))
+                        .flatten()
+                };
+                prefer(self.find_spelled(method, &decoded), slashed)
             });
         }
         if self.case_insensitive && path.contains('\\') {

@@ -659,6 +659,15 @@ fn case_folding_is_per_letter_and_front_controllers_are_bounded() {
     let found = routes.find(&Method::POST, "/stra%C3%9Fe");
     assert!(found.is_some_and(|found| found.policy().required));
     assert!(routes.find(&Method::POST, "/STRASSE").is_none());
+    // Kelvin's K is not k to .NET: an exclusion of `/kiosk` leaves it covered.
+    let routes = Routes::new()
+        .case_insensitive(true)
+        .exclude("/tenants/kiosk")
+        .unwrap()
+        .route("/tenants/*", Policy::default().required(true))
+        .unwrap();
+    let found = routes.find(&Method::POST, "/tenants/\u{212a}iosk");
+    assert!(found.is_some_and(|found| found.policy().required));
 
     let routes = Routes::new()
         .route("/pay", Policy::default().required(true))
@@ -671,4 +680,50 @@ fn case_folding_is_per_letter_and_front_controllers_are_bounded() {
     );
     let shallow = format!("{}/pay", "/x.php".repeat(3));
     assert!(routes.find(&Method::POST, &shallow).is_some());
+}
+
+/// Escapes are decoded once, as backends decode them: a target of nested
+/// escapes (`%%35C` decodes to `%5C`, which a second pass would decode to
+/// `\`), each level holding `;` and `%5C`, is read through a bounded
+/// number of readings, not once per reading per level (exponential: a few
+/// hundred bytes tied a worker up for good).
+#[test]
+fn nested_escapes_are_decoded_once() {
+    // The first digit of each escape `%HH` of `s` becomes an escape of
+    // itself: `%5C` is `%%35C`, which decodes to `%5C`.
+    fn nest(s: &str) -> String {
+        let bytes = s.as_bytes();
+        let mut out = String::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            let escape = bytes[i] == b'%'
+                && i + 2 < bytes.len() + 1
+                && bytes.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && bytes.get(i + 2).is_some_and(u8::is_ascii_hexdigit);
+            if escape {
+                out.push_str(&format!("%%{:02X}{}", bytes[i + 1], bytes[i + 2] as char));
+                i += 3;
+            } else {
+                out.push(bytes[i] as char);
+                i += 1;
+            }
+        }
+        out
+    }
+    let nested = |levels: usize| {
+        let mut target = String::new();
+        for _ in 0..levels {
+            target = nest(&target) + "%5C%3B";
+        }
+        format!("/x/{target}")
+    };
+    assert_eq!(nested(3), "/x/%%%335C%%%333B%%35C%%33B%5C%3B");
+    let target = nested(20);
+    for case_insensitive in [false, true] {
+        let routes = Routes::new()
+            .case_insensitive(case_insensitive)
+            .route("/pay", Policy::default().required(true))
+            .unwrap();
+        assert!(routes.find(&Method::POST, &target).is_none());
+    }
 }
