@@ -1011,3 +1011,43 @@ async fn a_path_of_many_front_controllers_is_answered_not_a_crash() {
         .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
     assert_eq!(h.calls(), 0);
 }
+
+/// Attack: a form naming thousands of distinct methods in `_method[]`
+/// cost a route lookup per method (and a quadratic dedup): seconds of CPU
+/// per request. Only the first and the last value of each array name are
+/// read now; the method Express takes (the first element) and the one PHP
+/// keeps (the last) are still among them.
+#[tokio::test]
+async fn a_form_naming_thousands_of_methods_is_read_in_bounded_work() {
+    let routes = Routes::new()
+        .route(
+            "/orders",
+            Policy {
+                methods: vec!["PUT".into()],
+                required: true,
+                ..Policy::default()
+            },
+        )
+        .unwrap();
+    let h = echo_path(routes);
+    let many: Vec<String> = (0..5_000).map(|i| format!("_method[]=M{i}")).collect();
+    let many = many.join("&");
+    for body in [
+        format!("_method[]=PUT&{many}"),
+        format!("{many}&_method[]=PUT"),
+    ] {
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri("/orders")
+            .header(
+                http::header::CONTENT_TYPE,
+                "application/x-www-form-urlencoded",
+            )
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        h.send(request)
+            .await
+            .assert_problem(StatusCode::BAD_REQUEST, "key-missing");
+    }
+    assert_eq!(h.calls(), 0);
+}

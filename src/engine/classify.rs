@@ -373,23 +373,36 @@ fn array_overrides(body: &View<'_>, content_type: &str) -> Vec<Vec<u8>> {
             _ => false,
         }
     }
+    // The first and the last value of each such name (of 22), as for a
+    // repeated field: a body naming thousands of methods costs at most 44
+    // route lookups, not one per field.
+    /// A name, its first value and its last.
+    type Values = (Vec<u8>, Vec<u8>, Option<Vec<u8>>);
+    let mut named: Vec<Values> = Vec::new();
+    let mut take = |name: &[u8], value: &[u8]| {
+        if !is_array(name) {
+            return;
+        }
+        match named
+            .iter_mut()
+            .find(|(known, _, _)| known.as_slice() == name)
+        {
+            Some((_, _, last)) => *last = Some(value.to_vec()),
+            None => named.push((name.to_vec(), value.to_vec(), None)),
+        }
+    };
     match &body.kind {
-        formats::Kind::Form(pairs) => pairs
-            .iter()
-            .filter(|(name, _)| is_array(name))
-            .map(|(_, value)| value.clone())
-            .collect(),
-        formats::Kind::Multipart(parts) => parts
-            .iter()
-            .filter(|part| is_array(part.name))
-            .map(|part| part.data.to_vec())
-            .collect(),
-        _ if formats::rack_form(content_type) => formats::form_pairs(body.bytes)
-            .filter(|(name, _)| is_array(name))
-            .map(|(_, value)| value)
-            .collect(),
-        _ => Vec::new(),
+        formats::Kind::Form(pairs) => pairs.iter().for_each(|(name, value)| take(name, value)),
+        formats::Kind::Multipart(parts) => parts.iter().for_each(|part| take(part.name, part.data)),
+        _ if formats::rack_form(content_type) => {
+            formats::form_pairs(body.bytes).for_each(|(name, value)| take(&name, &value))
+        }
+        _ => {}
     }
+    let values = named
+        .into_iter()
+        .flat_map(|(_, first, last)| [Some(first), last]);
+    values.flatten().collect()
 }
 
 /// Which override members a JSON body may hold, from one pass over it: a

@@ -438,15 +438,6 @@ impl Routes {
     /// splits it: the work per request stays linear in the path, and a
     /// target of thousands of such segments cannot exhaust the stack.
     fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        self.find_spelled_at(method, path, 0)
-    }
-
-    fn find_spelled_at(
-        &self,
-        method: &Method,
-        path: &str,
-        hops: usize,
-    ) -> Option<&Arc<RoutePolicy>> {
         let normal = self.matched_form(path, true);
         let mut found = self.decide_formatted(method, &normal);
         if has_encoded_dot(path) {
@@ -454,22 +445,44 @@ impl Routes {
                 self.decide_formatted(method, &self.matched_form(path, false))
             });
         }
-        let Some(mut routed) = front_controller_path(&normal) else {
-            return found;
-        };
-        if hops + 1 >= FRONT_CONTROLLER_HOPS {
-            while let Some(further) = front_controller_path(routed) {
-                routed = further;
+        self.through_front_controllers(method, &normal, found)
+    }
+
+    /// `found` for `normal` (in [`Routes::matched_form`] already), and the
+    /// paths the PHP front controllers in it route by, each read as it is:
+    /// normalising a rest again would decode escapes a second time, which
+    /// no backend does (and which let each pass make one more `.php/`
+    /// segment out of nested escapes: work growing with the square of the
+    /// target).
+    fn through_front_controllers<'r>(
+        &'r self,
+        method: &Method,
+        normal: &str,
+        mut found: Option<&'r Arc<RoutePolicy>>,
+    ) -> Option<&'r Arc<RoutePolicy>> {
+        let mut current = normal;
+        for hop in 1..=FRONT_CONTROLLER_HOPS {
+            let Some(mut routed) = front_controller_path(current) else {
+                return found;
+            };
+            if hop == FRONT_CONTROLLER_HOPS {
+                while let Some(further) = front_controller_path(routed) {
+                    routed = further;
+                }
             }
-        }
-        match self.decide(method, &normal) {
             // A route leaving the full path alone decides for it, unless
             // it also leaves the routed path alone (a catch-all `/`
             // exclusion after the routes): broader than the route the
             // routed path reaches first.
-            Decision::LeftAlone(route) if !route.path.matches(routed) => found,
-            _ => prefer(found, || self.find_spelled_at(method, routed, hops + 1)),
+            if let Decision::LeftAlone(route) = self.decide(method, current) {
+                if !route.path.matches(routed) {
+                    return found;
+                }
+            }
+            found = prefer(found, || self.decide_formatted(method, routed));
+            current = routed;
         }
+        found
     }
 
     /// `path` normalised ([`normalize`]) and, under case-insensitive

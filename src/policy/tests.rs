@@ -727,3 +727,27 @@ fn nested_escapes_are_decoded_once() {
         assert!(routes.find(&Method::POST, &target).is_none());
     }
 }
+
+/// The rest after a PHP front controller is read as it is, already in
+/// normal form, not normalised again: each pass decoded one more level of
+/// nested escapes, so a target could make one more `.php/` segment per
+/// pass (`/a.ph%70/a.ph%%370/…`), work growing with the square of its
+/// length, per reading and per method named.
+#[test]
+fn the_rest_after_a_front_controller_is_not_normalised_again() {
+    let routes = Routes::new()
+        .route("/pay", Policy::default().required(true))
+        .unwrap();
+    assert!(routes.find(&Method::POST, "/a.php/pay").is_some());
+    assert!(routes.find(&Method::POST, "/a.php/b.php/pay").is_some());
+    let mut target = String::from("/a.php");
+    for level in 1..120 {
+        // `a.ph` and an escape of `p` nested `level` times.
+        target.push_str("/a.ph");
+        target.push_str(&"%".repeat(level));
+        target.push_str(&"3".repeat(level - 1));
+        target.push_str("70");
+    }
+    target.push_str("/x%2F;");
+    assert!(routes.find(&Method::POST, &target).is_none());
+}
