@@ -661,6 +661,17 @@ fn location_as_request_path(from: &str, location: &str) -> String {
 // ---------------------------------------------------------------------------
 // A body in another charset
 
+/// [`echo_path`] with `path` covered for `PUT` only, its key required: a
+/// `POST` there that names `PUT` must ask for the key.
+fn put_only(path: &str) -> Harness {
+    let policy = Policy {
+        methods: vec!["PUT".into()],
+        required: true,
+        ..Policy::default()
+    };
+    echo_path(Routes::new().route(path, policy).unwrap())
+}
+
 /// `POST /orders` with `content_type` and `body` under `key`.
 fn typed(key: &str, content_type: &str, body: &'static str) -> Request<Full<Bytes>> {
     Request::builder()
@@ -748,17 +759,7 @@ async fn a_body_in_another_charset_is_compared_as_it_was_sent() {
 /// request through unprotected.
 #[tokio::test]
 async fn a_method_named_in_another_charset_does_not_skip_its_route() {
-    let routes = Routes::new()
-        .route(
-            "/orders",
-            Policy {
-                methods: vec!["PUT".into()],
-                required: true,
-                ..Policy::default()
-            },
-        )
-        .unwrap();
-    let h = echo_path(routes);
+    let h = put_only("/orders");
     // Also behind a byte that is not UTF-8 in a quoted parameter, which
     // Express's parser takes, and spelled `charset*`, which Django takes.
     for content_type in [
@@ -1019,17 +1020,7 @@ async fn a_path_of_many_front_controllers_is_answered_not_a_crash() {
 /// keeps (the last) are still among them.
 #[tokio::test]
 async fn a_form_naming_thousands_of_methods_is_read_in_bounded_work() {
-    let routes = Routes::new()
-        .route(
-            "/orders",
-            Policy {
-                methods: vec!["PUT".into()],
-                required: true,
-                ..Policy::default()
-            },
-        )
-        .unwrap();
-    let h = echo_path(routes);
+    let h = put_only("/orders");
     let many: Vec<String> = (0..5_000).map(|i| format!("_method[]=M{i}")).collect();
     let many = many.join("&");
     for body in [
