@@ -386,12 +386,16 @@ impl Routes {
             // `/best%C3%A4tigen;jsessionid=1` is `/bestätigen`); and cut at
             // the first `;`, as find-my-way before 8 (Fastify, Restify)
             // reads it, a query (`/orders;/..` is `/orders`).
-            found = prefer(found, || self.find(method, &strip_segment_parameters(path)));
+            let stripped = strip_segment_parameters(path);
+            found = prefer(found, || self.find(method, &stripped));
             let cut = match &path[..at] {
                 "" => "/",
                 cut => cut,
             };
-            found = prefer(found, || self.find(method, cut));
+            // Most often the same path (`/orders;jsessionid=1`): read once.
+            if cut != stripped {
+                found = prefer(found, || self.find(method, cut));
+            }
         }
         if path.contains('%') {
             // Decoded once, as backends decode (an escape the decoding
