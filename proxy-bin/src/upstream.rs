@@ -144,6 +144,15 @@ impl Upstream {
         deadline: Option<tokio::time::Instant>,
         check: Check,
     ) -> Result<Sent, ExchangeError> {
+        let closing;
+        let request = if closes_connection(&request.method, !body.is_empty()) {
+            let mut copy = request.clone();
+            let _ = copy.insert_header(header::CONNECTION, "close");
+            closing = copy;
+            &closing
+        } else {
+            request
+        };
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -587,12 +596,9 @@ async fn write_request(
 /// read as the next answer. Not after an
 /// error status to a request with a body: an upstream that refused early
 /// (401, 413) may not have read the body, and would read it as the next
-/// request. Nor after any answer to a body sent with a method whose
-/// requests rarely carry one (`GET`, `DELETE`, …: anything but `POST`,
-/// `PUT` and `PATCH`): handlers ignore such bodies, and a server that does
-/// not skip what it did not read (Python's `http.server`) would run that
-/// body as a request of the client's making, past the proxy's rules, its
-/// answer waiting for the next client on the connection. Nor after an
+/// request. Nor after a request that said `close` ([`closes_connection`]:
+/// a body the upstream may have ignored, its answer to a request smuggled
+/// in it waiting for the next client on the connection). Nor after an
 /// answer with both `Transfer-Encoding` and `Content-Length`: read as
 /// chunked here, it may have been framed by its length on the way (an
 /// intermediary in front of the upstream), and RFC 9112 (6.3) says such a
@@ -617,11 +623,25 @@ fn framed_cleanly(session: &HttpSession, method: &http::Method, had_body: bool) 
     if had_body && (status.is_client_error() || status.is_server_error()) {
         return false;
     }
-    let carries_bodies = [http::Method::POST, http::Method::PUT, http::Method::PATCH];
-    if had_body && !carries_bodies.contains(method) {
+    if closes_connection(method, had_body) {
         return false;
     }
     !(headers::bodiless(status) && declares_body(head))
+}
+
+/// Whether a request leaves its connection unusable whatever the answer:
+/// a `HEAD` (see [`Upstream::exchange_head`]), or a body sent with a method
+/// whose requests rarely carry one (`GET`, `DELETE`, …: anything but
+/// `POST`, `PUT` and `PATCH`), which handlers ignore. Such a request is
+/// sent saying `Connection: close`: not pooling the connection afterwards
+/// is not enough, for a server that does not skip what it did not read
+/// (Python's `http.server`) has the body in its buffer already and would
+/// run it as a request of the client's making, past every rule of the
+/// proxy (a covered `POST` under a key already stored, executed again).
+/// `close` tells it to read no further request on the connection.
+fn closes_connection(method: &Method, has_body: bool) -> bool {
+    *method == Method::HEAD
+        || (has_body && ![Method::POST, Method::PUT, Method::PATCH].contains(method))
 }
 
 /// Whether a head's framing announces bytes after it: `Transfer-Encoding`,

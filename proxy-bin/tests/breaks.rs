@@ -1696,3 +1696,94 @@ async fn a_target_of_many_front_controllers_never_brings_the_proxy_down() {
         .await;
     assert_eq!(next.status, 200, "{}", next.text());
 }
+
+/// Python's own `http.server` (not a backend of ours) speaking HTTP/1.1:
+/// `GET`, `HEAD`, `DELETE` and `OPTIONS` of any path answer a page
+/// without reading a body, as a handler that ignores such bodies does;
+/// `POST` reads its body and writes a line per execution to the log.
+const PYTHON_BACKEND: &str = r#"
+import http.server, sys
+log = open(sys.argv[1], "a", buffering=1)
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
+    def page(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "4")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(b"page")
+    do_GET = do_HEAD = do_DELETE = do_OPTIONS = page
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        log.write("%s %s\n" % (self.path, self.headers.get("Idempotency-Key")))
+        self.send_response(201)
+        self.send_header("Content-Length", "10")
+        self.end_headers()
+        self.wfile.write(b"order-done")
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"#;
+
+/// Scenario (from a review of the framing): a client sends `GET /page`
+/// (or `HEAD`, `DELETE`, `OPTIONS`) with a body that is a whole covered
+/// request, `POST /orders` under a key the proxy has already stored.
+/// Python's `http.server` answers the page without reading the body and,
+/// the connection kept alive, reads the body as its next request and runs
+/// the order. The proxy no longer pooled such a connection, but the
+/// upstream had the body in its buffer already. Impact ("at most one
+/// execution"; `required` keys, scopes and every rule bypassed): each
+/// such request executed the order once more. Fix: these requests say
+/// `Connection: close`, and the upstream reads nothing after their head.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_smuggled_in_an_ignored_body_never_runs() {
+    use std::io::BufRead;
+    let dir = temp_dir("breaks-smuggled-ignored-body");
+    let log = dir.join("executions.log");
+    std::fs::write(&log, "").unwrap();
+    let mut python = std::process::Command::new("python3")
+        .args(["-c", PYTHON_BACKEND])
+        .arg(&log)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let mut port = String::new();
+    std::io::BufReader::new(python.stdout.take().unwrap())
+        .read_line(&mut port)
+        .unwrap();
+    let upstream = format!("http://127.0.0.1:{}", port.trim());
+    let proxy = orders_proxy(upstream, "breaks-smuggled-ignored-body-proxy").await;
+    let executions = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter(|line| line.starts_with("/orders "))
+            .count()
+    };
+    assert_eq!(json_order(&proxy, "order-smuggled").await.0, 201);
+    assert_eq!(executions(), 1);
+    let smuggled = "POST /orders HTTP/1.1\r\nHost: shop.example\r\n\
+        Idempotency-Key: order-smuggled\r\nContent-Type: application/json\r\n\
+        Content-Length: 2\r\n\r\n{}";
+    for method in ["GET", "HEAD", "DELETE", "OPTIONS"] {
+        for _ in 0..3 {
+            let page = proxy.send(method, "/page", &[], smuggled).await;
+            assert_eq!(page.status, 200, "{method}");
+        }
+    }
+    // The covered order again, as the proxy sees it: a replay.
+    let retry = json_order(&proxy, "order-smuggled").await;
+    assert_eq!(retry, (201, "order-done".to_owned()));
+    // What an upstream runs from its buffer, it runs within milliseconds.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let _ = python.kill();
+    let _ = python.wait();
+    assert_eq!(
+        executions(),
+        1,
+        "the order smuggled in an ignored body ran at the upstream: {}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+}
