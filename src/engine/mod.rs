@@ -71,6 +71,7 @@ pub use self::decide::Decision;
 pub use self::detached::Execution;
 pub use self::maintenance::DrainReport;
 pub use self::recorder::{Ended, Flow, Recorder};
+#[cfg(feature = "layer")]
 pub(crate) use self::reservation::execution_scope_id;
 pub use self::reservation::Reservation;
 pub use self::responses::REPLAYED_HEADER;

@@ -181,6 +181,7 @@ impl Reservation {
 
     /// The scope key itself, for an id computed only when asked
     /// ([`execution_scope_id`]).
+    #[cfg(feature = "layer")]
     pub(crate) fn scope_key(&self) -> ScopeKey {
         self.key
     }
