@@ -68,7 +68,9 @@ pub fn bodiless(status: http::StatusCode) -> bool {
 }
 
 /// The length a head's `Content-Length` declares: `None` without one,
-/// when its lines do not all state the same valid number, or beside a
+/// when its lines and the items of a comma-separated line (`5, 5`, which
+/// RFC 9110, 8.6, lets a recipient read as 5, as hyper and Pingora do) do
+/// not all state the same number in digits, or beside a
 /// `Transfer-Encoding`, which frames the body instead (RFC 9112, 6.3).
 pub fn content_length(headers: &HeaderMap) -> Option<u64> {
     if headers.contains_key(header::TRANSFER_ENCODING) {
@@ -76,15 +78,17 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
     }
     let mut declared = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
-        let length = std::str::from_utf8(value.as_bytes())
-            .ok()?
-            .trim()
-            .parse::<u64>()
-            .ok()?;
-        if declared.is_some_and(|known| known != length) {
-            return None;
+        for item in value.as_bytes().split(|&byte| byte == b',') {
+            let digits = item.trim_ascii();
+            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            let length = std::str::from_utf8(digits).ok()?.parse::<u64>().ok()?;
+            if declared.is_some_and(|known| known != length) {
+                return None;
+            }
+            declared = Some(length);
         }
-        declared = Some(length);
     }
     declared
 }
@@ -423,8 +427,13 @@ mod tests {
         assert_eq!(content_length(&map(&[("content-length", "5")])), Some(5));
         let twice = map(&[("content-length", "5"), ("content-length", "5")]);
         assert_eq!(content_length(&twice), Some(5));
+        let listed = map(&[("content-length", "5, 5"), ("content-length", " 5 ,5")]);
+        assert_eq!(content_length(&listed), Some(5));
         for head in [
             map(&[("content-length", "5"), ("content-length", "6")]),
+            map(&[("content-length", "5, 6")]),
+            map(&[("content-length", "+5")]),
+            map(&[("content-length", "5,")]),
             map(&[("content-length", "5x")]),
             map(&[("content-length", "5"), ("transfer-encoding", "chunked")]),
             map(&[]),

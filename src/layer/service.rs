@@ -418,6 +418,7 @@ where
             None => break,
             Some(Err(error)) => {
                 let received = recorder.fail().await;
+                declare_cut(&mut parts, received.len());
                 let body = ResponseBody::failed(received, error);
                 return Ok(Response::from_parts(parts, body));
             }
@@ -448,15 +449,23 @@ where
             }
             ResponseBody::full(received)
         }
-        // Declared one byte longer than what follows, whether the body came
-        // short or long: the server frames it by that header and ends the
-        // connection (HTTP/1) or the stream (a checking HTTP/2 client)
-        // short of it, so the caller sees the cut.
         Ended::Cut(received) => {
-            let length = http::HeaderValue::from(received.len() + 1);
-            parts.headers.insert(http::header::CONTENT_LENGTH, length);
+            declare_cut(&mut parts, received.len());
             ResponseBody::cut(received)
         }
     };
     Ok(Response::from_parts(parts, body))
+}
+
+/// Declares a body one byte longer than the `received` bytes that follow,
+/// whether it came short, long or broke off: the server frames it by that
+/// header and ends the connection (HTTP/1) or the stream (a checking
+/// HTTP/2 client) short of it, so the caller sees the cut. Without it, a
+/// body that broke off reached an HTTP/1.0 caller framed by the close,
+/// which there is a complete body.
+fn declare_cut(parts: &mut http::response::Parts, received: usize) {
+    if !headers::bodiless(parts.status) {
+        let length = http::HeaderValue::from(received + 1);
+        parts.headers.insert(http::header::CONTENT_LENGTH, length);
+    }
 }
