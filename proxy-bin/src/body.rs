@@ -11,8 +11,11 @@ use pingora_proxy::Session;
 
 /// Why a body was not read whole.
 pub enum BodyFailure {
-    /// Over the route's limit (declared or read).
-    TooLarge,
+    /// Over the route's limit (declared or read); `sending` unless it was
+    /// refused by its declared length before a client that waits for
+    /// `100 Continue` was told to send it (it sends nothing then, and the
+    /// connection can close at once).
+    TooLarge { sending: bool },
     /// The client broke off or was too slow (`timed_out`).
     Unreadable { timed_out: bool },
 }
@@ -26,10 +29,11 @@ pub async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, Bod
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
+    let waits = expects_continue(request);
     if declared.is_some_and(|length| length > limit as u64) {
-        return Err(BodyFailure::TooLarge);
+        return Err(BodyFailure::TooLarge { sending: !waits });
     }
-    if expects_continue(request) && session.write_continue_response().await.is_err() {
+    if waits && session.write_continue_response().await.is_err() {
         return Err(BodyFailure::Unreadable { timed_out: false });
     }
     let mut body = BytesMut::with_capacity(declared.map_or(0, |n| n as usize));
@@ -37,7 +41,7 @@ pub async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, Bod
         match session.read_request_body().await {
             Ok(Some(chunk)) => {
                 if body.len() + chunk.len() > limit {
-                    return Err(BodyFailure::TooLarge);
+                    return Err(BodyFailure::TooLarge { sending: true });
                 }
                 body.extend_from_slice(&chunk);
             }
@@ -51,12 +55,16 @@ pub async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, Bod
     }
 }
 
-/// Whether the client waits for `100 Continue` before it sends the body.
-pub fn expects_continue(request: &RequestHeader) -> bool {
-    request
-        .headers
-        .get(header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+/// Whether the client waits for `100 Continue` before it sends the body:
+/// an HTTP/1.1 request saying `Expect: 100-continue`. An HTTP/1.0 one's
+/// expectation is ignored (RFC 9110, 10.1.1: an HTTP/1.0 intermediary may
+/// take a 100 for the final answer); its body comes unasked.
+fn expects_continue(request: &RequestHeader) -> bool {
+    request.version == http::Version::HTTP_11
+        && request
+            .headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
 /// The most a refused body is read (and dropped) after its 413, in bytes

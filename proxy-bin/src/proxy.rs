@@ -33,7 +33,7 @@ use tower_idempotency::engine::{headers, Coverage, Covered, Decision, Execution,
 use tower_idempotency::{Engine, RoutePolicy};
 use tracing::Instrument;
 
-use crate::body::{discard_body, expects_continue, read_body, BodyFailure};
+use crate::body::{discard_body, read_body, BodyFailure};
 use crate::client::write_response;
 use crate::exchange::{self, Exchange};
 use crate::passthrough;
@@ -151,13 +151,12 @@ impl IdempotencyProxy {
         session.set_keepalive(None);
         // A client still sending a body that is too large would have its
         // connection reset, and maybe lose the 413, if it were closed at
-        // once: read and drop the rest first (a client waiting for
-        // `100 Continue` sends nothing).
-        let linger =
-            matches!(failure, BodyFailure::TooLarge) && !expects_continue(session.req_header());
+        // once: read and drop the rest first (a client still waiting for
+        // `100 Continue` sends nothing; one that got it sends all).
+        let linger = matches!(failure, BodyFailure::TooLarge { sending: true });
         let request = &session.req_header().headers;
         let response = match failure {
-            BodyFailure::TooLarge => self.engine.body_too_large(covered, request),
+            BodyFailure::TooLarge { .. } => self.engine.body_too_large(covered, request),
             BodyFailure::Unreadable { timed_out } => {
                 self.engine.body_unreadable(covered, timed_out, request)
             }

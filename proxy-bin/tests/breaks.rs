@@ -1787,3 +1787,90 @@ async fn a_request_smuggled_in_an_ignored_body_never_runs() {
         std::fs::read_to_string(&log).unwrap()
     );
 }
+
+/// Scenario (from a review of the framing): an HTTP/1.0 client's covered
+/// order says `Expect: 100-continue` and sends its body at once, as RFC
+/// 9110 (10.1.1) has it: a server must ignore that expectation from
+/// HTTP/1.0. The proxy answered `100 Continue` first, which an HTTP/1.0
+/// intermediary may take for the final answer to the order.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_1_0_expectation_gets_no_interim_answer() {
+    let (upstream, calls) =
+        closing_backend(b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done").await;
+    let proxy = orders_proxy(upstream, "breaks-http10-expect").await;
+    let answer = raw_exchange(
+        proxy.addr,
+        b"POST /orders HTTP/1.0\r\nHost: shop.example\r\nIdempotency-Key: order-expect\r\n\
+          Content-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    .await;
+    let status_line = answer.lines().next().unwrap_or_default();
+    assert!(status_line.ends_with(" 201 Created"), "{answer}");
+    assert!(!answer.contains("100 Continue"), "{answer}");
+    assert!(answer.ends_with("order-done"), "{answer}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// Scenario (from a review of the framing): a client says `Expect:
+/// 100-continue` with a chunked body over the route's limit. The proxy
+/// sends `100 Continue`, the client streams, the limit is crossed and the
+/// 413 is written; the proxy then closed the connection with the body
+/// still arriving, as if the client were still waiting: a close with
+/// unread data resets the connection, which fails the client's upload and
+/// can destroy the 413 before it is read (Linux's loopback kept it). The
+/// rest of the body is drained first now (up to the linger bounds).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_over_the_limit_after_100_continue_still_gets_its_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (upstream, calls) =
+        closing_backend(b"HTTP/1.1 201 Created\r\nContent-Length: 10\r\n\r\norder-done").await;
+    let dir = temp_dir("breaks-expect-too-large");
+    let config = "[[route]]\npath = \"/orders\"\nmethods = [\"POST\"]\nmax_body_bytes = 1024\n";
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    for attempt in 0..5 {
+        let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        conn.write_all(
+            b"POST /orders HTTP/1.1\r\nHost: shop.example\r\nIdempotency-Key: order-large\r\n\
+              Content-Type: application/json\r\nExpect: 100-continue\r\n\
+              Transfer-Encoding: chunked\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut interim = [0u8; 25];
+        conn.read_exact(&mut interim).await.unwrap();
+        assert!(interim.starts_with(b"HTTP/1.1 100"), "{interim:?}");
+        // A megabyte in 4 KiB chunks, as a client streaming an upload
+        // does, whatever comes back meanwhile.
+        let chunk = format!("1000\r\n{}\r\n", "x".repeat(4096));
+        let mut written = 0;
+        for _ in 0..256 {
+            if conn.write_all(chunk.as_bytes()).await.is_err() {
+                break;
+            }
+            written += 1;
+        }
+        let ended = conn.write_all(b"0\r\n\r\n").await.is_ok();
+        assert!(
+            written == 256 && ended,
+            "attempt {attempt}: the connection was reset under the upload after {written} chunks"
+        );
+        let mut received = Vec::new();
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            conn.read_to_end(&mut received),
+        )
+        .await;
+        let answer = String::from_utf8_lossy(&received);
+        assert!(
+            answer.starts_with("HTTP/1.1 413"),
+            "attempt {attempt}: the 413 was lost: {answer:?}"
+        );
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        0,
+        "nothing reached the upstream"
+    );
+}
