@@ -327,7 +327,9 @@ impl StatementLease for Lease {
     /// statement). Closes it after an error of the connection itself (I/O,
     /// protocol, TLS), one of the session (`FATAL`, `57P…`: the server is
     /// shutting down or ended it), or one that a reconnect may cure (a
-    /// connection or resource error, a read-only server after a failover).
+    /// connection or resource error, a read-only server after a failover,
+    /// a prepared statement the server did not know or knew already: a
+    /// transaction-mode pooler moved the session, docs/scaling.md).
     /// A statement the server cancelled (`57014`, `statement_timeout`)
     /// leaves the connection usable.
     fn finish<T>(self, result: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
@@ -341,7 +343,7 @@ impl StatementLease for Lease {
                         && !["08", "53", "57P"]
                             .iter()
                             .any(|class| code.starts_with(class))
-                        && code != "25006"
+                        && !["25006", "26000", "42P05"].contains(&code)
                 }),
             Err(_) => false,
         };
