@@ -147,8 +147,9 @@ FROM idempotency_records";
 ///
 /// * Every write (insert, takeover, completion, release, renewal) is one
 ///   statement, run by the store's one writer connection, so the pool's
-///   connections (and other processes opening the same file) never see a
-///   half-made decision. The writer waits up to
+///   connections (and other processes on the same host opening the same
+///   file on a local file system; never a file shared across hosts, as on
+///   NFS) never see a half-made decision. The writer waits up to
 ///   [`BUSY_TIMEOUT`](SqliteStore::BUSY_TIMEOUT) for the file lock.
 /// * **Group commit**: the writes of concurrent callers are run one after
 ///   another in one transaction (at most

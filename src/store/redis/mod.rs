@@ -204,8 +204,10 @@ pub(super) fn redact(url: &str) -> String {
 /// whatever their prefixes. Until the id has been read (the inner store is
 /// down at start), Redis is not used at all. An inner store without an
 /// identity leaves the prefix alone to separate deployments. Values are the fingerprint and [`Outcome::encode`].
-/// Run Redis with a `maxmemory` and a `volatile-*` eviction policy: every
-/// entry has a TTL, and an evicted entry is a miss.
+/// Run Redis with a `maxmemory` and an LRU or LFU eviction policy: every
+/// entry has a TTL, and an evicted copy is a miss. Not `volatile-ttl` nor
+/// a random policy, which may evict a purge's tombstone early (see
+/// docs/redis.md).
 ///
 /// # Redis Cluster
 ///
