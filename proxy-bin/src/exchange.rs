@@ -151,7 +151,7 @@ pub async fn relay(
                     bytes,
                 }) = held.take()
                 {
-                    head.remove_header(&header::TRANSFER_ENCODING);
+                    without_transfer_codings(&mut head);
                     head.insert_header(header::CONTENT_LENGTH, bytes)?;
                     write_head(session, head, false).await?;
                     for chunk in chunks {
@@ -426,10 +426,33 @@ fn needs_length(session: &Session, head: &ResponseHeader) -> bool {
 pub fn for_client(session: &mut Session, head: &mut ResponseHeader) {
     let version = session.req_header().version;
     if version == http::Version::HTTP_10 && head.headers.contains_key(header::TRANSFER_ENCODING) {
-        head.remove_header(&header::TRANSFER_ENCODING);
+        without_transfer_codings(head);
         // Beside a transfer coding a length frames nothing (RFC 9112, 6.3).
         head.remove_header(&header::CONTENT_LENGTH);
         session.set_keepalive(None);
+    }
+}
+
+/// Removes `Transfer-Encoding` from a head for an HTTP/1.0 client. The
+/// body relayed is decoded of its chunks only: a coding applied before
+/// them (`gzip, chunked`) is still on its bytes, so it goes on as a
+/// content coding, after any the head names already (the order they were
+/// applied in), or the client would read the coded bytes as the body.
+fn without_transfer_codings(head: &mut ResponseHeader) {
+    let codings: Vec<&[u8]> = head
+        .headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"chunked"))
+        .collect();
+    let applied = (!codings.is_empty())
+        .then(|| http::HeaderValue::from_bytes(&codings.join(&b", "[..])).ok())
+        .flatten();
+    head.remove_header(&header::TRANSFER_ENCODING);
+    if let Some(applied) = applied {
+        let _ = head.append_header(header::CONTENT_ENCODING, applied);
     }
 }
 

@@ -1874,3 +1874,41 @@ async fn a_body_over_the_limit_after_100_continue_still_gets_its_413() {
         "nothing reached the upstream"
     );
 }
+
+/// Scenario (from a review of the response side): an upstream answers a
+/// covered order under `Transfer-Encoding: gzip, chunked` to an HTTP/1.0
+/// client (a front nginx's default). An HTTP/1.0 client reads no
+/// transfer codings, so the proxy drops the header and frames the body
+/// itself, but only the chunks were decoded: the client got the gzip bytes
+/// labelled as the plain body. The coding goes on as `Content-Encoding`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transfer_coding_reaches_an_http_1_0_client_as_a_content_coding() {
+    let (upstream, calls) = closing_backend(
+        b"HTTP/1.1 201 Created\r\nContent-Encoding: br\r\nTransfer-Encoding: gzip, chunked\r\n\r\n\
+          5\r\nCODED\r\n0\r\n\r\n",
+    )
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-te-http10").await;
+    let answer = raw_exchange(
+        proxy.addr,
+        b"POST /orders HTTP/1.0\r\nHost: shop.example\r\nIdempotency-Key: order-te-10\r\n\
+          Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    .await;
+    let (head, body) = answer.split_once("\r\n\r\n").expect("an answer");
+    let head = head.to_ascii_lowercase();
+    assert!(
+        head.lines().next().unwrap().ends_with(" 201 created"),
+        "{answer}"
+    );
+    assert!(!head.contains("transfer-encoding"), "{answer}");
+    let codings: Vec<&str> = head
+        .lines()
+        .filter_map(|line| line.strip_prefix("content-encoding:"))
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+        .collect();
+    assert_eq!(codings, ["br", "gzip"], "{answer}");
+    assert_eq!(body, "CODED");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
