@@ -414,3 +414,39 @@ async fn records_stored_in_the_clear_still_replay_once_encryption_is_on() {
     assert_eq!(replay.body, first.body);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// From a review: anyone who can write to the store can plant a plain
+/// record (status, headers, body in the clear) under a scope key while
+/// encryption is on, and the engine replayed it, since records stored
+/// before encryption stay readable. A keyring refusing plain records
+/// answers such a record 503 and never runs the request (its record says
+/// it ran); sealed records still replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyring_refusing_plain_records_never_replays_one() {
+    let store: Arc<dyn Store> = Arc::new(fixtures::sqlite_store().await);
+    let calls = Arc::default();
+    // Planted: a record in the clear, as an engine without keys writes it.
+    let planted = upstream(&engine(store.clone(), None, None), &calls);
+    assert_eq!(send(&planted, "order-planted").await.status, 201);
+    let refusing = upstream(
+        &engine(
+            store,
+            None,
+            Some(keyring(&[("1", 1)], "1").refusing_plain()),
+        ),
+        &calls,
+    );
+    let answer = send(&refusing, "order-planted").await;
+    answer.assert_problem(http::StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
+    assert!(
+        !contains(&answer.body, BODY_MARKER),
+        "no plain body replayed"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "never run again");
+    // A record it sealed itself replays.
+    let first = send(&refusing, "order-sealed").await;
+    let replay = send(&refusing, "order-sealed").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}

@@ -35,6 +35,10 @@ pub struct SecretsSettings {
     /// The encryption keys (32 bytes each), by id.
     #[serde(default)]
     pub keys: Vec<KeyEntry>,
+    /// Records stored in the clear are answered 503 instead of replayed
+    /// ([`Keyring::refusing_plain`]); needs `keys`.
+    #[serde(default)]
+    pub refuse_plain: bool,
 }
 
 /// Where one secret is read from: exactly one of `env` and `file`.
@@ -166,6 +170,13 @@ impl SecretsSettings {
                     .map_err(|error| format!("[secrets] key_secret: {error}"))?,
             ),
         };
+        if self.refuse_plain && self.keys.is_empty() {
+            return Err(
+                "[secrets] refuse_plain = true but no `keys` are listed: plain \
+                 records are refused only where records are sealed"
+                    .to_owned(),
+            );
+        }
         let keyring = match (&self.current_key, self.keys.is_empty()) {
             (None, true) => None,
             (None, false) => {
@@ -194,7 +205,12 @@ impl SecretsSettings {
                         })?;
                     keys.push(key);
                 }
-                Some(Keyring::new(keys, current).map_err(|error| format!("[secrets] {error}"))?)
+                let keyring =
+                    Keyring::new(keys, current).map_err(|error| format!("[secrets] {error}"))?;
+                Some(match self.refuse_plain {
+                    true => keyring.refusing_plain(),
+                    false => keyring,
+                })
             }
         };
         Ok(Loaded {
@@ -249,7 +265,19 @@ mod tests {
         ))
         .unwrap();
         assert!(loaded.key_secret.is_some());
-        assert_eq!(loaded.keyring.unwrap().current_id(), "1");
+        let keyring = loaded.keyring.unwrap();
+        assert_eq!(keyring.current_id(), "1");
+        assert!(!keyring.refuses_plain());
+        let refusing = load(format!(
+            "refuse_plain = true\ncurrent_key = \"1\"\nkeys = [{{ id = \"1\", file = \"{good}\" }}]"
+        ))
+        .unwrap();
+        assert!(refusing.keyring.unwrap().refuses_plain());
+        let error = load("refuse_plain = true".into()).unwrap_err();
+        assert!(
+            error.contains("refuse_plain") && error.contains("keys"),
+            "{error}"
+        );
 
         let error = load(format!(
             "current_key = \"1\"\nkeys = [{{ id = \"1\", file = \"{short}\" }}]"

@@ -111,6 +111,7 @@ fn check_id(id: &str) -> Result<(), SecretError> {
 pub struct Keyring {
     keys: Arc<[EncryptionKey]>,
     current: usize,
+    refuse_plain: bool,
 }
 
 impl fmt::Debug for Keyring {
@@ -118,6 +119,7 @@ impl fmt::Debug for Keyring {
         f.debug_struct("Keyring")
             .field("current", &self.current_id())
             .field("ids", &self.keys.iter().map(|k| k.id()).collect::<Vec<_>>())
+            .field("refuse_plain", &self.refuse_plain)
             .finish()
     }
 }
@@ -155,7 +157,26 @@ impl Keyring {
         Ok(Keyring {
             keys: keys.into(),
             current,
+            refuse_plain: false,
         })
+    }
+
+    /// This keyring, refusing records stored in the clear: without it, an
+    /// outcome that is not sealed (stored before encryption was
+    /// configured) is replayed as it is, so anyone who can write to the
+    /// store can plant a plain response any retry is replayed; with it,
+    /// such a record is [`StoreError::Unreadable`] (503, never executed
+    /// again), as one that fails authentication is. Turn it on once the
+    /// longest `ttl` has passed since encryption was configured.
+    pub fn refusing_plain(mut self) -> Self {
+        self.refuse_plain = true;
+        self
+    }
+
+    /// Whether records stored in the clear are refused
+    /// ([`refusing_plain`](Keyring::refusing_plain)).
+    pub fn refuses_plain(&self) -> bool {
+        self.refuse_plain
     }
 
     /// The id new records are sealed with.
@@ -279,9 +300,10 @@ impl Engine {
 
     /// `outcome` as read from the record of `key`, opened when sealed.
     /// A plain outcome (stored before encryption was configured) is
-    /// returned as it is. A sealed one that cannot be opened — its key is
-    /// not configured, or it fails authentication — is
-    /// [`StoreError::Unreadable`].
+    /// returned as it is, unless the keyring
+    /// [refuses plain records](Keyring::refusing_plain). A sealed one that
+    /// cannot be opened — its key is not configured, or it fails
+    /// authentication — is [`StoreError::Unreadable`].
     pub fn open_outcome(&self, key: &ScopeKey, outcome: Outcome) -> Result<Outcome, StoreError> {
         match (outcome, &self.inner.config.encryption) {
             (Outcome::Sealed(sealed), Some(keyring)) => keyring.open(key, &sealed),
@@ -290,6 +312,9 @@ impl Engine {
                  are configured",
                 sealed_key_id(&sealed).unwrap_or("?")
             ))),
+            (_, Some(keyring)) if keyring.refuse_plain => Err(StoreError::Unreadable(
+                "the record is stored in the clear and the keyring refuses plain records".into(),
+            )),
             (plain, _) => Ok(plain),
         }
     }
