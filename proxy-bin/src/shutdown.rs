@@ -128,7 +128,10 @@ impl ShutdownSignalWatch for Signals {
             tokio::select! {
                 _ = term.recv() => return self.drain("SIGTERM"),
                 _ = quit.recv() => return self.drain("SIGQUIT"),
-                _ = int.recv() => interrupted(self.drain.active(), "SIGINT: exiting at once"),
+                _ = int.recv() => {
+                    let engine = (self.engine.clone(), self.runtime.clone());
+                    interrupted(engine, self.drain.active(), "SIGINT: exiting at once").await
+                }
                 _ = hup.recv() => {
                     tracing::info!("SIGHUP ignored: the proxy reloads nothing; SIGTERM drains and stops it");
                 }
@@ -151,6 +154,7 @@ impl Signals {
         // runtime, which runs on through the drain: one made in the task
         // missed a SIGINT sent before the task first ran.
         let drain = self.drain.clone();
+        let engine = (self.engine.clone(), self.runtime.clone());
         let int = {
             let _runtime = self.runtime.enter();
             signal(SignalKind::interrupt())
@@ -158,7 +162,12 @@ impl Signals {
         if let Ok(mut int) = int {
             self.runtime.spawn(async move {
                 int.recv().await;
-                interrupted(drain.active(), "SIGINT while draining: exiting at once");
+                interrupted(
+                    engine,
+                    drain.active(),
+                    "SIGINT while draining: exiting at once",
+                )
+                .await;
             });
         }
         let signals = Signals {
@@ -202,9 +211,24 @@ impl Signals {
 }
 
 /// SIGINT, in a drain or not: exits at once with status 130, what is in
-/// flight (`in_flight` requests) abandoned, the log written first.
-fn interrupted(in_flight: usize, message: &str) -> ! {
+/// flight (`in_flight` requests) abandoned, the log written first. The
+/// engine's drain is given no time to wait, only its marking: each
+/// execution that reached its upstream gets "executed, outcome unknown"
+/// (504) stored within half a second, and no reservation acts after it, so
+/// an interrupted proxy never leaves a retry a request to run again (it
+/// did: the key stayed in flight, unmarked, until its lease ran out). The
+/// drain runs on the engine's runtime (`engine.1`), whose connections the
+/// store holds.
+async fn interrupted(
+    engine: (Engine, tokio::runtime::Handle),
+    in_flight: usize,
+    message: &str,
+) -> ! {
     tracing::warn!(in_flight, "{message}");
+    let (engine, runtime) = engine;
+    let _ = runtime
+        .spawn(async move { engine.drain(Duration::ZERO).await })
+        .await;
     crate::logs::flush();
     std::process::exit(130)
 }

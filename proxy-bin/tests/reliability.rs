@@ -1180,6 +1180,64 @@ async fn sigterm_past_shutdown_timeout_leaves_no_key_to_run_again() {
     assert_eq!(backend.hits("/slow"), 1, "the retry ran the request again");
 }
 
+/// Attack (from a review of the shutdown): SIGINT (Ctrl-C, or an image
+/// whose stop signal it is) while a covered request is at the upstream.
+/// The proxy exited at once, its key in flight and unmarked, and once the
+/// lease ran out the retry on the restarted proxy ran the request again.
+/// Now SIGINT still exits at once (130), after the drain's marking: the
+/// retry replays "executed, outcome unknown" (504).
+#[tokio::test(flavor = "multi_thread")]
+async fn sigint_with_a_request_at_the_upstream_leaves_no_key_to_run_again() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("sigint-marked");
+    let config = config("1s");
+    let start = || {
+        let mut args = ProxyArgs::new(backend.url(), &config, &dir);
+        args.store = "sqlite://idempotency.db".into();
+        Proxy::start(args)
+    };
+    let mut first = start().await;
+    let client = client();
+    let running = try_request(
+        &client,
+        post(
+            first.addr,
+            "/slow?ms=gate",
+            "interrupted-then-retried",
+            "{}",
+        ),
+    );
+    let mut running = std::pin::pin!(running);
+    tokio::select! {
+        biased;
+        _ = backend.held() => {}
+        reply = &mut running => panic!("answered before the backend held it: {reply:?}"),
+    }
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &first.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(first.exit_code().await, Some(130));
+    backend.open_gate();
+    // Past the lease the first proxy no longer renews.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = start().await;
+    let retry = try_request(
+        &client,
+        post(
+            second.addr,
+            "/slow?ms=gate",
+            "interrupted-then-retried",
+            "{}",
+        ),
+    )
+    .await
+    .expect("the retry is answered");
+    assert_eq!(retry.status, 504, "{}", retry.text());
+    assert_eq!(backend.hits("/slow"), 1, "the retry ran the request again");
+}
+
 /// Attack (from an audit of the shutdown guarantee): SIGTERM while the
 /// upstream is still sending a covered answer's body (its head and the
 /// first KiB of 100 KB out, then a KiB every 100 ms), past

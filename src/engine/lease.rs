@@ -33,6 +33,7 @@
 //! between tasks, and renewal tasks it spawns end right after.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -48,6 +49,8 @@ use crate::store::{OwnerToken, ScopeKey};
 #[derive(Debug, Default)]
 pub(super) struct Leases {
     runtimes: Mutex<Vec<Arc<Renewer>>>,
+    /// Set by [`Leases::close`]: no lease acts from then on.
+    closed: Arc<AtomicBool>,
 }
 
 /// One runtime's leases and the task that renews them.
@@ -58,6 +61,8 @@ struct Renewer {
     tick: Duration,
     state: Mutex<State>,
     wake: Notify,
+    /// The engine's [`Leases::closed`].
+    closed: Arc<AtomicBool>,
 }
 
 #[derive(Debug, Default)]
@@ -146,6 +151,7 @@ impl Leases {
                         tick: (shortest / 6).max(Duration::from_millis(1)),
                         state: Mutex::default(),
                         wake: Notify::new(),
+                        closed: self.closed.clone(),
                     });
                     runtimes.push(renewer.clone());
                     renewer
@@ -163,6 +169,15 @@ impl Leases {
                 task.abort();
             }
         }
+    }
+
+    /// Lets no lease act from now on ([`Lease::acting`] is false): the
+    /// process is going away. Leases that act already are listed by
+    /// [`Leases::running`] called after it, whatever runs meanwhile: a
+    /// lease checks the flag under its renewer's lock, the lock `running`
+    /// takes after the flag is set.
+    pub(super) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
     }
 
     /// The leases held now whose request reached the upstream and whose
@@ -215,11 +230,14 @@ impl Lease {
     /// Marks the lease's request as acting: it reached the upstream. False,
     /// and nothing marked, when the lease may be lost: the store said the
     /// key is no longer this owner's, or no renewal succeeded within the
-    /// lease's length (another arrival may have taken it over).
+    /// lease's length (another arrival may have taken it over); or when
+    /// the engine [closed](Leases::close) its leases (its drain ended: the
+    /// process is going away, and what acts now would not be marked).
     pub(super) fn acting(&self) -> bool {
         let mut state = lock(&self.renewer.state);
+        let closed = self.renewer.closed.load(Ordering::SeqCst);
         match state.held.get_mut(&self.id) {
-            Some(held) if Instant::now() < held.certain_until => {
+            Some(held) if !closed && Instant::now() < held.certain_until => {
                 held.acting = true;
                 true
             }

@@ -75,7 +75,11 @@ impl Engine {
     /// answer it finishes at that very moment may lose to that 504), and
     /// every execution still running is logged by its scope's short hash.
     /// The work itself goes on as long as its runtime does. Call it only
-    /// once the process stops serving: what it marks is given up.
+    /// once the process stops serving: what it marks is given up. From its
+    /// end on (and from the moment it found nothing left to wait for), no
+    /// reservation of this engine reaches its upstream: a request still
+    /// running that reserves its key is answered 503 and the key released,
+    /// so nothing acts that no drain would mark.
     pub async fn drain(&self, timeout: Duration) -> DrainReport {
         let background = &self.inner.background;
         let deadline = tokio::time::Instant::now() + timeout;
@@ -87,15 +91,25 @@ impl Engine {
             // Registered before looking, so an end in between is not missed.
             ended.as_mut().enable();
             if self.pending_background() == 0 && held() == 0 {
-                return DrainReport {
-                    waited_for,
-                    ..DrainReport::default()
-                };
+                // Nothing acts from here on; what acted before the fence
+                // is waited for, as the rest.
+                self.inner.leases.close();
+                if self.pending_background() == 0 && held() == 0 {
+                    return DrainReport {
+                        waited_for,
+                        ..DrainReport::default()
+                    };
+                }
             }
             if tokio::time::timeout_at(deadline, ended).await.is_err() {
                 break;
             }
         }
+        // Before the list of executions to mark is taken: a request still
+        // running (a body still arriving when the server gave up waiting)
+        // that reserved its key now never reaches its upstream (503,
+        // released), since it would not be marked.
+        self.inner.leases.close();
         let held = held();
         let mut marked = 0;
         if held > 0 {

@@ -1070,6 +1070,37 @@ async fn a_drain_that_abandons_an_execution_leaves_its_key_no_second_run() {
     proceed(begin(&engine, &policy, "w").await).release().await;
 }
 
+/// From a review of the shutdown: a request still running when the drain
+/// gave up waiting (a body still arriving at `shutdown_timeout`) reserved
+/// its key after the drain had taken its list of executions to mark, and
+/// reached its upstream; the process exited with that key in flight and
+/// unmarked, and once its lease ran out a retry ran it a second time. Now
+/// no reservation acts once the drain ended, whether it ran out of time or
+/// found nothing to wait for: 503, key released, and the retry runs once.
+#[tokio::test(start_paused = true)]
+async fn no_reservation_acts_once_the_drain_ended() {
+    for busy in [true, false] {
+        let (engine, _faults, policy) = faulty_engine(Policy {
+            lease: Duration::from_millis(300),
+            ..Policy::default()
+        });
+        let running = match busy {
+            true => Some(proceed(begin(&engine, &policy, "running").await)),
+            false => None,
+        };
+        assert!(running.as_ref().is_none_or(Reservation::acting));
+        let report = engine.drain(Duration::from_millis(50)).await;
+        assert_eq!(report.held, usize::from(busy), "{report:?}");
+        // A request the server gave up on reserves its key only now.
+        let late = proceed(begin(&engine, &policy, "late").await);
+        assert!(!late.acting(), "busy {busy}: it would act unmarked");
+        let answer = late.lost(&HeaderMap::new()).await;
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        std::mem::forget(running);
+        engine.inner.leases.stop();
+    }
+}
+
 /// An engine over a fault injector with a long lease (so a failed
 /// completion is retried for a long time), and a reservation of key `k`.
 async fn reserved_over_faulty() -> (Engine, Faults, Covered, Reservation) {
