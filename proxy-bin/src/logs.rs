@@ -7,11 +7,17 @@
 //! (a channel that wakes it for each), it cost as much again. Here a line
 //! is appended to a shared buffer under a lock, and the writer thread
 //! writes what has gathered every [`INTERVAL`] in one `write`, or at once
-//! when [`EAGER`] bytes are waiting. Nothing is dropped: past [`CAP`]
-//! bytes the thread adding a line writes the whole buffer itself (a log
-//! that cannot keep up slows requests down instead). Every exit path calls
-//! [`flush`] (the drained shutdown exits the process itself); a crash may
-//! lose up to [`INTERVAL`] of lines.
+//! when [`EAGER`] bytes are waiting. A request never waits for stderr:
+//! past [`CAP`] bytes waiting (stderr's reader fell behind, or stopped: a
+//! log driver whose destination is down blocks every write), new lines
+//! are dropped and counted, and the count is written as a line of its own
+//! once the writer gets through. (Written by the requests' own threads, a
+//! stalled stderr blocked every worker, lease renewals with them, so a
+//! duplicate could take a live request's key over, and SIGTERM, whose
+//! handler logs first, was never acted on.) Every exit path calls
+//! [`flush`], which waits for the writer at most [`FLUSH_WAIT`] (the
+//! drained shutdown exits the process itself); a crash may lose up to
+//! [`INTERVAL`] of lines.
 
 use std::io::{IsTerminal, Write};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -22,14 +28,18 @@ use std::time::Duration;
 const INTERVAL: Duration = Duration::from_millis(20);
 /// Waiting bytes that wake the writer thread before its interval.
 const EAGER: usize = 64 * 1024;
-/// Waiting bytes past which a logging thread writes them itself.
+/// Waiting bytes past which new lines are dropped (and counted).
 const CAP: usize = 4 * 1024 * 1024;
+/// The longest [`flush`] waits for the writer thread.
+const FLUSH_WAIT: Duration = Duration::from_secs(2);
 
 /// The default filter: our lines at `info`, Pingora's at `warn`.
 const DEFAULT_FILTER: &str = "info,pingora_core=warn,pingora_proxy=warn";
 
 struct Pending {
     bytes: Vec<u8>,
+    /// Lines dropped since the writer last took a batch.
+    dropped: u64,
     /// Set by [`flush`]: the writer thread writes what is left and stops.
     closing: bool,
     /// Set by the writer thread with its last batch taken: lines are
@@ -39,6 +49,7 @@ struct Pending {
 
 static PENDING: Mutex<Pending> = Mutex::new(Pending {
     bytes: Vec::new(),
+    dropped: 0,
     closing: false,
     stopped: false,
 });
@@ -59,14 +70,12 @@ impl Write for Batched {
             drop(pending);
             return std::io::stderr().write_all(line).map(|()| line.len());
         }
+        if pending.bytes.len() + line.len() > CAP {
+            pending.dropped += 1;
+            return Ok(line.len());
+        }
         pending.bytes.extend_from_slice(line);
-        let waiting = pending.bytes.len();
-        if waiting >= CAP {
-            // Written under the lock: lines stay in order.
-            let result = std::io::stderr().write_all(&pending.bytes);
-            pending.bytes.clear();
-            result?;
-        } else if waiting >= EAGER {
+        if pending.bytes.len() >= EAGER {
             WAKE.notify_one();
         }
         Ok(line.len())
@@ -188,7 +197,7 @@ impl std::fmt::Display for Redacted<'_> {
 fn write_batches() {
     let mut batch = Vec::new();
     loop {
-        let stopped = {
+        let (stopped, dropped) = {
             let pending = pending();
             let (mut pending, _) = WAKE
                 .wait_timeout(pending, INTERVAL)
@@ -197,8 +206,16 @@ fn write_batches() {
             // The last batch is taken under the same lock that makes later
             // lines write through: none is lost, none overtakes it.
             pending.stopped = pending.closing;
-            pending.stopped
+            (pending.stopped, std::mem::take(&mut pending.dropped))
         };
+        if dropped > 0 {
+            // After the batch: the lines dropped came after its lines.
+            let notice = format!(
+                "WARN idempotency_proxy::logs: {dropped} log lines dropped: stderr's reader fell \
+                 behind (the proxy never waits for its log)\n"
+            );
+            batch.extend_from_slice(notice.as_bytes());
+        }
         if !batch.is_empty() {
             let _ = std::io::stderr().write_all(&batch);
             batch.clear();
@@ -211,7 +228,8 @@ fn write_batches() {
 
 /// Writes every waiting line to stderr and stops the writer thread; lines
 /// logged afterwards are written directly. Call it before the process
-/// exits.
+/// exits. Waits at most [`FLUSH_WAIT`]: a stderr nobody reads would hold
+/// the exit for good.
 pub fn flush() {
     let writer = WRITER.lock().unwrap_or_else(|e| e.into_inner()).take();
     let Some(writer) = writer else {
@@ -220,7 +238,13 @@ pub fn flush() {
     };
     pending().closing = true;
     WAKE.notify_one();
-    let _ = writer.join();
+    let deadline = std::time::Instant::now() + FLUSH_WAIT;
+    while !writer.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if writer.is_finished() {
+        let _ = writer.join();
+    }
 }
 
 #[cfg(test)]

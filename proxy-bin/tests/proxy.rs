@@ -1458,3 +1458,56 @@ async fn a_slow_but_steady_reader_gets_a_large_replay() {
     );
     assert_eq!(body.len(), expected, "the replay was cut");
 }
+
+/// Scenario (from a review of the lifecycle): the proxy's stderr goes to
+/// a reader that stopped (a container log driver whose destination is
+/// down blocks every write). Past 4 MiB of waiting lines, the request that
+/// logged wrote them itself, under the log's lock, and blocked there; so
+/// did every request after it, and the lease renewals on the same worker
+/// threads: the proxy stopped answering, its keys could be taken over live,
+/// and SIGTERM (whose handler logs first) was never acted on. Now lines
+/// past that are dropped and counted: requests go on, and SIGTERM stops it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_log_reader_never_stops_the_proxy() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("stalled-log");
+    let mut proxy = Proxy::start_with(ProxyArgs::new(backend.url(), FORMS, &dir), |command| {
+        // A pipe nobody reads: full after its 64 KiB.
+        command
+            .env("RUST_LOG", "trace")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+    })
+    .await
+    .owning(dir);
+    // Each refused request writes its lines (at trace, a few KiB); 3,000
+    // are several times the 4 MiB the log holds.
+    let refused = |n: usize| {
+        let proxy = &proxy;
+        async move {
+            let key = format!("not a uuid {n}");
+            let reply = tokio::time::timeout(
+                Duration::from_secs(10),
+                proxy.send(
+                    "POST",
+                    "/contact",
+                    &[("content-type", "application/x-www-form-urlencoded")],
+                    format!("submission_token={key}&message=hi"),
+                ),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("request {n} was never answered: the proxy stalled"));
+            assert_eq!(reply.status, 400, "{}", reply.text());
+        }
+    };
+    for batch in 0..150 {
+        futures::future::join_all((0..20).map(|i| refused(batch * 20 + i))).await;
+    }
+    proxy.terminate();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(20), proxy.exit_code())
+            .await
+            .is_ok(),
+        "SIGTERM was never acted on"
+    );
+}
