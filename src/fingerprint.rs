@@ -222,9 +222,11 @@ const MAX_SORTED_FILES: usize = 20;
 
 /// Sorts form fields by name (ASCII case ignored, stably: ASP.NET reads
 /// `Amount` and `amount` as one field), or keeps them in the order sent
-/// when any name holds a space, `.`, `[`, `]`, NUL or a byte outside
-/// ASCII (its callers keep forms of more than [`MAX_SORTED_FIELDS`] in
-/// order too). Such names
+/// when any name holds anything but ASCII letters, digits, `_` and `-`
+/// (its callers keep forms of more than [`MAX_SORTED_FIELDS`] in
+/// order too): a space, `.`, `[`, `]`, NUL or a byte outside ASCII, and
+/// the `/*`, `:` or `"` of a JSON body a lenient parser reads past a
+/// comment (`/*x=*/{"amount":10,…}` under a form label). Such names
 /// are read as one field, or as parts of one value, in ways that differ
 /// between backends (PHP reads `a.b`, `a b` and `a_b` as one, and cuts a
 /// name at NUL; Rack reads `[a]`, `a]` and `a` as one; PHP, Rack and `qs`
@@ -234,11 +236,8 @@ const MAX_SORTED_FILES: usize = 20;
 /// last one wins, or the array's shape): any reordering is another
 /// request. The raw names are what is hashed.
 fn sort_as_backends_read<T>(fields: &mut [T], name: impl Fn(&T) -> &[u8]) {
-    let mangled = fields.iter().any(|field| {
-        name(field)
-            .iter()
-            .any(|&b| matches!(b, b' ' | b'.' | b'[' | b']' | b'\0') || !b.is_ascii())
-    });
+    let plain = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-');
+    let mangled = fields.iter().any(|field| !name(field).iter().all(plain));
     if !mangled {
         fields.sort_by(|a, b| {
             let folded = |field| name(field).iter().map(u8::to_ascii_lowercase);

@@ -123,7 +123,9 @@ pub(crate) fn path_header(name: &http::HeaderName) -> Option<(PathHeader, usize)
 /// Whether Rack or PHP read a body of `content_type` as a form: they cut
 /// the media type at `;`, `,` or a space (PHP) and take an absent or empty
 /// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`
-/// is a form to them.
+/// is a form to them; Rack also parses `multipart/mixed` and
+/// `multipart/related` (its `PARSEABLE_DATA_MEDIA_TYPES`), as urlencoded
+/// when they carry no boundary.
 pub(crate) fn rack_form(content_type: &str) -> bool {
     let media_type = content_type.trim_start().as_bytes();
     let end = media_type
@@ -134,6 +136,25 @@ pub(crate) fn rack_form(content_type: &str) -> bool {
     media_type.is_empty()
         || media_type.eq_ignore_ascii_case(b"application/x-www-form-urlencoded")
         || media_type.eq_ignore_ascii_case(b"multipart/form-data")
+        || rack_multipart(media_type)
+}
+
+/// Whether a media type (cut as [`rack_form`] cuts it) is one of the
+/// multipart types Rack parses as a form beside `multipart/form-data`.
+fn rack_multipart(media_type: &[u8]) -> bool {
+    media_type.eq_ignore_ascii_case(b"multipart/mixed")
+        || media_type.eq_ignore_ascii_case(b"multipart/related")
+}
+
+/// Whether `content_type` is a multipart type Rack parses as a form whose
+/// parts this reader does not read (`multipart/mixed`, `multipart/related`).
+pub(crate) fn rack_only_multipart(content_type: &str) -> bool {
+    let media_type = content_type.trim_start().as_bytes();
+    let end = media_type
+        .iter()
+        .position(|b| matches!(b, b';' | b',' | b' ' | b'\t'))
+        .unwrap_or(media_type.len());
+    rack_multipart(&media_type[..end])
 }
 
 /// Whether some `Content-Type` line holds `/json` or `+json`, in any case
@@ -452,9 +473,20 @@ pub fn form_value(body: &[u8], name: &str) -> Option<Vec<u8>> {
 /// `x%3By` decode alike), and the body does not open as JSON does (`curl
 /// -d` labels a JSON body as a form, and a backend that parses its body
 /// as JSON whatever the label reads `+`, `%31` and the order of
-/// `&`-separated text as they are).
+/// `&`-separated text as they are), and no field holds a raw `]=` past
+/// its first `=` (`qs`, Express's extended parser, splits a field at `]=`
+/// where there is one: `a[b=c]=d` is `a[b=c]` = `d` to it, `a[b` =
+/// `c]=d` here, as `a[b=c]%3Dd` is to both).
 pub(crate) fn form_read_one_way(body: &[u8]) -> bool {
     if opens_as_json(body) || memchr::memchr(b';', body).is_some() {
+        return false;
+    }
+    let split_apart = body.split(|&b| b == b'&').any(|field| {
+        let first = memchr::memchr(b'=', field);
+        let bracketed = memchr::memmem::find(field, b"]=").map(|at| at + 1);
+        bracketed.is_some_and(|at| Some(at) != first)
+    });
+    if split_apart {
         return false;
     }
     let escapes = memchr::memchr_iter(b'%', body).all(|at| {
@@ -562,10 +594,18 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
     }
 }
 
+/// The longest `Content-Disposition` value Rack 3.1 reads
+/// (`CONTENT_DISPOSITION_MAX_BYTES`).
+const DISPOSITION_MAX_BYTES: usize = 1536;
+
 /// The part's name: its `Content-Disposition`'s one `name` parameter, a
 /// token or in double quotes. `None` (the body is malformed) where readers
 /// differ on it:
 ///
+/// * a `Content-ID` header (Rack names a part by it where its reading of
+///   the disposition finds no name), a header name holding `;`, a
+///   disposition over 1536 bytes (Rack 3.1 ignores it), or a `name` that
+///   does not follow `;` (Rack's pattern does not read it);
 /// * a header line continued on the next (starting with a space or tab) or
 ///   without `:`, which PHP joins to the line before, or two
 ///   `Content-Disposition` lines;
@@ -590,6 +630,15 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
     let mut disposition = None;
     for line in lines {
         if line.first().is_none_or(|b| matches!(b, b' ' | b'\t')) || !line.contains(&b':') {
+            return None;
+        }
+        // Rack names a part by its `Content-ID` where it finds no name in
+        // the disposition as it reads it; and Rack 2.2.6 to 3.0 read the
+        // disposition's parameters on past its line, up to the next `:`,
+        // so a later header named `X;name=_method` names the part. A
+        // browser sends neither.
+        let name = &line[..memchr::memchr(b':', line).unwrap_or(line.len())];
+        if name.contains(&b';') || name.trim_ascii().eq_ignore_ascii_case(b"content-id") {
             return None;
         }
         // Go decodes a quoted-printable part (Django a base64 one): its
@@ -618,6 +667,11 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
         }
     }
     let line = disposition?;
+    // Rack 3.1 ignores a longer disposition (its `Content-ID` then names
+    // the part, or nothing does).
+    if line.len() > DISPOSITION_MAX_BYTES {
+        return None;
+    }
     // Every `name` parameter, however spelled: `name=`, `name =`, `name*=`.
     let mut names = (1..line.len().saturating_sub(3)).filter(|&at| {
         let after = &line[at + 4..];
@@ -629,6 +683,11 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
     let (Some(at), None) = (names.next(), names.next()) else {
         return None;
     };
+    // A parameter follows `;` (and whitespace): Rack's pattern reads no
+    // `name` after a space alone (`x="…" name="a"` names nothing to it).
+    if line[..at].trim_ascii_end().last() != Some(&b';') {
+        return None;
+    }
     let value = line[at + 4..].strip_prefix(b"=")?;
     let (name, rest) = match value.strip_prefix(b"\"") {
         Some(quoted) => {

@@ -524,7 +524,8 @@ impl Named {
 /// UTF-8 (Express decodes a UTF-7 body, where `+AF8-method` is
 /// `_method`), or a multipart body
 /// malformed to this reader, or under a boundary PHP or Rack read
-/// otherwise, that spells `method` or `METHOD` somewhere (a part PHP reads
+/// otherwise, or of a type only Rack reads as a form (`multipart/mixed`,
+/// `multipart/related`), that spells `method` or `METHOD` somewhere (a part PHP reads
 /// as `_method` by its last `name`, say) or holds an extended parameter
 /// (`name*=UTF-8''%5F%6D…`, which Go decodes). It is taken to name every
 /// method a required route covers, so that route's key is asked for.
@@ -537,9 +538,12 @@ fn names_unreadably(head: &RequestHead<'_>, body: &View<'_>) -> bool {
         )
     };
     let multipart = || {
-        formats::is_media_type(formats::content_type(head.headers), "multipart/form-data")
+        let content_type = formats::content_type(head.headers);
+        let unread = formats::is_media_type(content_type, "multipart/form-data")
             && (matches!(body.kind, formats::Kind::BadMultipart)
-                || formats::read_more_than_one_way(head.headers))
+                || formats::read_more_than_one_way(head.headers));
+        // Rack parses these as forms too; their parts are not read here.
+        (unread || formats::rack_only_multipart(content_type))
             && [&b"method"[..], b"METHOD", b"*="]
                 .iter()
                 .any(|spelled| memchr::memmem::find(body.bytes, spelled).is_some())
