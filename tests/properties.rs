@@ -460,21 +460,23 @@ proptest! {
     #[test]
     fn form_field_order_and_encoding_do_not_matter(
         fields in prop::collection::btree_map(
-            prop::collection::vec(any::<u8>(), 1..12),
+            "[A-Za-z0-9_-]{1,12}".prop_map(String::into_bytes),
             prop::collection::vec(any::<u8>(), 0..24),
             0..8,
         ),
         a in any::<u64>(),
         b in any::<u64>(),
     ) {
-        // Names every backend reads as distinct fields: none that readers
-        // merge with another (a space, `.`, brackets, NUL, a byte outside
-        // ASCII, whose case ASP.NET folds; or another's spelling but for
-        // case), whose order is kept instead.
+        // Names every backend reads as distinct fields: letters, digits,
+        // `_` and `-` only (readers merge names holding a space, `.`,
+        // brackets, NUL or a byte outside ASCII, whose case ASP.NET folds,
+        // and a lenient JSON parser reads other punctuation as JSON), and
+        // none another's spelling but for case; the order of any other
+        // form is kept instead.
         let mut seen = std::collections::HashSet::new();
         let fields: BTreeMap<Vec<u8>, Vec<u8>> = fields
             .into_iter()
-            .filter(|(name, _)| name.is_ascii() && !name.iter().any(|b| b" .[]\0".contains(b)))
+            .filter(|(name, _)| name.iter().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(b)))
             .filter(|(name, _)| seen.insert(name.to_ascii_lowercase()))
             .collect();
         let (first, second) = (form(&fields, a), form(&fields, b));
