@@ -91,9 +91,9 @@ struct Held {
     /// tenth of the lease later beside it ([`retry_after`]), up to
     /// [`MAX_ATTEMPTS`].
     attempts: u32,
-    /// Its outcome is being stored: the store may already say "not in
-    /// flight", which is then no lost lease.
-    settling: bool,
+    /// Its outcome, of this status, is being stored: the store may
+    /// already say "not in flight", which is then no lost lease.
+    settling: Option<http::StatusCode>,
     /// Its request reached (or is reaching) the upstream: it may act.
     acting: bool,
     /// Until when the store holds the lease for certain: the lease's
@@ -189,10 +189,27 @@ impl Leases {
         for renewer in runtimes.iter() {
             let state = lock(&renewer.state);
             let held = state.held.values();
-            let held = held.filter(|held| held.acting && !held.settling);
+            let held = held.filter(|held| held.acting && held.settling.is_none());
             running.extend(held.map(|held| (held.key, held.owner, held.ttl)));
         }
         running
+    }
+
+    /// The leases held now whose outcome is being stored (a failed
+    /// completion retried), with each route's `ttl` and the outcome's
+    /// status.
+    pub(super) fn settling(&self) -> Vec<(ScopeKey, OwnerToken, Duration, http::StatusCode)> {
+        let runtimes = lock(&self.runtimes);
+        let mut settling = Vec::new();
+        for renewer in runtimes.iter() {
+            let state = lock(&renewer.state);
+            for held in state.held.values() {
+                if let Some(status) = held.settling {
+                    settling.push((held.key, held.owner, held.ttl, status));
+                }
+            }
+        }
+        settling
     }
 
     /// The keys of the leases held now (the shutdown's log).
@@ -245,12 +262,13 @@ impl Lease {
         }
     }
 
-    /// Marks the lease as settling: its outcome is being stored. It is
-    /// still renewed (a store outage may keep it settling for a while), but
-    /// a "not in flight" answer is no longer reported as a lost lease.
-    pub(super) fn settling(&self) {
+    /// Marks the lease as settling: its outcome, of `status`, is being
+    /// stored. It is still renewed (a store outage may keep it settling
+    /// for a while), but a "not in flight" answer is no longer reported as
+    /// a lost lease.
+    pub(super) fn settling(&self, status: http::StatusCode) {
         if let Some(held) = lock(&self.renewer.state).held.get_mut(&self.id) {
-            held.settling = true;
+            held.settling = Some(status);
         }
     }
 }
@@ -279,7 +297,7 @@ impl Renewer {
                 ttl,
                 renew_at,
                 attempts: 0,
-                settling: false,
+                settling: None,
                 acting: false,
                 certain_until,
             },
@@ -446,7 +464,10 @@ async fn renew(renewer: Arc<Renewer>, engine: Weak<Inner>) {
                         Ok(true) => renewer.renewed(id, now),
                         // Not ours any more: stop; quiet when it just settled.
                         Ok(false) => {
-                            if renewer.forget(id).is_some_and(|held| !held.settling) {
+                            if renewer
+                                .forget(id)
+                                .is_some_and(|held| held.settling.is_none())
+                            {
                                 tracing::warn!(key = %key.short(), "idempotency lease lost");
                             }
                         }

@@ -112,16 +112,21 @@ impl Engine {
         self.inner.leases.close();
         let held = held();
         let mut marked = 0;
+        let mut marked_keys = Vec::new();
         if held > 0 {
             tracing::error!(
                 reservations = held,
                 "idempotency shutdown abandoned executions still running"
             );
-            let marked_keys = self.mark_abandoned().await;
+            let settling: Vec<ScopeKey> =
+                self.inner.leases.settling().iter().map(|s| s.0).collect();
+            marked_keys = self.mark_abandoned().await;
             marked = marked_keys.len();
             let mut keys: Vec<ScopeKey> = self.inner.leases.keys();
             keys.sort_by_key(ScopeKey::short);
             keys.dedup();
+            // An answer being stored is background work, logged below.
+            keys.retain(|key| !settling.contains(key));
             for key in keys {
                 match marked_keys.contains(&key) {
                     true => {
@@ -142,7 +147,14 @@ impl Engine {
         };
         abandoned.sort();
         for (_, key, what) in &abandoned {
-            tracing::error!(key = %key, work = what, "idempotency shutdown abandoned background work; the key frees when its lease expires");
+            match marked_keys.iter().any(|marked| marked.short() == *key) {
+                true => {
+                    tracing::error!(key = %key, work = what, "idempotency shutdown abandoned background work; stored \"response not stored\", so no retry executes it again")
+                }
+                false => {
+                    tracing::error!(key = %key, work = what, "idempotency shutdown abandoned background work; the key frees when its lease expires")
+                }
+            }
         }
         DrainReport {
             waited_for,
@@ -155,19 +167,41 @@ impl Engine {
     /// Stores "executed, outcome unknown" (504 `upstream-timeout`, as past
     /// `execution_timeout`) for each execution still running at the
     /// drain's end whose request reached the upstream (the proxy wrote it,
-    /// the layer called the inner service), as its owner, within half a
-    /// second: the process is going away, and the upstream may have acted
-    /// or may still, so no retry may run it again once the lease runs out.
-    /// Returns the keys it was stored for.
+    /// the layer called the inner service), and "executed, response not
+    /// stored" for each whose answer is still being stored, as its owner,
+    /// within half a second: the process is going away, and the upstream
+    /// may have acted or may still, so no retry may run it again once the
+    /// lease runs out. Returns the keys a marker was stored for.
     async fn mark_abandoned(&self) -> Vec<ScopeKey> {
         const BUDGET: Duration = Duration::from_millis(500);
         let detail = "The server shut down while the request was being executed; it may or may \
                       not have taken effect, and it will not be executed again with this key.";
         let kind = crate::problem::ProblemKind::UpstreamTimeout;
         let mut calls = tokio::task::JoinSet::new();
-        for (key, owner, ttl) in self.inner.leases.running() {
+        let running = self
+            .inner
+            .leases
+            .running()
+            .into_iter()
+            .map(|(key, owner, ttl)| {
+                let outcome = self.seal(&key, super::execution::unknown(kind, detail));
+                (key, owner, ttl, outcome)
+            });
+        // An answer still being stored (its client has it; the store kept
+        // refusing it) gets the small "executed, response not stored"
+        // marker instead, which a store that takes fresh calls may still
+        // take: retries then get 409, never a second execution.
+        let settling = self
+            .inner
+            .leases
+            .settling()
+            .into_iter()
+            .map(|(key, owner, ttl, status)| {
+                let outcome = self.seal(&key, crate::store::Outcome::TooLarge { status });
+                (key, owner, ttl, outcome)
+            });
+        for (key, owner, ttl, outcome) in running.chain(settling) {
             let engine = self.clone();
-            let outcome = engine.seal(&key, super::execution::unknown(kind, detail));
             calls.spawn(async move {
                 let store = &engine.inner.store;
                 let call = store.complete(&key, &owner, &outcome, ttl);

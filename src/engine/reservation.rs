@@ -265,7 +265,7 @@ impl Reservation {
         let may_fall_back = matches!(outcome, Outcome::Stored(_));
         // Its outcome is on its way: a drain's "outcome unknown" must not
         // race it (sealing a large body takes a while).
-        self.lease.settling();
+        self.lease.settling(status);
         // Sealed once: a retry below stores the very same bytes.
         let outcome = self.engine.seal(&self.key, outcome);
         match self.complete(&outcome).await {
@@ -312,7 +312,6 @@ impl Reservation {
     }
 
     async fn complete(&self, outcome: &Outcome) -> Result<bool, StoreError> {
-        self.lease.settling();
         let engine = &self.engine;
         let ttl = self.policy.policy().ttl;
         engine

@@ -1142,6 +1142,39 @@ async fn drain_waits_for_a_completion_being_retried() {
     assert_eq!(response.headers()[REPLAYED_HEADER], "true");
 }
 
+/// From a review of the shutdown: an answer whose storing still failed
+/// at the drain's timeout (its client has it) was left in flight, and a
+/// retry after its lease executed the request again, although a store
+/// that takes fresh calls could take a small marker. Now the drain stores
+/// "executed, response not stored" for it, owner-checked: the retry gets
+/// 409 with the status, never a second execution.
+#[tokio::test(start_paused = true)]
+async fn a_drain_marks_an_answer_still_being_stored() {
+    let (engine, faults, policy, reservation) = reserved_over_faulty().await;
+    faults.set(Op::Complete, Fault::Down);
+    let _ = reservation
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await
+        .end()
+        .await;
+    assert_eq!(engine.pending_background(), 1, "the completion is pending");
+    // The store answers again just before the drain's deadline, between
+    // two of the background attempts (10, 20, 40, … 200 ms apart).
+    let healed = faults.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(950)).await;
+        healed.clear(Op::Complete);
+    });
+    let report = engine.drain(Duration::from_secs(1)).await;
+    assert_eq!(report.marked, 1, "{report:?}");
+    let Decision::Respond(response) = begin(&engine, &policy, "k").await else {
+        panic!("the retry executed again");
+    };
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    let body = String::from_utf8_lossy(response.body()).into_owned();
+    assert!(body.contains("response-not-stored"), "{body}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn drain_reports_what_it_abandons_at_its_timeout() {
     let (engine, faults, _, reservation) = reserved_over_faulty().await;
