@@ -348,13 +348,18 @@ impl Runner {
     }
 
     fn terminate(&mut self) -> bool {
+        self.signal("-TERM");
+        self.0.wait().unwrap().success()
+    }
+
+    /// Sends `signal` (`-HUP`, …) to the runner.
+    fn signal(&self, signal: &str) {
         let pid = self.0.id().to_string();
         assert!(Command::new("kill")
-            .args(["-TERM", &pid])
+            .args([signal, &pid])
             .status()
             .unwrap()
             .success());
-        self.0.wait().unwrap().success()
     }
 }
 
@@ -1065,4 +1070,32 @@ async fn a_backlog_of_delivered_rows_is_swept_in_one_pass(db: Db, dir: TempDir) 
     }
     assert_eq!(db.count("source = 'fresh'").await, 1, "a young row stays");
     db.close().await;
+}
+
+/// From a review of the lifecycle: `outbox run` handled SIGTERM and
+/// SIGINT only, so SIGHUP (a closed terminal, a process manager's reload)
+/// and SIGQUIT (which process managers also send to stop) killed it by
+/// their default actions with deliveries under way. SIGHUP is ignored now
+/// and SIGQUIT stops the workers cleanly, as the proxy reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_run_ignores_sighup_and_stops_on_sigquit() {
+    let dir = temp_dir("outbox-signals");
+    let db = Db::sqlite(&dir).await;
+    let config = dir.join("outbox.toml");
+    std::fs::write(
+        &config,
+        outbox_config(Some(db.url()), "http://127.0.0.1:9", &["crm"], ""),
+    )
+    .unwrap();
+    let mut runner = Runner::start(&dir, &config);
+    db.wait_for_table().await;
+    runner.signal("-HUP");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        runner.0.try_wait().unwrap().is_none(),
+        "SIGHUP ended outbox run"
+    );
+    runner.signal("-QUIT");
+    let status = runner.0.wait().unwrap();
+    assert!(status.success(), "SIGQUIT is a clean stop: {status:?}");
 }

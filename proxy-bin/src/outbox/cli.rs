@@ -222,11 +222,23 @@ async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn s
         database = database.split(':').next().unwrap_or_default(),
         "outbox workers started"
     );
+    // As the proxy reads them: SIGTERM, SIGINT and SIGQUIT stop the
+    // workers, SIGHUP is ignored (their default actions killed the process
+    // with deliveries under way, leaving rows to the rescuer, and a row on
+    // its last attempt dead).
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    let mut quit = signal(SignalKind::quit())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = quit.recv() => break,
+            _ = hup.recv() => {
+                tracing::info!("SIGHUP ignored: SIGTERM stops the outbox workers");
+            }
+        }
     }
     tracing::info!("stopping the outbox workers");
     let timeout = resolved.shutdown_timeout;
