@@ -594,6 +594,11 @@ pub fn multipart_parts<'a>(body: &'a [u8], boundary: &str) -> Option<Vec<Part<'a
     }
 }
 
+/// Whether `b` may be part of a token (RFC 9110, 5.6.2): a header name.
+fn is_tchar(b: &u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b)
+}
+
 /// The longest `Content-Disposition` value Rack 3.1 reads
 /// (`CONTENT_DISPOSITION_MAX_BYTES`).
 const DISPOSITION_MAX_BYTES: usize = 1536;
@@ -602,10 +607,13 @@ const DISPOSITION_MAX_BYTES: usize = 1536;
 /// token or in double quotes. `None` (the body is malformed) where readers
 /// differ on it:
 ///
-/// * a `Content-ID` header (Rack names a part by it where its reading of
-///   the disposition finds no name), a header name holding `;`, a
-///   disposition over 1536 bytes (Rack 3.1 ignores it), or a `name` that
-///   does not follow `;` (Rack's pattern does not read it);
+/// * a header name that is not a token (Rack 2.1 to 3.0 read the
+///   disposition's parameters on into the next header's name, `X;name=…`
+///   or `name=…`), `Content-Disposition:` spelled anywhere but at the start
+///   of the one disposition line (Rack's pattern finds it inside
+///   `X-Content-Disposition:` too), a disposition over 1536 bytes (Rack
+///   3.1 ignores it, and names the part by its `Content-ID`), or a `name`
+///   that does not follow `;` (Rack's pattern does not read it);
 /// * a header line continued on the next (starting with a space or tab) or
 ///   without `:`, which PHP joins to the line before, or two
 ///   `Content-Disposition` lines;
@@ -632,13 +640,15 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
         if line.first().is_none_or(|b| matches!(b, b' ' | b'\t')) || !line.contains(&b':') {
             return None;
         }
-        // Rack names a part by its `Content-ID` where it finds no name in
-        // the disposition as it reads it; and Rack 2.2.6 to 3.0 read the
-        // disposition's parameters on past its line, up to the next `:`,
-        // so a later header named `X;name=_method` names the part. A
-        // browser sends neither.
+        // Rack 2.1 to 3.0 find the name by a pattern over the whole part
+        // head, `Content-Disposition:[^:]*;\s*name=…`, anchored nowhere
+        // and reading on past the line up to the next `:`: a header named
+        // `X;name=_method` (or `name=_method`, after a disposition ending
+        // in `;`) names the part, and so does the text after an
+        // `X-Content-Disposition:`. So every header name is a token, and
+        // `Content-Disposition:` appears only where this reader reads it.
         let name = &line[..memchr::memchr(b':', line).unwrap_or(line.len())];
-        if name.contains(&b';') || name.trim_ascii().eq_ignore_ascii_case(b"content-id") {
+        if name.is_empty() || !name.iter().all(is_tchar) {
             return None;
         }
         // Go decodes a quoted-printable part (Django a base64 one): its
@@ -672,13 +682,20 @@ fn disposition_name(headers: &[u8]) -> Option<&[u8]> {
     if line.len() > DISPOSITION_MAX_BYTES {
         return None;
     }
-    // Every `name` parameter, however spelled: `name=`, `name =`, `name*=`.
+    let spelled = headers
+        .windows(PREFIX.len())
+        .filter(|window| window.eq_ignore_ascii_case(PREFIX))
+        .count();
+    if spelled != 1 {
+        return None;
+    }
+    // Every `name` parameter, however spelled: `name=`, `name =`, `name*=`
+    // (the cheap tests first: trimming at every position of a disposition
+    // of spaces cost the square of its length).
     let mut names = (1..line.len().saturating_sub(3)).filter(|&at| {
-        let after = &line[at + 4..];
-        let after = after.trim_ascii_start();
         matches!(line[at - 1], b' ' | b'\t' | b';')
             && line[at..at + 4].eq_ignore_ascii_case(b"name")
-            && matches!(after.first(), Some(b'=' | b'*'))
+            && matches!(line[at + 4..].trim_ascii_start().first(), Some(b'=' | b'*'))
     });
     let (Some(at), None) = (names.next(), names.next()) else {
         return None;

@@ -1085,6 +1085,17 @@ async fn a_method_named_where_only_rack_reads_it_does_not_skip_its_route() {
             "multipart/form-data; boundary=B",
             part("Content-Disposition: form-data; name=\"note\"\r\nX-A;name=_method: 1"),
         ),
+        // From a review of the fix: Rack's pattern reads on into the next
+        // header's name after a disposition ending in `;`, and finds
+        // `Content-Disposition:` inside another header's name.
+        (
+            "multipart/form-data; boundary=B",
+            part("Content-Disposition: form-data; name=\"note\";\r\nname=_method: x"),
+        ),
+        (
+            "multipart/form-data; boundary=B",
+            part("X-Content-Disposition: form-data; name=_method\r\nContent-Disposition: form-data; name=\"note\""),
+        ),
         ("multipart/mixed", "_method=PUT&amount=1000".to_owned()),
         (
             "multipart/related; boundary=B",
@@ -1137,4 +1148,58 @@ async fn bodies_a_backend_reads_apart_never_share_a_fingerprint() {
     let again = h.send(typed("plain", form, "item=7&amount=10")).await;
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
+}
+
+/// Apache CXF writes a `Content-ID` on every part, a proper `name` beside
+/// it, and a new boundary per message: its retry is the same request (the
+/// check for parts Rack names by their `Content-ID` refused every such
+/// body, so each retry got 422). A disposition of spaces is read in work
+/// linear in its length (it was quadratic: a megabyte of such parts cost
+/// a worker most of a second).
+#[tokio::test]
+async fn a_content_id_beside_a_name_is_the_same_request_under_a_new_boundary() {
+    let h = Harness::new(Policy::default());
+    let body = |boundary: &str| {
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"amount\"\r\n\
+             Content-ID: <root.message@cxf.apache.org>\r\n\r\n10\r\n--{boundary}--\r\n"
+        )
+    };
+    let send = |boundary: &str| {
+        Request::builder()
+            .method(Method::POST)
+            .uri("/orders")
+            .header("idempotency-key", "cxf")
+            .header(
+                http::header::CONTENT_TYPE,
+                format!("multipart/form-data; boundary=\"{boundary}\""),
+            )
+            .body(Full::new(Bytes::from(body(boundary))))
+            .unwrap()
+    };
+    let first = h.send(send("uuid:1b2c")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = h.send(send("uuid:9f8e")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(h.calls(), 1);
+    // Hundreds of parts whose dispositions are spaces, answered.
+    let spaces = " ".repeat(1500);
+    let mut wide = String::new();
+    for _ in 0..600 {
+        wide.push_str(&format!(
+            "--B\r\nContent-Disposition: form-data;{spaces}name=\"a\"\r\n\r\n1\r\n"
+        ));
+    }
+    wide.push_str("--B--\r\n");
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header("idempotency-key", "wide")
+        .header(
+            http::header::CONTENT_TYPE,
+            "multipart/form-data; boundary=B",
+        )
+        .body(Full::new(Bytes::from(wide)))
+        .unwrap();
+    assert_eq!(h.send(request).await.status, StatusCode::CREATED);
 }

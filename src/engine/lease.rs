@@ -94,6 +94,9 @@ struct Held {
     /// Its outcome, of this status, is being stored: the store may
     /// already say "not in flight", which is then no lost lease.
     settling: Option<http::StatusCode>,
+    /// A drain may store "response not stored" for it in its outcome's
+    /// place ([`Lease::markable`]).
+    markable: bool,
     /// Its request reached (or is reaching) the upstream: it may act.
     acting: bool,
     /// Until when the store holds the lease for certain: the lease's
@@ -195,15 +198,16 @@ impl Leases {
         running
     }
 
-    /// The leases held now whose outcome is being stored (a failed
-    /// completion retried), with each route's `ttl` and the outcome's
-    /// status.
+    /// The leases held now whose outcome is being stored and may be
+    /// replaced by a marker ([`Lease::markable`]: a failed completion
+    /// retried, an heir's marker), with each route's `ttl` and the
+    /// outcome's status.
     pub(super) fn settling(&self) -> Vec<(ScopeKey, OwnerToken, Duration, http::StatusCode)> {
         let runtimes = lock(&self.runtimes);
         let mut settling = Vec::new();
         for renewer in runtimes.iter() {
             let state = lock(&renewer.state);
-            for held in state.held.values() {
+            for held in state.held.values().filter(|held| held.markable) {
                 if let Some(status) = held.settling {
                     settling.push((held.key, held.owner, held.ttl, status));
                 }
@@ -271,6 +275,17 @@ impl Lease {
             held.settling = Some(status);
         }
     }
+
+    /// Lets a drain store "executed, response not stored" in place of the
+    /// outcome being stored: its first attempt failed (its client has the
+    /// answer; the store may take a small marker where it refused the
+    /// answer), or the outcome is a marker itself (an heir's). Not before:
+    /// a marker would race an answer a working store is still taking.
+    pub(super) fn markable(&self) {
+        if let Some(held) = lock(&self.renewer.state).held.get_mut(&self.id) {
+            held.markable = true;
+        }
+    }
 }
 
 impl Renewer {
@@ -298,6 +313,7 @@ impl Renewer {
                 renew_at,
                 attempts: 0,
                 settling: None,
+                markable: false,
                 acting: false,
                 certain_until,
             },

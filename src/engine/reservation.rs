@@ -279,6 +279,7 @@ impl Reservation {
                 // makes a late success harmless. A graceful shutdown waits
                 // for it (`Engine::drain`).
                 let task = self.engine.background_task(self.key, "storing an outcome");
+                self.lease.markable();
                 tokio::spawn(async move {
                     let _task = task;
                     let lease = self.policy.policy().lease;
@@ -425,6 +426,10 @@ impl Drop for Reservation {
                 heir: true,
                 target: None,
             };
+            // Seen by a drain from here on, before its task first runs: it
+            // stands for an execution that reached its upstream.
+            heir.lease.settling(status);
+            heir.lease.markable();
             handle.spawn(heir.store(Outcome::Incomplete { status }));
             return;
         }

@@ -1175,6 +1175,65 @@ async fn a_drain_marks_an_answer_still_being_stored() {
     assert!(body.contains("response-not-stored"), "{body}");
 }
 
+/// From a review of that marker: it was stored for every answer being
+/// stored, the first attempt too, so on a slow but working store (or at
+/// SIGINT, which drains at once) the small marker overtook the answer and
+/// retries got 409 where they should replay. Only an answer whose first
+/// attempt failed is marked; one still on its way lands and replays.
+#[tokio::test(start_paused = true)]
+async fn a_drain_never_races_an_answer_on_its_first_attempt() {
+    let (engine, faults, policy, reservation) = reserved_over_faulty().await;
+    faults.set_next(Op::Complete, Fault::Stall(Duration::from_millis(300)), 1);
+    let storing = tokio::spawn(async move {
+        reservation
+            .record(StatusCode::CREATED, &HeaderMap::new())
+            .await
+            .end()
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let report = engine.drain(Duration::ZERO).await;
+    assert_eq!(report.marked, 0, "{report:?}");
+    let _ = storing.await;
+    let Decision::Respond(response) = begin(&engine, &policy, "k").await else {
+        panic!("the retry executed again");
+    };
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+}
+
+/// From a review: a recorder dropped mid-body hands its key to an heir
+/// that stores "response incomplete" from a task of its own; until that
+/// task first ran the heir was neither running nor settling, so a drain
+/// then marked nothing, and the process exiting left the key in flight
+/// for a retry to run again. The heir is marked at once.
+#[tokio::test(start_paused = true)]
+async fn a_drain_marks_an_heir_before_its_task_runs() {
+    let (engine, faults, policy) = faulty_engine(Policy::default());
+    let reservation = proceed(begin(&engine, &policy, "k").await);
+    assert!(reservation.acting());
+    let mut recorder = reservation
+        .record(StatusCode::CREATED, &HeaderMap::new())
+        .await;
+    assert_eq!(
+        recorder.chunk(&Bytes::from_static(b"order 1")).await,
+        Flow::Record
+    );
+    // The heir's own first attempt fails (the process is going away),
+    // so only the drain's marker can keep the key.
+    faults.set_next(Op::Complete, Fault::Down, 1);
+    drop(recorder);
+    let report = engine.drain(Duration::ZERO).await;
+    assert_eq!(report.marked, 1, "{report:?}");
+    assert_eq!(
+        problem_type(begin(&engine, &policy, "k").await),
+        (
+            StatusCode::CONFLICT,
+            "urn:tower-idempotency:response-not-stored".to_owned()
+        )
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn drain_reports_what_it_abandons_at_its_timeout() {
     let (engine, faults, _, reservation) = reserved_over_faulty().await;
