@@ -125,7 +125,8 @@ pub(crate) fn path_header(name: &http::HeaderName) -> Option<(PathHeader, usize)
 /// one for a form (Rack), so `application/x-www-form-urlencoded, text/plain`
 /// is a form to them; Rack also parses `multipart/mixed` and
 /// `multipart/related` (its `PARSEABLE_DATA_MEDIA_TYPES`), as urlencoded
-/// when they carry no boundary.
+/// when they carry no boundary (with one, by parts: see
+/// [`rack_only_multipart`]).
 pub(crate) fn rack_form(content_type: &str) -> bool {
     let media_type = content_type.trim_start().as_bytes();
     let end = media_type
@@ -136,7 +137,7 @@ pub(crate) fn rack_form(content_type: &str) -> bool {
     media_type.is_empty()
         || media_type.eq_ignore_ascii_case(b"application/x-www-form-urlencoded")
         || media_type.eq_ignore_ascii_case(b"multipart/form-data")
-        || rack_multipart(media_type)
+        || (rack_multipart(media_type) && multipart_boundary(content_type).is_none())
 }
 
 /// Whether a media type (cut as [`rack_form`] cuts it) is one of the

@@ -856,6 +856,51 @@ async fn a_failed_body_is_seen_cut_by_an_http_1_0_caller() {
     server.abort();
 }
 
+/// From a review: a handler that copies an upstream's headers answers
+/// with `Transfer-Encoding: chunked` beside the body that breaks off; the
+/// cut's declared length went out beside it, and hyper refuses a head
+/// framed both ways. The length alone frames the cut.
+#[tokio::test]
+async fn a_failed_body_under_a_copied_transfer_encoding_is_still_seen_cut() {
+    let (engine, _store) = memory_engine(Policy::default());
+    let upstream = layered(&engine, |_, _| async move {
+        let chunks = vec![
+            Ok(Bytes::from(vec![b'o'; 512 * 1024])),
+            Err(std::io::Error::other("upstream went away")),
+        ];
+        let mut response = reply(
+            StatusCode::CREATED,
+            Body::from_stream(futures::stream::iter(chunks)),
+        );
+        response.headers_mut().insert(
+            http::header::TRANSFER_ENCODING,
+            http::HeaderValue::from_static("chunked"),
+        );
+        response
+    });
+    let (addr, server) = upstream.serve().await;
+    let request = "POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: k\r\n\
+         content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}";
+    let first = promptly(exchange_raw(addr, request.to_owned())).await;
+    let (head, body) = first
+        .split_once("\r\n\r\n")
+        .expect("the head and part of the body reach the caller");
+    assert!(head.starts_with("HTTP/1.1 201"), "{head}");
+    let head = head.to_ascii_lowercase();
+    assert!(!head.contains("transfer-encoding"), "{head}");
+    let declared = head.lines().find_map(|line| {
+        let value = line.strip_prefix("content-length:")?;
+        Some(value.trim().parse::<usize>().unwrap())
+    });
+    assert!(
+        declared.is_some_and(|declared| declared > body.len()),
+        "the caller must see the cut: {head} and {} bytes",
+        body.len()
+    );
+    assert_eq!(upstream.calls(), 1);
+    server.abort();
+}
+
 /// A response body that ends cleanly but short of the `Content-Length`
 /// its head declared (a producer that stopped early): hyper cuts the first
 /// caller's connection, so the 40 bytes it got are no complete answer.

@@ -426,7 +426,14 @@ fn needs_length(session: &Session, head: &ResponseHeader) -> bool {
 pub fn for_client(session: &mut Session, head: &mut ResponseHeader) {
     let version = session.req_header().version;
     if version == http::Version::HTTP_10 && head.headers.contains_key(header::TRANSFER_ENCODING) {
-        without_transfer_codings(head);
+        match session.req_header().method == http::Method::HEAD {
+            // No body follows to carry a coding: one named would relabel
+            // the representation (a cache refreshing its GET from it).
+            true => {
+                head.remove_header(&header::TRANSFER_ENCODING);
+            }
+            false => without_transfer_codings(head),
+        }
         // Beside a transfer coding a length frames nothing (RFC 9112, 6.3).
         head.remove_header(&header::CONTENT_LENGTH);
         session.set_keepalive(None);

@@ -55,6 +55,8 @@ static PENDING: Mutex<Pending> = Mutex::new(Pending {
 });
 static WAKE: Condvar = Condvar::new();
 static WRITER: Mutex<Option<JoinHandle<()>>> = Mutex::new(None);
+/// Set once the writer thread started ([`init`]).
+static STARTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn pending() -> MutexGuard<'static, Pending> {
     PENDING.lock().unwrap_or_else(|e| e.into_inner())
@@ -95,6 +97,7 @@ pub fn init() {
         .spawn(write_batches)
         .expect("the log writer thread starts");
     *WRITER.lock().unwrap_or_else(|e| e.into_inner()) = Some(writer);
+    STARTED.store(true, std::sync::atomic::Ordering::SeqCst);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| DEFAULT_FILTER.into());
     use tracing_subscriber::util::SubscriberInitExt;
@@ -233,7 +236,16 @@ fn write_batches() {
 pub fn flush() {
     let writer = WRITER.lock().unwrap_or_else(|e| e.into_inner()).take();
     let Some(writer) = writer else {
-        pending().stopped = true;
+        if !STARTED.load(std::sync::atomic::Ordering::SeqCst) {
+            pending().stopped = true;
+            return;
+        }
+        // Another flush has the writer (SIGINT during the drain's exit):
+        // wait for its last batch as it does, or lines would be lost.
+        let deadline = std::time::Instant::now() + FLUSH_WAIT;
+        while !pending().stopped && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         return;
     };
     pending().closing = true;

@@ -225,6 +225,12 @@ async fn interrupted(
     message: &str,
 ) -> ! {
     tracing::warn!(in_flight, "{message}");
+    // "At once" holds whatever the engine's runtime is doing: its timers
+    // bound the marking, and a blocked worker would stop them.
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_millis(1500));
+        std::process::exit(130)
+    });
     let (engine, runtime) = engine;
     let _ = runtime
         .spawn(async move { engine.drain(Duration::ZERO).await })

@@ -1912,3 +1912,27 @@ async fn a_transfer_coding_reaches_an_http_1_0_client_as_a_content_coding() {
     assert_eq!(body, "CODED");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// From a review of that fix: the answer to an HTTP/1.0 `HEAD` has no
+/// body to carry a coding, so a transfer coding moved into
+/// `Content-Encoding` there relabelled the representation (a cache that
+/// refreshes its stored `GET` from a `HEAD` would read the plain body as
+/// gzip). It is dropped instead.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_1_0_head_gets_no_content_coding_from_a_transfer_coding() {
+    let (upstream, _) =
+        closing_backend(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n").await;
+    let proxy = orders_proxy(upstream, "breaks-te-head-10").await;
+    let answer = raw_exchange(
+        proxy.addr,
+        b"HEAD /page HTTP/1.0\r\nHost: shop.example\r\n\r\n",
+    )
+    .await;
+    let head = answer.to_ascii_lowercase();
+    assert!(
+        head.starts_with("http/1.1 200") || head.starts_with("http/1.0 200"),
+        "{answer}"
+    );
+    assert!(!head.contains("content-encoding"), "{answer}");
+    assert!(!head.contains("transfer-encoding"), "{answer}");
+}

@@ -183,6 +183,11 @@ impl Leases {
         self.closed.store(true, Ordering::SeqCst);
     }
 
+    /// Whether [`Leases::close`] was called.
+    pub(super) fn closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
     /// The leases held now whose request reached the upstream and whose
     /// outcome is not being stored: executions still running, with each
     /// route's `ttl`.

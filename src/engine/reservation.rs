@@ -156,11 +156,19 @@ impl Reservation {
     }
 
     /// The answer for a request whose lease was lost before it reached the
-    /// upstream ([`Reservation::acting`] said false): 503 `store-unavailable`
+    /// upstream, or whose engine was drained ([`Engine::drain`](crate::Engine::drain): for good)
+    /// ([`Reservation::acting`] said false): 503 `store-unavailable`
     /// with `Retry-After` (nothing ran; the retry finds the key's record),
     /// and the key released, owner-checked, in case it is still ours.
     pub async fn lost(self, request: &http::HeaderMap) -> http::Response<bytes::Bytes> {
-        tracing::warn!(key = %Short::of(&self.key), "idempotency lease may have run out before the request reached its upstream; not executed, answered 503");
+        match self.engine.inner.leases.closed() {
+            true => {
+                tracing::warn!(key = %Short::of(&self.key), "idempotency engine drained (shutting down): the request was not executed, answered 503")
+            }
+            false => {
+                tracing::warn!(key = %Short::of(&self.key), "idempotency lease may have run out before the request reached its upstream; not executed, answered 503")
+            }
+        }
         let answer = self.engine.store_unavailable(request);
         self.release_as(answer.status()).await;
         answer

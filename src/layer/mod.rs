@@ -51,7 +51,9 @@
 //! of its own. After your server's graceful shutdown, call
 //! [`Engine::drain`](crate::Engine::drain) with a bound before the process
 //! exits, or such a key stays in flight until its lease runs out and its
-//! retry executes again:
+//! retry executes again. Once it has returned the engine executes nothing
+//! more (a keyed request gets 503): call it only after your server stopped
+//! serving, not beside it:
 //!
 //! ```no_run
 //! # async fn run(engine: tower_idempotency::Engine) {

@@ -466,6 +466,9 @@ where
 fn declare_cut(parts: &mut http::response::Parts, received: usize) {
     if !headers::bodiless(parts.status) {
         let length = http::HeaderValue::from(received + 1);
+        // A length frames the body alone (a handler that copied an
+        // upstream's `Transfer-Encoding` would have hyper refuse both).
+        parts.headers.remove(http::header::TRANSFER_ENCODING);
         parts.headers.insert(http::header::CONTENT_LENGTH, length);
     }
 }
