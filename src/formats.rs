@@ -128,16 +128,21 @@ pub(crate) fn path_header(name: &http::HeaderName) -> Option<(PathHeader, usize)
 /// when they carry no boundary (with one, by parts: see
 /// [`rack_only_multipart`]).
 pub(crate) fn rack_form(content_type: &str) -> bool {
+    let media_type = media_type_as_rack_reads(content_type);
+    media_type.is_empty()
+        || media_type.eq_ignore_ascii_case(b"application/x-www-form-urlencoded")
+        || media_type.eq_ignore_ascii_case(b"multipart/form-data")
+        || (rack_multipart(media_type) && multipart_boundary(content_type).is_none())
+}
+
+/// The media type as Rack and PHP cut it: at `;`, `,` or a space.
+fn media_type_as_rack_reads(content_type: &str) -> &[u8] {
     let media_type = content_type.trim_start().as_bytes();
     let end = media_type
         .iter()
         .position(|b| matches!(b, b';' | b',' | b' ' | b'\t'))
         .unwrap_or(media_type.len());
-    let media_type = &media_type[..end];
-    media_type.is_empty()
-        || media_type.eq_ignore_ascii_case(b"application/x-www-form-urlencoded")
-        || media_type.eq_ignore_ascii_case(b"multipart/form-data")
-        || (rack_multipart(media_type) && multipart_boundary(content_type).is_none())
+    &media_type[..end]
 }
 
 /// Whether a media type (cut as [`rack_form`] cuts it) is one of the
@@ -150,12 +155,7 @@ fn rack_multipart(media_type: &[u8]) -> bool {
 /// Whether `content_type` is a multipart type Rack parses as a form whose
 /// parts this reader does not read (`multipart/mixed`, `multipart/related`).
 pub(crate) fn rack_only_multipart(content_type: &str) -> bool {
-    let media_type = content_type.trim_start().as_bytes();
-    let end = media_type
-        .iter()
-        .position(|b| matches!(b, b';' | b',' | b' ' | b'\t'))
-        .unwrap_or(media_type.len());
-    rack_multipart(&media_type[..end])
+    rack_multipart(media_type_as_rack_reads(content_type))
 }
 
 /// Whether some `Content-Type` line holds `/json` or `+json`, in any case

@@ -818,87 +818,57 @@ async fn a_response_body_that_fails_midway_is_not_executed_again() {
 /// reads a body without a length up to the close, so a body that failed
 /// after a prefix large enough for the server to send looked complete to
 /// it, while the README says the first caller sees the cut (its retries
-/// get 409). The head now declares a length the body falls short of.
+/// get 409). The head now declares a length the body falls short of. And
+/// (from a review of that fix) a handler that copied an upstream's
+/// `Transfer-Encoding: chunked` got that length beside it, a head hyper
+/// refuses: the length alone frames the cut.
 #[tokio::test]
 async fn a_failed_body_is_seen_cut_by_an_http_1_0_caller() {
-    let (engine, _store) = memory_engine(Policy::default());
-    let upstream = layered(&engine, |_, _| async move {
-        let chunks = vec![
-            Ok(Bytes::from(vec![b'o'; 512 * 1024])),
-            Err(std::io::Error::other("upstream went away")),
-        ];
-        reply(
-            StatusCode::CREATED,
-            Body::from_stream(futures::stream::iter(chunks)),
-        )
-    });
-    let (addr, server) = upstream.serve().await;
-    let request = "POST /orders HTTP/1.0\r\nhost: x\r\nidempotency-key: k\r\n\
-         content-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
-    let first = promptly(exchange_raw(addr, request.to_owned())).await;
-    let (head, body) = first
-        .split_once("\r\n\r\n")
-        .expect("the head and part of the body reach the caller");
-    assert!(head.starts_with("HTTP/1.0 201"), "{head}");
-    let declared = head.lines().find_map(|line| {
-        let line = line.to_ascii_lowercase();
-        let value = line.strip_prefix("content-length:")?;
-        Some(value.trim().parse::<usize>().unwrap())
-    });
-    assert!(
-        declared.is_some_and(|declared| declared > body.len()),
-        "an HTTP/1.0 caller must see the cut: {head} and {} bytes",
-        body.len()
-    );
-    let retry = promptly(exchange_raw(addr, request.to_owned())).await;
-    assert!(retry.contains("response-incomplete"), "{retry}");
-    assert_eq!(upstream.calls(), 1, "the inner service ran once");
-    server.abort();
-}
-
-/// From a review: a handler that copies an upstream's headers answers
-/// with `Transfer-Encoding: chunked` beside the body that breaks off; the
-/// cut's declared length went out beside it, and hyper refuses a head
-/// framed both ways. The length alone frames the cut.
-#[tokio::test]
-async fn a_failed_body_under_a_copied_transfer_encoding_is_still_seen_cut() {
-    let (engine, _store) = memory_engine(Policy::default());
-    let upstream = layered(&engine, |_, _| async move {
-        let chunks = vec![
-            Ok(Bytes::from(vec![b'o'; 512 * 1024])),
-            Err(std::io::Error::other("upstream went away")),
-        ];
-        let mut response = reply(
-            StatusCode::CREATED,
-            Body::from_stream(futures::stream::iter(chunks)),
+    for (version, copied_coding) in [("HTTP/1.0", false), ("HTTP/1.1", true)] {
+        let (engine, _store) = memory_engine(Policy::default());
+        let upstream = layered(&engine, move |_, _| async move {
+            let chunks = vec![
+                Ok(Bytes::from(vec![b'o'; 512 * 1024])),
+                Err(std::io::Error::other("upstream went away")),
+            ];
+            let mut response = reply(
+                StatusCode::CREATED,
+                Body::from_stream(futures::stream::iter(chunks)),
+            );
+            if copied_coding {
+                response.headers_mut().insert(
+                    http::header::TRANSFER_ENCODING,
+                    http::HeaderValue::from_static("chunked"),
+                );
+            }
+            response
+        });
+        let (addr, server) = upstream.serve().await;
+        let request = format!(
+            "POST /orders {version}\r\nhost: x\r\nidempotency-key: k\r\n\
+             content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
         );
-        response.headers_mut().insert(
-            http::header::TRANSFER_ENCODING,
-            http::HeaderValue::from_static("chunked"),
+        let first = promptly(exchange_raw(addr, request.clone())).await;
+        let (head, body) = first
+            .split_once("\r\n\r\n")
+            .expect("the head and part of the body reach the caller");
+        assert!(head.starts_with(&format!("{version} 201")), "{head}");
+        let head = head.to_ascii_lowercase();
+        assert!(!head.contains("transfer-encoding"), "{head}");
+        let declared = head.lines().find_map(|line| {
+            let value = line.strip_prefix("content-length:")?;
+            Some(value.trim().parse::<usize>().unwrap())
+        });
+        assert!(
+            declared.is_some_and(|declared| declared > body.len()),
+            "{version}: the caller must see the cut: {head} and {} bytes",
+            body.len()
         );
-        response
-    });
-    let (addr, server) = upstream.serve().await;
-    let request = "POST /orders HTTP/1.1\r\nhost: x\r\nidempotency-key: k\r\n\
-         content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}";
-    let first = promptly(exchange_raw(addr, request.to_owned())).await;
-    let (head, body) = first
-        .split_once("\r\n\r\n")
-        .expect("the head and part of the body reach the caller");
-    assert!(head.starts_with("HTTP/1.1 201"), "{head}");
-    let head = head.to_ascii_lowercase();
-    assert!(!head.contains("transfer-encoding"), "{head}");
-    let declared = head.lines().find_map(|line| {
-        let value = line.strip_prefix("content-length:")?;
-        Some(value.trim().parse::<usize>().unwrap())
-    });
-    assert!(
-        declared.is_some_and(|declared| declared > body.len()),
-        "the caller must see the cut: {head} and {} bytes",
-        body.len()
-    );
-    assert_eq!(upstream.calls(), 1);
-    server.abort();
+        let retry = promptly(exchange_raw(addr, request)).await;
+        assert!(retry.contains("response-incomplete"), "{retry}");
+        assert_eq!(upstream.calls(), 1, "the inner service ran once");
+        server.abort();
+    }
 }
 
 /// A response body that ends cleanly but short of the `Content-Length`
