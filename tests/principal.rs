@@ -474,3 +474,19 @@ fn a_bad_key_is_refused_when_the_routes_are_built() {
     let error = Routes::new().route("/orders", policy).unwrap_err();
     assert!(error.to_string().contains("EC public key"), "{error}");
 }
+
+/// From a review of isolation: a `Principal` extension may hold any
+/// bytes, and one an application set from a user-chosen id spelled like a
+/// JWT caller's principal (`\0jwt\0[null,"alice"]`) landed in alice's
+/// scope, replayed her answer. An extension never reaches a JWT caller's
+/// scope.
+#[tokio::test]
+async fn a_principal_extension_never_reaches_a_jwt_callers_scope() {
+    let harness = Harness::new(hs256_policy());
+    assert_executed(&harness.send(bearer("k1", &hs256("alice"))).await, 1);
+    let spelled = post(b"k1")
+        .extension(Principal::new(&b"\0jwt\0[null,\"alice\"]"[..]))
+        .body(Full::new(Bytes::from_static(b"pay 10 EUR")))
+        .unwrap();
+    assert_executed(&harness.send(spelled).await, 2);
+}

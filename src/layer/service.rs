@@ -21,7 +21,8 @@ use crate::Engine;
 /// JWT is then not read (the application has authenticated the caller).
 /// When not set, the route's principal, if any, is resolved and verified
 /// by the engine. The extension's bytes and a route's header principal's
-/// value share one namespace (a JWT's principal has its own): where some
+/// value share one namespace (a JWT's principal has its own, which no
+/// extension reaches, whatever bytes it holds): where some
 /// callers of a header-principal route come with the extension and others
 /// with the header, give them ids that cannot be equal (a prefix).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,6 +32,18 @@ impl Principal {
     /// A principal from any stable identifier (user id, tenant id, …).
     pub fn new(id: impl Into<Bytes>) -> Self {
         Principal(id.into())
+    }
+
+    /// The bytes the key's scope is made of: the id as it is, or, for an
+    /// id that starts with NUL (no header value can), behind a tag of its
+    /// own, so it is never the NUL-tagged principal of a JWT caller
+    /// (`\0jwt\0[null,"alice"]` set by an application from a user-chosen
+    /// id would otherwise have been alice's scope).
+    fn scoped(&self) -> Bytes {
+        match self.0.first() {
+            Some(0) => [&b"\0ext\0"[..], &self.0].concat().into(),
+            _ => self.0.clone(),
+        }
     }
 }
 
@@ -188,7 +201,7 @@ where
                 }
             };
             permit.shrink_to(body.len() as u64);
-            let principal = parts.extensions.get::<Principal>().map(|p| p.0.clone());
+            let principal = parts.extensions.get::<Principal>().map(Principal::scoped);
             let head = RequestHead {
                 method: &parts.method,
                 uri: original_uri(&parts.extensions, &parts.uri),
