@@ -105,7 +105,7 @@ enum KeysCommand {
 #[derive(Debug, Args)]
 struct TargetArgs {
     /// The record's scope hash (64 hex characters, as `lookup` prints it).
-    #[arg(long, value_name = "HEX", conflicts_with_all = ["key", "path", "method", "host", "headers"])]
+    #[arg(long, value_name = "HEX", conflicts_with_all = ["key", "path", "method", "host", "headers", "headers_file"])]
     scope: Option<String>,
     /// The raw idempotency key the client sent.
     #[arg(long, required_unless_present = "scope")]
@@ -119,9 +119,16 @@ struct TargetArgs {
     /// The Host the client addressed.
     #[arg(long)]
     host: Option<String>,
-    /// A header the route scopes by, as `name: value` (repeatable).
+    /// A header the route scopes by, as `name: value` (repeatable). A
+    /// credential here shows in `ps` and the shell's history: give it in
+    /// `--headers-file` instead.
     #[arg(long = "header", value_name = "NAME: VALUE", id = "headers")]
     headers: Vec<String>,
+    /// A file of `name: value` lines, one header each, read as `--header`s
+    /// (`-`: standard input): for credentials (`Authorization`, `Cookie`)
+    /// of a route that scopes by them.
+    #[arg(long, value_name = "FILE")]
+    headers_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     principal: PrincipalArgs,
 }
@@ -192,6 +199,29 @@ impl TargetArgs {
                 )));
             };
             query.add_header(name.trim(), value.trim());
+        }
+        if let Some(path) = &self.headers_file {
+            let text = match path.as_os_str() == "-" {
+                true => std::io::read_to_string(std::io::stdin()),
+                false => std::fs::read_to_string(path),
+            }
+            .map_err(|error| {
+                Failure::Input(format!("--headers-file {}: {error}", path.display()))
+            })?;
+            for (n, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                // The line is never echoed: it may hold a credential.
+                let Some((name, value)) = line.split_once(':') else {
+                    return Err(Failure::Input(format!(
+                        "--headers-file {}: line {}: expected `name: value`",
+                        path.display(),
+                        n + 1
+                    )));
+                };
+                query.add_header(name.trim(), value.trim());
+            }
         }
         Ok(Target::Query(query))
     }

@@ -507,3 +507,64 @@ async fn the_command_line_works_on_postgresql() {
         .await
         .ok();
 }
+
+/// From a review of the operator surface: a route scoped by a credential
+/// (`scope_headers = ["authorization"]`) could be looked up only with the
+/// credential in `--header`, where `ps` and the shell's history show it.
+/// `--headers-file` reads it from a file (or standard input), and a bad
+/// line is refused without being echoed.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_command_line_reads_credentials_from_a_file() {
+    let backend = Backend::start().await;
+    let dir = temp_dir("keys-cli-headers-file");
+    let store = format!("sqlite://{}", dir.join("records.db").display());
+    let config = "[[route]]\npath = \"/scoped\"\nscope_headers = [\"authorization\"]\n";
+    let mut args = ProxyArgs::new(backend.url(), config, &dir);
+    args.store = store.clone();
+    let mut proxy = Proxy::start(args).await;
+    let key = uuid();
+    let headers = [
+        ("idempotency-key", key.as_str()),
+        ("authorization", "Bearer secret-token-of-alice"),
+    ];
+    let first = proxy.send("POST", "/scoped", &headers, "{}").await;
+    assert!((200..300).contains(&first.status), "{}", first.status);
+    proxy.stop().await;
+    let file = dir.join("headers");
+    let config = dir.join("idempotency.toml");
+    let lookup = |file: &Path| {
+        cli(&[
+            "lookup",
+            "--key",
+            &key,
+            "--path",
+            "/scoped",
+            "--host",
+            "127.0.0.1",
+            "--headers-file",
+            file.to_str().unwrap(),
+            "--store",
+            &store,
+            "--config",
+            config.to_str().unwrap(),
+        ])
+    };
+    std::fs::write(&file, "authorization: Bearer secret-token-of-alice\n").unwrap();
+    let (code, found, log) = lookup(&file);
+    assert_eq!(
+        (code, found["state"].as_str()),
+        (0, Some("completed")),
+        "{found} {log}"
+    );
+    std::fs::write(&file, "authorization: Bearer another-token\n").unwrap();
+    let (_, missing, _) = lookup(&file);
+    assert_ne!(missing["state"].as_str(), Some("completed"), "{missing}");
+    std::fs::write(&file, "Bearer secret-token-of-alice\n").unwrap();
+    let (code, _, log) = lookup(&file);
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("line 1"), "{log}");
+    assert!(
+        !log.contains("secret-token"),
+        "the credential was echoed: {log}"
+    );
+}
