@@ -564,6 +564,7 @@ fn may_name_in_body(head: &RequestHead<'_>) -> bool {
     let content_type = formats::content_type(head.headers);
     is_post(head.method)
         && (formats::rack_form(content_type)
+            || formats::rack_only_multipart(content_type)
             || formats::is_media_type(content_type, "application/x-www-form-urlencoded")
             || formats::is_media_type(content_type, "multipart/form-data")
             || formats::spells_json(head.headers))
