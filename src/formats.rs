@@ -381,6 +381,24 @@ impl<'a> View<'a> {
         matches!(self.kind, Kind::Json)
     }
 
+    /// The values of every form field (urlencoded or multipart) named
+    /// `name`, in order; none for other bodies.
+    pub fn fields(&self, name: &str) -> Vec<&[u8]> {
+        match &self.kind {
+            Kind::Form(pairs) => pairs
+                .iter()
+                .filter(|(n, _)| n == name.as_bytes())
+                .map(|(_, v)| &v[..])
+                .collect(),
+            Kind::Multipart(parts) => parts
+                .iter()
+                .filter(|part| part.name == name.as_bytes())
+                .map(|part| part.data)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// The value of the first form field (urlencoded or multipart) named
     /// `name`; `None` for other bodies.
     pub fn field(&self, name: &str) -> Option<&[u8]> {

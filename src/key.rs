@@ -46,6 +46,13 @@ pub enum KeyError {
     /// The key field of a JSON body is not a string.
     #[error("the idempotency key field is not a string")]
     NotAString,
+    /// The key field is given more than once (in the body, in the query,
+    /// or under spellings a framework reads as its name) with different
+    /// values: backends differ on which one they read (PHP, Rack and
+    /// Django the last, others the first; Rails' `params` the query's,
+    /// Laravel's `input()` the body's).
+    #[error("the idempotency key field is given more than once with different values")]
+    Conflicting,
 }
 
 /// Reads the raw key from where `source` says, without validating it.
@@ -87,57 +94,115 @@ pub fn extract_from(
         KeySource::Query(name) => Ok(uri
             .query()
             .and_then(|query| formats::form_value(query.as_bytes(), name))),
-        KeySource::FormField(name) => Ok(form_field_key(name, headers, body)),
+        KeySource::FormField(name) => form_field_key(name, uri, headers, body),
         KeySource::JsonPointer(pointer) => {
             // Read whatever the content type says, as a client may not
             // label its JSON.
             let tokens = formats::parse_pointer(pointer);
-            let Ok(value) = serde_json::from_slice::<serde_json::Value>(body.bytes) else {
+            let in_json = match serde_json::from_slice::<serde_json::Value>(body.bytes) {
+                Ok(value) => match formats::pointer_get(&value, &tokens) {
+                    None | Some(serde_json::Value::Null) => None,
+                    Some(serde_json::Value::String(s)) => Some(s.clone().into_bytes()),
+                    Some(_) => return Err(KeyError::NotAString),
+                },
                 // What serde_json refuses but backends read (a BOM, a lone
                 // surrogate, deep nesting) must not hide the key.
-                return match json::value_at(body.bytes, &tokens) {
-                    // The same data sent as a form: read where backends
-                    // read it (see `form_name`).
-                    json::Found::Absent => Ok(form_name(&tokens)
-                        .and_then(|name| body.field(&name))
-                        .map(<[u8]>::to_vec)),
-                    json::Found::String(key) => Ok(Some(key)),
-                    json::Found::Other => Err(KeyError::NotAString),
-                };
+                Err(_) => match json::value_at(body.bytes, &tokens) {
+                    json::Found::Absent => None,
+                    json::Found::String(key) => Some(key),
+                    json::Found::Other => return Err(KeyError::NotAString),
+                },
             };
-            match formats::pointer_get(&value, &tokens) {
-                None | Some(serde_json::Value::Null) => Ok(None),
-                Some(serde_json::Value::String(s)) => Ok(Some(s.clone().into_bytes())),
-                Some(_) => Err(KeyError::NotAString),
-            }
+            // The same data sent as a form, or in the query: read where
+            // backends read it (see `form_name`).
+            let Some(name) = form_name(&tokens) else {
+                return Ok(in_json);
+            };
+            let mut readings = Readings::default();
+            readings.exact.extend(in_json);
+            readings.fields(&name, headers, body);
+            readings.query(&name, uri);
+            readings.settle()
         }
     }
 }
 
-/// A form-field key wherever the backends' frameworks read the field: the
-/// field itself; else, of the other readings, the first that holds a
-/// well-formed key (a malformed value there is no key, as before these
-/// readings, rather than a 400 for a request that never meant it as one): a
-/// field PHP or Rack reads under that name (`submission.token`,
+/// Every value a body-keyed route's key is read as, by the readings
+/// backends make of the request, to settle on one.
+#[derive(Default)]
+struct Readings {
+    /// The field itself, each time it is given (malformed or not).
+    exact: Vec<Vec<u8>>,
+    /// Well-formed values of the other readings, in order.
+    others: Vec<Vec<u8>>,
+}
+
+impl Readings {
+    /// The form fields `name` is read as ([`View::framework_fields`]: the
+    /// field itself, names PHP or Rack read as it, a body Rack reads as a
+    /// form although its type says otherwise).
+    fn fields(&mut self, name: &str, headers: &HeaderMap, body: &View<'_>) {
+        self.exact
+            .extend(body.fields(name).into_iter().map(<[u8]>::to_vec));
+        let content_type = formats::content_type(headers);
+        self.add(body.framework_fields(content_type, name));
+    }
+
+    /// The query's fields read as `name` (Laravel's `input()` and Rails'
+    /// `params` merge the query into the body's fields).
+    fn query(&mut self, name: &str, uri: &Uri) {
+        if let Some(query) = uri.query() {
+            self.add(formats::form_values_read_as(query.as_bytes(), name).collect());
+        }
+    }
+
+    fn add(&mut self, values: Vec<Vec<u8>>) {
+        let well_formed = |key: &Vec<u8>| validate(key, false).is_ok();
+        self.others.extend(values.into_iter().filter(well_formed));
+    }
+
+    /// The key: the field itself where it is given, else the first other
+    /// reading; [`KeyError::Conflicting`] when any reading says otherwise
+    /// (a malformed value of another reading is no key, as before these
+    /// readings, rather than a 400 for a request that never meant it as
+    /// one).
+    fn settle(self) -> Result<Option<Vec<u8>>, KeyError> {
+        let mut all = self.exact.into_iter().chain(self.others);
+        let Some(key) = all.next() else {
+            return Ok(None);
+        };
+        match all.any(|other| other != key) {
+            true => Err(KeyError::Conflicting),
+            false => Ok(Some(key)),
+        }
+    }
+}
+
+/// A form-field key wherever the backends' frameworks read the field
+/// ([`Readings`]): the field itself (each time it is given); a field PHP
+/// or Rack reads under that name (`submission.token`,
 /// `[submission_token]`, see [`formats::read_as`]); a body Rack reads as a
 /// form although its type says otherwise (none, a form type cut at a comma,
 /// multipart without a boundary); the same data sent as JSON, whose
 /// top-level member Laravel's `input()`, Rails' `params` and Express's
-/// `req.body` read (whatever the content type).
-fn form_field_key(name: &str, headers: &HeaderMap, body: &View<'_>) -> Option<Vec<u8>> {
-    if let Some(key) = body.field(name) {
-        return Some(key.to_vec());
+/// `req.body` read (whatever the content type); the query's field, which
+/// Laravel's `input()` and Rails' `params` merge in. Given more than once
+/// with different values, the key is [`KeyError::Conflicting`]: a backend
+/// may read another one than this reader (PHP, Rack and Django the last
+/// of a repeated field).
+fn form_field_key(
+    name: &str,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &View<'_>,
+) -> Result<Option<Vec<u8>>, KeyError> {
+    let mut readings = Readings::default();
+    readings.fields(name, headers, body);
+    if let json::Found::String(key) = json::value_at(body.bytes, &[name]) {
+        readings.add(vec![key]);
     }
-    let well_formed = |key: &Vec<u8>| validate(key, false).is_ok();
-    let content_type = formats::content_type(headers);
-    let framework = || body.framework_fields(content_type, name).into_iter().next();
-    let json = || match json::value_at(body.bytes, &[name]) {
-        json::Found::String(key) => Some(key),
-        _ => None,
-    };
-    framework()
-        .filter(well_formed)
-        .or_else(|| json().filter(well_formed))
+    readings.query(name, uri);
+    readings.settle()
 }
 
 /// The form field that holds a JSON pointer's value when the same data

@@ -1834,7 +1834,81 @@ async fn a_form_field_key_where_frameworks_read_it_runs_once() {
     if app.calls() - before != 1 {
         twice.push("two multipart lines".into());
     }
+    // From a review of the key: the token in the query string, which
+    // Laravel's `input()` and Rails' `params` merge into the form's fields.
+    let before = app.calls();
+    for _ in 0..2 {
+        let request = Request::post("/orders?submission_token=t9")
+            .header(header::CONTENT_TYPE, form)
+            .body(Full::new(Bytes::from("amount=10")))
+            .unwrap();
+        assert_eq!(app.send(request).await.status, StatusCode::CREATED);
+    }
+    if app.calls() - before != 1 {
+        twice.push("the token in the query".into());
+    }
     assert!(twice.is_empty(), "executed twice: {twice:?}");
+}
+
+/// From a review of the key: the key field given twice with different
+/// values (`submission_token=T&submission_token=U`, a PHP spelling after
+/// it, the body and the query apart): PHP, Rack and Django read the last,
+/// Rails' `params` the query's, and the engine the first, so under the
+/// Laravel and Django recipes (`mismatch = "replay"`) a submission the app
+/// records as token U was answered with T's stored redirect and never ran.
+/// Such a key is refused (400), never read one way here and another there.
+#[tokio::test]
+async fn a_key_field_given_twice_with_different_values_is_refused() {
+    let policy = Policy {
+        key: KeySource::FormField("submission_token".into()),
+        ..Policy::default()
+    };
+    let pointer = Policy {
+        key: KeySource::JsonPointer("/order/key".into()),
+        required: false,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/orders", policy)
+        .unwrap()
+        .route("/api/orders", pointer)
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = answering(&engine, StatusCode::CREATED);
+    let form = "application/x-www-form-urlencoded";
+    for (uri, body) in [
+        ("/orders", "submission_token=T&submission_token=U"),
+        ("/orders", "submission_token=T&submission.token=U"),
+        ("/orders?submission_token=U", "submission_token=T"),
+        ("/api/orders?order[key]=U", "order[key]=T"),
+    ] {
+        let request = Request::post(uri)
+            .header(header::CONTENT_TYPE, form)
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let reply = app.send(request).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{uri} {body}");
+    }
+    assert_eq!(app.calls(), 0);
+    // The same value twice is one key: replayed.
+    let same = || {
+        Request::post("/orders?submission_token=T")
+            .header(header::CONTENT_TYPE, form)
+            .body(Full::new(Bytes::from("submission_token=T&amount=1")))
+            .unwrap()
+    };
+    assert_eq!(app.send(same()).await.status, StatusCode::CREATED);
+    assert!(app.send(same()).await.replayed());
+    // A JSON-pointer key sent as a form under a spelling PHP reads, on a
+    // route whose key is optional: read, so the retry runs once.
+    for _ in 0..2 {
+        let request = Request::post("/api/orders")
+            .header(header::CONTENT_TYPE, form)
+            .body(Full::new(Bytes::from("+order[key]=k1&amount=10")))
+            .unwrap();
+        assert_eq!(app.send(request).await.status, StatusCode::CREATED);
+    }
+    assert_eq!(app.calls(), 2, "the PHP spelling of order[key] ran twice");
 }
 
 /// Scenario: the default policy (header key, `mismatch = "reject"`), and
