@@ -91,15 +91,22 @@ pub fn extract_from(
             }
             unquote(value.as_bytes()).map(Some)
         }
-        KeySource::Query(name) => Ok(uri
-            .query()
-            .and_then(|query| formats::form_value(query.as_bytes(), name))),
+        KeySource::Query(name) => {
+            // Repeated with different values (`?key=T&key=U`: PHP and Rack
+            // read the last), or under a spelling PHP or Rack read as it:
+            // refused, as a repeated header is.
+            let mut readings = Readings::default();
+            readings.query(name, uri, true);
+            readings.settle()
+        }
         KeySource::FormField(name) => form_field_key(name, uri, headers, body),
         KeySource::JsonPointer(pointer) => {
             // Read whatever the content type says, as a client may not
             // label its JSON.
             let tokens = formats::parse_pointer(pointer);
-            let in_json = match serde_json::from_slice::<serde_json::Value>(body.bytes) {
+            let parsed = serde_json::from_slice::<serde_json::Value>(body.bytes);
+            let json_body = parsed.is_ok() || body.is_json();
+            let in_json = match parsed {
                 Ok(value) => match formats::pointer_get(&value, &tokens) {
                     None | Some(serde_json::Value::Null) => None,
                     Some(serde_json::Value::String(s)) => Some(s.clone().into_bytes()),
@@ -121,7 +128,12 @@ pub fn extract_from(
             let mut readings = Readings::default();
             readings.exact.extend(in_json);
             readings.fields(&name, headers, body);
-            readings.query(&name, uri);
+            // The query only beside a body that is no JSON (a form): a
+            // JSON API's `?key=…` is as often its API key (Express's
+            // `req.body` never merges the query).
+            if !json_body {
+                readings.query(&name, uri, false);
+            }
             readings.settle()
         }
     }
@@ -133,7 +145,7 @@ pub fn extract_from(
 struct Readings {
     /// The field itself, each time it is given (malformed or not).
     exact: Vec<Vec<u8>>,
-    /// Well-formed values of the other readings, in order.
+    /// The values of the other readings, in order.
     others: Vec<Vec<u8>>,
 }
 
@@ -145,33 +157,55 @@ impl Readings {
         self.exact
             .extend(body.fields(name).into_iter().map(<[u8]>::to_vec));
         let content_type = formats::content_type(headers);
-        self.add(body.framework_fields(content_type, name));
+        self.others
+            .extend(body.framework_fields(content_type, name));
     }
 
-    /// The query's fields read as `name` (Laravel's `input()` and Rails'
-    /// `params` merge the query into the body's fields).
-    fn query(&mut self, name: &str, uri: &Uri) {
-        if let Some(query) = uri.query() {
-            self.add(formats::form_values_read_as(query.as_bytes(), name).collect());
+    /// The query's fields read as `name` ([`formats::read_as`]; fields
+    /// split at `;` too, as Rack 2 splits a query), as the key's own
+    /// field (`exact`: a query route) or as another reading (a body-keyed
+    /// route: Laravel's `input()` and Rails' `params` merge the query into
+    /// the body's fields).
+    fn query(&mut self, name: &str, uri: &Uri, exact: bool) {
+        let Some(query) = uri.query() else { return };
+        let query = match query.contains(';') {
+            true => std::borrow::Cow::Owned(query.replace(';', "&")),
+            false => std::borrow::Cow::Borrowed(query),
+        };
+        for (field, value) in formats::form_pairs(query.as_bytes()) {
+            if exact && field == name.as_bytes() {
+                self.exact.push(value);
+            } else if formats::read_as(&field, name) {
+                self.others.push(value);
+            }
         }
     }
 
-    fn add(&mut self, values: Vec<Vec<u8>>) {
-        let well_formed = |key: &Vec<u8>| validate(key, false).is_ok();
-        self.others.extend(values.into_iter().filter(well_formed));
-    }
-
-    /// The key: the field itself where it is given, else the first other
-    /// reading; [`KeyError::Conflicting`] when any reading says otherwise
-    /// (a malformed value of another reading is no key, as before these
-    /// readings, rather than a 400 for a request that never meant it as
-    /// one).
+    /// The key: the field itself where it is given, else the first
+    /// well-formed other reading (a malformed value there is no key, as
+    /// before these readings, rather than a 400 for a request that never
+    /// meant it as one); [`KeyError::Conflicting`] when a reading says
+    /// otherwise: once the field itself is given, any other non-empty
+    /// value (PHP reads the last `submission.token=U%20V` as the key,
+    /// malformed or not); without it, another well-formed one.
     fn settle(self) -> Result<Option<Vec<u8>>, KeyError> {
-        let mut all = self.exact.into_iter().chain(self.others);
-        let Some(key) = all.next() else {
-            return Ok(None);
+        let Readings { exact, others } = self;
+        let (key, rest): (Vec<u8>, Vec<Vec<u8>>) = match exact.split_first() {
+            Some((key, more)) => {
+                let others = others.into_iter().filter(|value| !value.is_empty());
+                (key.clone(), more.iter().cloned().chain(others).collect())
+            }
+            None => {
+                let mut well_formed = others
+                    .into_iter()
+                    .filter(|key| validate(key, false).is_ok());
+                let Some(key) = well_formed.next() else {
+                    return Ok(None);
+                };
+                (key, well_formed.collect())
+            }
         };
-        match all.any(|other| other != key) {
+        match rest.iter().any(|other| *other != key) {
             true => Err(KeyError::Conflicting),
             false => Ok(Some(key)),
         }
@@ -199,9 +233,9 @@ fn form_field_key(
     let mut readings = Readings::default();
     readings.fields(name, headers, body);
     if let json::Found::String(key) = json::value_at(body.bytes, &[name]) {
-        readings.add(vec![key]);
+        readings.others.push(key);
     }
-    readings.query(name, uri);
+    readings.query(name, uri, false);
     readings.settle()
 }
 
