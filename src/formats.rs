@@ -521,7 +521,7 @@ pub(crate) fn form_read_one_way(body: &[u8]) -> bool {
 /// Whether `body`, past a UTF-8 byte order mark and JSON's whitespace,
 /// starts an object, an array or a string: the bodies a JSON reader takes
 /// in which a form reader finds fields to decode or to sort.
-fn opens_as_json(body: &[u8]) -> bool {
+pub(crate) fn opens_as_json(body: &[u8]) -> bool {
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     body.iter()
         .find(|b| !matches!(b, b' ' | b'\t' | b'\r' | b'\n'))

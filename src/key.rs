@@ -105,7 +105,18 @@ pub fn extract_from(
             // label its JSON.
             let tokens = formats::parse_pointer(pointer);
             let parsed = serde_json::from_slice::<serde_json::Value>(body.bytes);
-            let json_body = parsed.is_ok() || body.is_json();
+            // The query is read beside a form only: beside JSON (labelled,
+            // parsed, or opening as JSON does), an empty body or any other,
+            // a JSON API's `?key=…` is as often its API key.
+            let form = match &body.kind {
+                formats::Kind::Form(_) | formats::Kind::Multipart(_) => true,
+                _ => {
+                    let content_type = formats::content_type(headers);
+                    !body.bytes.is_empty() && formats::rack_form(content_type)
+                }
+            };
+            let json_body = parsed.is_ok() || body.is_json() || formats::opens_as_json(body.bytes);
+            let form = form && !json_body;
             let in_json = match parsed {
                 Ok(value) => match formats::pointer_get(&value, &tokens) {
                     None | Some(serde_json::Value::Null) => None,
@@ -128,10 +139,8 @@ pub fn extract_from(
             let mut readings = Readings::default();
             readings.exact.extend(in_json);
             readings.fields(&name, headers, body);
-            // The query only beside a body that is no JSON (a form): a
-            // JSON API's `?key=…` is as often its API key (Express's
-            // `req.body` never merges the query).
-            if !json_body {
+            // Express's `req.body` never merges the query either.
+            if form {
                 readings.query(&name, uri, false);
             }
             readings.settle()
@@ -168,15 +177,21 @@ impl Readings {
     /// the body's fields).
     fn query(&mut self, name: &str, uri: &Uri, exact: bool) {
         let Some(query) = uri.query() else { return };
-        let query = match query.contains(';') {
-            true => std::borrow::Cow::Owned(query.replace(';', "&")),
-            false => std::borrow::Cow::Borrowed(query),
-        };
         for (field, value) in formats::form_pairs(query.as_bytes()) {
             if exact && field == name.as_bytes() {
                 self.exact.push(value);
             } else if formats::read_as(&field, name) {
                 self.others.push(value);
+            }
+        }
+        // Rack 2's reading beside it: a `;` inside the key (`key=a;b`)
+        // cuts it there, so that key conflicts rather than shrinks.
+        if query.contains(';') {
+            let split = query.replace(';', "&");
+            for (field, value) in formats::form_pairs(split.as_bytes()) {
+                if formats::read_as(&field, name) {
+                    self.others.push(value);
+                }
             }
         }
     }
