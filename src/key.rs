@@ -92,9 +92,9 @@ pub fn extract_from(
             unquote(value.as_bytes()).map(Some)
         }
         KeySource::Query(name) => {
-            // Repeated with different values (`?key=T&key=U`: PHP and Rack
-            // read the last), or under a spelling PHP or Rack read as it:
-            // refused, as a repeated header is.
+            // Also under the names PHP and Rack read as it; given more
+            // than once with different values (`?key=T&key=U`: PHP and
+            // Rack read the last), refused, as a repeated header is.
             let mut readings = Readings::default();
             readings.query(name, uri, true);
             readings.settle()
