@@ -342,20 +342,26 @@ impl<'a> View<'a> {
     /// PHP or Rack reads as `name` ([`read_as`]), in order; none for other
     /// bodies.
     pub fn fields_read_as(&self, name: &str) -> Vec<&[u8]> {
-        let named = |raw: &[u8]| read_as(raw, name);
-        match &self.kind {
-            Kind::Form(pairs) => pairs
-                .iter()
-                .filter(|(n, _)| named(n))
-                .map(|(_, v)| &v[..])
-                .collect(),
-            Kind::Multipart(parts) => parts
-                .iter()
-                .filter(|part| named(part.name))
-                .map(|part| part.data)
-                .collect(),
-            _ => Vec::new(),
-        }
+        self.values_where(|raw| read_as(raw, name)).collect()
+    }
+
+    /// The values of the form fields (urlencoded or multipart) whose raw
+    /// names `named` accepts, in order; none for other bodies.
+    fn values_where<'v, F>(&'v self, named: F) -> impl Iterator<Item = &'v [u8]> + use<'v, 'a, F>
+    where
+        F: Fn(&[u8]) -> bool,
+    {
+        let (pairs, parts): (&[_], &[Part<'a>]) = match &self.kind {
+            Kind::Form(pairs) => (pairs, &[]),
+            Kind::Multipart(parts) => (&[], parts),
+            _ => (&[], &[]),
+        };
+        let pairs = pairs.iter().map(|(n, v)| (&n[..], &v[..]));
+        let parts = parts.iter().map(|part| (part.name, part.data));
+        pairs
+            .chain(parts)
+            .filter(move |(name, _)| named(name))
+            .map(|(_, value)| value)
     }
 
     /// The values of every form field PHP or Rack reads as `name`, in
@@ -384,35 +390,13 @@ impl<'a> View<'a> {
     /// The values of every form field (urlencoded or multipart) named
     /// `name`, in order; none for other bodies.
     pub fn fields(&self, name: &str) -> Vec<&[u8]> {
-        match &self.kind {
-            Kind::Form(pairs) => pairs
-                .iter()
-                .filter(|(n, _)| n == name.as_bytes())
-                .map(|(_, v)| &v[..])
-                .collect(),
-            Kind::Multipart(parts) => parts
-                .iter()
-                .filter(|part| part.name == name.as_bytes())
-                .map(|part| part.data)
-                .collect(),
-            _ => Vec::new(),
-        }
+        self.values_where(|raw| raw == name.as_bytes()).collect()
     }
 
     /// The value of the first form field (urlencoded or multipart) named
     /// `name`; `None` for other bodies.
     pub fn field(&self, name: &str) -> Option<&[u8]> {
-        match &self.kind {
-            Kind::Form(pairs) => pairs
-                .iter()
-                .find(|(n, _)| n == name.as_bytes())
-                .map(|(_, v)| &v[..]),
-            Kind::Multipart(parts) => parts
-                .iter()
-                .find(|part| part.name == name.as_bytes())
-                .map(|part| part.data),
-            _ => None,
-        }
+        self.values_where(|raw| raw == name.as_bytes()).next()
     }
 }
 

@@ -193,12 +193,12 @@ impl TargetArgs {
             ..Query::default()
         };
         for header in &self.headers {
-            let Some((name, value)) = header.split_once(':') else {
+            let Some((name, value)) = header_line(header) else {
                 return Err(Failure::Input(format!(
                     "--header: expected `name: value`, got `{header}`"
                 )));
             };
-            query.add_header(name.trim(), value.trim());
+            query.add_header(name, value);
         }
         if let Some(path) = &self.headers_file {
             let text = match path.as_os_str() == "-" {
@@ -213,18 +213,25 @@ impl TargetArgs {
                     continue;
                 }
                 // The line is never echoed: it may hold a credential.
-                let Some((name, value)) = line.split_once(':') else {
+                let Some((name, value)) = header_line(line) else {
                     return Err(Failure::Input(format!(
                         "--headers-file {}: line {}: expected `name: value`",
                         path.display(),
                         n + 1
                     )));
                 };
-                query.add_header(name.trim(), value.trim());
+                query.add_header(name, value);
             }
         }
         Ok(Target::Query(query))
     }
+}
+
+/// A `name: value` header line (of `--header` or `--headers-file`), both
+/// trimmed.
+fn header_line(line: &str) -> Option<(&str, &str)> {
+    let (name, value) = line.split_once(':')?;
+    Some((name.trim(), value.trim()))
 }
 
 impl KeysCommand {

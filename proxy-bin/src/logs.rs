@@ -242,21 +242,23 @@ pub fn flush() {
         }
         // Another flush has the writer (SIGINT during the drain's exit):
         // wait for its last batch as it does, or lines would be lost.
-        let deadline = std::time::Instant::now() + FLUSH_WAIT;
-        while !pending().stopped && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_at_most(FLUSH_WAIT, || pending().stopped);
         return;
     };
     pending().closing = true;
     WAKE.notify_one();
-    let deadline = std::time::Instant::now() + FLUSH_WAIT;
-    while !writer.is_finished() && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    if writer.is_finished() {
+    if wait_at_most(FLUSH_WAIT, || writer.is_finished()) {
         let _ = writer.join();
     }
+}
+
+/// Polls `done` until it holds or `limit` has passed; whether it holds.
+fn wait_at_most(limit: Duration, done: impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while !done() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    done()
 }
 
 #[cfg(test)]

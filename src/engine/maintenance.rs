@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::Engine;
-use crate::store::{ScopeKey, StoreError};
+use crate::store::{OwnerToken, ScopeKey, StoreError};
 
 /// The engine's work that outlives its request: an outcome whose storing
 /// failed and is retried, a release of an abandoned reservation. Each is a
@@ -118,15 +118,15 @@ impl Engine {
                 reservations = held,
                 "idempotency shutdown abandoned executions still running"
             );
-            let settling: Vec<ScopeKey> =
-                self.inner.leases.settling().iter().map(|s| s.0).collect();
-            marked_keys = self.mark_abandoned().await;
+            let settling = self.inner.leases.settling();
+            let settling_keys: Vec<ScopeKey> = settling.iter().map(|s| s.0).collect();
+            marked_keys = self.mark_abandoned(settling).await;
             marked = marked_keys.len();
             let mut keys: Vec<ScopeKey> = self.inner.leases.keys();
             keys.sort_by_key(ScopeKey::short);
             keys.dedup();
             // An answer being stored is background work, logged below.
-            keys.retain(|key| !settling.contains(key));
+            keys.retain(|key| !settling_keys.contains(key));
             for key in keys {
                 match marked_keys.contains(&key) {
                     true => {
@@ -171,8 +171,12 @@ impl Engine {
     /// stored" for each whose answer is still being stored, as its owner,
     /// within half a second: the process is going away, and the upstream
     /// may have acted or may still, so no retry may run it again once the
-    /// lease runs out. Returns the keys a marker was stored for.
-    async fn mark_abandoned(&self) -> Vec<ScopeKey> {
+    /// lease runs out. `settling` is [`Leases::settling`](super::lease::Leases::settling),
+    /// taken once by the caller. Returns the keys a marker was stored for.
+    async fn mark_abandoned(
+        &self,
+        settling: Vec<(ScopeKey, OwnerToken, Duration, http::StatusCode)>,
+    ) -> Vec<ScopeKey> {
         const BUDGET: Duration = Duration::from_millis(500);
         let detail = "The server shut down while the request was being executed; it may or may \
                       not have taken effect, and it will not be executed again with this key.";
@@ -191,15 +195,10 @@ impl Engine {
         // refusing it) gets the small "executed, response not stored"
         // marker instead, which a store that takes fresh calls may still
         // take: retries then get 409, never a second execution.
-        let settling = self
-            .inner
-            .leases
-            .settling()
-            .into_iter()
-            .map(|(key, owner, ttl, status)| {
-                let outcome = self.seal(&key, crate::store::Outcome::TooLarge { status });
-                (key, owner, ttl, outcome)
-            });
+        let settling = settling.into_iter().map(|(key, owner, ttl, status)| {
+            let outcome = self.seal(&key, crate::store::Outcome::TooLarge { status });
+            (key, owner, ttl, outcome)
+        });
         for (key, owner, ttl, outcome) in running.chain(settling) {
             let engine = self.clone();
             calls.spawn(async move {

@@ -460,11 +460,7 @@ async fn a_waiter_polls_with_reads_not_reservations() {
     });
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(!waiter.is_finished(), "the waiter is still waiting");
-    let _ = first
-        .record(StatusCode::CREATED, &HeaderMap::new())
-        .await
-        .end()
-        .await;
+    created(first).await;
     let Decision::Respond(replay) = waiter.await.unwrap() else {
         panic!("the waiter replays");
     };
@@ -862,11 +858,7 @@ async fn a_store_outage_shorter_than_the_lease_never_executes_twice() {
     // The store is down for a while (well under the lease) when the
     // upstream's answer arrives.
     faults.set_next(Op::Complete, Fault::Down, 10);
-    let _ = reservation
-        .record(StatusCode::CREATED, &HeaderMap::new())
-        .await
-        .end()
-        .await;
+    created(reservation).await;
     // Long after the lease, a retry is a replay, not a second execution.
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(faults.remaining(Op::Complete), 0, "storing was retried");
@@ -1121,11 +1113,7 @@ async fn drain_waits_for_a_completion_being_retried() {
     // Storing fails for a while: the client gets its answer, the outcome is
     // retried in the background.
     faults.set_next(Op::Complete, Fault::Down, 20);
-    let _ = reservation
-        .record(StatusCode::CREATED, &HeaderMap::new())
-        .await
-        .end()
-        .await;
+    created(reservation).await;
     assert_eq!(engine.pending_background(), 1, "the completion is pending");
     let report = engine.drain(Duration::from_secs(30)).await;
     assert!(report.is_complete(), "{report:?}");
@@ -1152,11 +1140,7 @@ async fn drain_waits_for_a_completion_being_retried() {
 async fn a_drain_marks_an_answer_still_being_stored() {
     let (engine, faults, policy, reservation) = reserved_over_faulty().await;
     faults.set(Op::Complete, Fault::Down);
-    let _ = reservation
-        .record(StatusCode::CREATED, &HeaderMap::new())
-        .await
-        .end()
-        .await;
+    created(reservation).await;
     assert_eq!(engine.pending_background(), 1, "the completion is pending");
     // The store answers again just before the drain's deadline, between
     // two of the background attempts (10, 20, 40, … 200 ms apart).
@@ -1184,13 +1168,7 @@ async fn a_drain_marks_an_answer_still_being_stored() {
 async fn a_drain_never_races_an_answer_on_its_first_attempt() {
     let (engine, faults, policy, reservation) = reserved_over_faulty().await;
     faults.set_next(Op::Complete, Fault::Stall(Duration::from_millis(300)), 1);
-    let storing = tokio::spawn(async move {
-        reservation
-            .record(StatusCode::CREATED, &HeaderMap::new())
-            .await
-            .end()
-            .await
-    });
+    let storing = tokio::spawn(async move { created(reservation).await });
     tokio::time::sleep(Duration::from_millis(10)).await;
     let report = engine.drain(Duration::ZERO).await;
     assert_eq!(report.marked, 0, "{report:?}");
@@ -1241,11 +1219,7 @@ async fn drain_reports_what_it_abandons_at_its_timeout() {
     // Storing keeps failing, and so does releasing an abandoned key.
     faults.set(Op::Complete, Fault::Down);
     faults.set(Op::Release, Fault::Down);
-    let _ = reservation
-        .record(StatusCode::CREATED, &HeaderMap::new())
-        .await
-        .end()
-        .await;
+    created(reservation).await;
     let report = engine.drain(Duration::from_secs(5)).await;
     assert_eq!(report.waited_for, 2);
     assert_eq!(report.abandoned, vec![key.clone()]);
@@ -1275,11 +1249,7 @@ async fn drain_waits_for_an_execution_still_holding_its_key() {
     // The execution (e.g. one whose caller went away) ends later.
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let _ = reservation
-            .record(StatusCode::CREATED, &HeaderMap::new())
-            .await
-            .end()
-            .await;
+        created(reservation).await;
     });
     let report = engine.drain(Duration::from_secs(10)).await;
     assert!(report.is_complete(), "{report:?}");
