@@ -1099,3 +1099,51 @@ async fn outbox_run_ignores_sighup_and_stops_on_sigquit() {
     let status = runner.0.wait().unwrap();
     assert!(status.success(), "SIGQUIT is a clean stop: {status:?}");
 }
+
+/// A second stop signal ends `outbox run`'s shutdown at once: the first
+/// waits for the deliveries under way (up to `shutdown_grace`, 10 s by
+/// default), and an operator's second Ctrl-C was ignored until then. The
+/// row held by the receiver stays leased, left to the rescuer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_run_exits_on_a_second_stop_signal_during_its_shutdown() {
+    let dir = temp_dir("outbox-second-signal");
+    let db = Db::sqlite(&dir).await;
+    let crm = Receiver::start(Duration::ZERO, true).await;
+    let config = dir.join("outbox.toml");
+    std::fs::write(
+        &config,
+        outbox_config(Some(db.url()), &crm.url(), &["crm"], ""),
+    )
+    .unwrap();
+    let mut runner = Runner::start(&dir, &config);
+    db.wait_for_table().await;
+    assert!(db.enqueue("crm", "order-1", "{}").await);
+    // The receiver holds the first delivery: it is under way.
+    tokio::time::timeout(Duration::from_secs(20), crm.state.held.notified())
+        .await
+        .expect("the delivery reached the receiver");
+    runner.signal("-TERM");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        runner.0.try_wait().unwrap().is_none(),
+        "the first SIGTERM waits for the delivery under way"
+    );
+    runner.signal("-INT");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(status) = runner.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a second stop signal did not end the shutdown"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status:?}");
+    assert_eq!(
+        db.count("state = 'completed'").await,
+        0,
+        "the held delivery was never answered"
+    );
+}

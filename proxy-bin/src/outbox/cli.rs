@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 use tower_idempotency::outbox::Outbox;
 
 use super::config::is_database;
@@ -216,39 +216,64 @@ async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn s
     };
     let secrets = settings.secrets(path)?;
     let outbox = workers::open(&database, settings.listeners()).await?;
+    // As the proxy reads them: SIGTERM, SIGINT and SIGQUIT stop the
+    // workers, SIGHUP is ignored (their default actions killed the process
+    // with deliveries under way, leaving rows to the rescuer, and a row on
+    // its last attempt dead). Installed before the first worker starts: a
+    // signal that arrives while they start is a stop, never a kill.
+    let mut stops = Stops::install()?;
     let workers = Workers::start(outbox, settings, secrets);
     tracing::info!(
         destinations = settings.destinations.len(),
         database = database.split(':').next().unwrap_or_default(),
         "outbox workers started"
     );
-    // As the proxy reads them: SIGTERM, SIGINT and SIGQUIT stop the
-    // workers, SIGHUP is ignored (their default actions killed the process
-    // with deliveries under way, leaving rows to the rescuer, and a row on
-    // its last attempt dead).
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut quit = signal(SignalKind::quit())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    loop {
-        tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
-            _ = quit.recv() => break,
-            _ = hup.recv() => {
-                tracing::info!("SIGHUP ignored: SIGTERM stops the outbox workers");
+    let signal = stops.next().await;
+    tracing::info!(signal, "stopping the outbox workers");
+    let timeout = resolved.shutdown_timeout;
+    tokio::select! {
+        stopped = tokio::time::timeout(timeout, workers.shutdown()) => match stopped {
+            Ok(()) => tracing::info!("outbox workers stopped"),
+            Err(_) => {
+                tracing::error!("shutdown_timeout passed; exiting with rows left to the rescuer");
+            }
+        },
+        signal = stops.next() => {
+            tracing::warn!(signal, "second stop signal: exiting with rows left to the rescuer");
+        }
+    }
+    Ok(())
+}
+
+/// The signals that stop `outbox run`, and SIGHUP, which is ignored.
+struct Stops {
+    term: Signal,
+    int: Signal,
+    quit: Signal,
+    hup: Signal,
+}
+
+impl Stops {
+    fn install() -> std::io::Result<Self> {
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            quit: signal(SignalKind::quit())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// Waits for the next stop signal and names it.
+    async fn next(&mut self) -> &'static str {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return "SIGTERM",
+                _ = self.int.recv() => return "SIGINT",
+                _ = self.quit.recv() => return "SIGQUIT",
+                _ = self.hup.recv() => {
+                    tracing::info!("SIGHUP ignored: SIGTERM stops the outbox workers");
+                }
             }
         }
     }
-    tracing::info!("stopping the outbox workers");
-    let timeout = resolved.shutdown_timeout;
-    if tokio::time::timeout(timeout, workers.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::error!("shutdown_timeout passed; exiting with rows left to the rescuer");
-    } else {
-        tracing::info!("outbox workers stopped");
-    }
-    Ok(())
 }
