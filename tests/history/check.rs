@@ -44,6 +44,16 @@ fn exec_id(body: &[u8]) -> Option<usize> {
     text.strip_prefix("exec:")?.split(':').next()?.parse().ok()
 }
 
+/// The execution an answer came from: named in its body, or, for an empty
+/// body (a 204), by its first `x-exec` header.
+fn answer_exec_id(body: &[u8], headers: &[(String, Vec<u8>)]) -> Option<usize> {
+    if !body.is_empty() {
+        return exec_id(body);
+    }
+    let (_, value) = headers.iter().find(|(name, _)| name == "x-exec")?;
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
 fn acq_i_start(acquired: &HashMap<usize, &StoreEvent>, exec: &Exec) -> u64 {
     acquired[&exec.request].start.seq
 }
@@ -599,7 +609,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
         else {
             continue;
         };
-        let Some(exec) = exec_id(body).and_then(|id| execs.get(&id)) else {
+        let Some(exec) = answer_exec_id(body, headers).and_then(|id| execs.get(&id)) else {
             if *replayed {
                 flag(
                     "replay",

@@ -274,7 +274,7 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
             0..=5 if config.success_redirects => {
                 Upstream::Redirect(rng.random_range(0..LOCATIONS.len()))
             }
-            0..=11 => Upstream::Answer(pick(&mut rng, &[200, 201, 303])),
+            0..=11 => Upstream::Answer(pick(&mut rng, &[200, 201, 204, 303])),
             12 | 13 => Upstream::Answer(pick(&mut rng, &[409, 422, 500, 503])),
             14 | 15 => Upstream::ErrBeforeHead,
             _ => Upstream::MidBody,
@@ -529,7 +529,11 @@ async fn upstream(
         .unwrap();
     let script = shared.scripts[&id].clone();
     let exec = shared.next_exec.fetch_add(1, Ordering::SeqCst);
-    let body = Bytes::from(format!("exec:{exec}:request:{id}"));
+    // A 204 carries no body: its execution is named by `x-exec` alone.
+    let body = match script.upstream {
+        Upstream::Answer(204) => Bytes::new(),
+        _ => Bytes::from(format!("exec:{exec}:request:{id}")),
+    };
     let index = {
         let mut execs = shared.execs.lock().unwrap();
         execs.push(Exec {
@@ -551,6 +555,7 @@ async fn upstream(
     shared.execs.lock().unwrap()[index].end = Some(shared.mutant.stamp());
     let frames: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = match script.upstream {
         Upstream::ErrBeforeHead => return Err(std::io::Error::other("upstream down")),
+        Upstream::Answer(204) => vec![],
         Upstream::Answer(_) | Upstream::Redirect(_) => vec![
             Ok(http_body::Frame::data(body.slice(..6))),
             Ok(http_body::Frame::data(body.slice(6..))),
