@@ -218,8 +218,11 @@ impl Upstream {
             session.shutdown().await;
             return;
         }
+        let bodiless = session
+            .resp_header()
+            .is_some_and(|head| headers::bodiless(head.status));
         if let Some(stream) = session.reuse().await {
-            self.idle.put(stream, finished, kept);
+            self.idle.put(stream, finished, kept, bodiless);
         }
     }
 
@@ -288,11 +291,19 @@ struct Pool {
     idle: Mutex<Vec<Idle>>,
 }
 
-/// A pooled connection: since when it is idle, and for how long it may be.
+/// A pooled connection: since when it is idle, for how long it may be,
+/// and whether its last answer was a 204 or 304.
 struct Idle {
     stream: Stream,
     since: Instant,
     max_idle: Duration,
+    /// A 204 or 304 ends at its head, so a body its upstream writes after
+    /// it anyway, later than the check when the connection is taken, is
+    /// read as the answer to the next request on it: that of another
+    /// client. Such a connection never carries a request a key rides on
+    /// ([`Check::Kernel`]): there the stray bytes would be stored as that
+    /// key's outcome and replayed for its TTL.
+    after_bodiless: bool,
 }
 
 impl Idle {
@@ -307,6 +318,9 @@ impl Pool {
     fn take(&self, check: Check) -> Option<Stream> {
         loop {
             let mut idle = self.lock().pop()?;
+            if idle.after_bodiless && check == Check::Kernel {
+                continue;
+            }
             if !idle.expired() && still_open(&mut idle.stream, check) {
                 return Some(idle.stream);
             }
@@ -314,15 +328,16 @@ impl Pool {
     }
 
     /// Keeps a connection whose exchange ended cleanly, idle since
-    /// `since`, for up to `max_idle`; past [`POOL_SIZE`], the oldest is
-    /// closed.
-    fn put(&self, stream: Stream, since: Instant, max_idle: Duration) {
+    /// `since`, for up to `max_idle` (`after_bodiless`: see [`Idle`]);
+    /// past [`POOL_SIZE`], the oldest is closed.
+    fn put(&self, stream: Stream, since: Instant, max_idle: Duration, after_bodiless: bool) {
         let oldest = {
             let mut idle = self.lock();
             idle.push(Idle {
                 stream,
                 since,
                 max_idle,
+                after_bodiless,
             });
             (idle.len() > POOL_SIZE).then(|| idle.remove(0))
         };
@@ -655,10 +670,12 @@ fn declares_body(head: &ResponseHeader) -> bool {
 }
 
 /// Reads the response head, skipping interim responses (100 Continue, 103
-/// Early Hints, 102 Processing; 101 cannot happen without an Upgrade
-/// header), until `deadline`: an upstream that sends interim answers for
-/// good passes every `read_timeout`. An interim answer that declares a
-/// body is an error: what follows it is no answer to trust.
+/// Early Hints, 102 Processing), until `deadline`: an upstream that sends
+/// interim answers for good passes every `read_timeout`. An interim answer
+/// that declares a body is an error: what follows it is no answer to
+/// trust. So is a 101: these requests never ask for an upgrade (RFC 9110,
+/// 15.2.2, forbids it then), and taken as the final answer it would have
+/// released the key of a request the upstream received, to run again.
 async fn read_head(
     session: &mut HttpSession,
     deadline: Option<tokio::time::Instant>,
@@ -669,7 +686,13 @@ async fn read_head(
             let Some(head) = session.resp_header() else {
                 return Ok(());
             };
-            if !head.status.is_informational() || head.status.as_u16() == 101 {
+            if head.status == http::StatusCode::SWITCHING_PROTOCOLS {
+                return Error::e_explain(
+                    ErrorType::InvalidHTTPHeader,
+                    "the upstream switched protocols (101) for a request that asked for no upgrade",
+                );
+            }
+            if !head.status.is_informational() {
                 return Ok(());
             }
             // A 1xx has no content (RFC 9110, 15.2): bytes it announces

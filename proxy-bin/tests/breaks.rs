@@ -775,6 +775,11 @@ async fn a_host_listed_in_connection_still_reaches_the_upstream() {
 /// bytes already in `buf` first) and drops it from `buf`; `false` when the
 /// connection ended first.
 async fn read_request(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> bool {
+    read_request_head(conn, buf).await.is_some()
+}
+
+/// [`read_request`], returning the request's head (lower-cased).
+async fn read_request_head(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<String> {
     use tokio::io::AsyncReadExt;
     let mut chunk = [0u8; 4096];
     let end = loop {
@@ -782,7 +787,7 @@ async fn read_request(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> bo
             break i + 4;
         }
         match conn.read(&mut chunk).await {
-            Ok(0) | Err(_) => return false,
+            Ok(0) | Err(_) => return None,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
     };
@@ -793,12 +798,12 @@ async fn read_request(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> bo
         .map_or(0, |value| value.trim().parse().unwrap_or(0));
     while buf.len() < end + length {
         match conn.read(&mut chunk).await {
-            Ok(0) | Err(_) => return false,
+            Ok(0) | Err(_) => return None,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
     }
     buf.drain(..end + length);
-    true
+    Some(head)
 }
 
 /// A raw backend: every connection is served by `serve` (given the
@@ -1935,4 +1940,99 @@ async fn an_http_1_0_head_gets_no_content_coding_from_a_transfer_coding() {
     );
     assert!(!head.contains("content-encoding"), "{answer}");
     assert!(!head.contains("transfer-encoding"), "{answer}");
+}
+
+/// Scenario (a review of the response side): a backend that writes a body
+/// after a `204 No Content` anyway, a moment later (a framework that
+/// flushes the head, then the body it was given; RFC 9110 says a 204 ends
+/// at its head). The proxy relays the 204 and pools the connection; the
+/// next covered request takes it before the stray bytes arrive, and they
+/// are read as its answer: `forged` relayed to another client and stored
+/// as its key's outcome (replayed for the TTL), while the answer the
+/// backend gave it was thrown away. Impact ("no leaked response", "no lost
+/// response"). A connection whose last answer was a 204 or 304 no longer
+/// carries a request a key rides on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_written_after_a_204_never_answers_the_next_key() {
+    use tokio::io::AsyncWriteExt;
+    let executed = Arc::new(AtomicUsize::new(0));
+    let count = executed.clone();
+    let (upstream, _) = raw_backend(move |mut conn| {
+        let count = count.clone();
+        async move {
+            let mut buf = Vec::new();
+            while let Some(head) = read_request_head(&mut conn, &mut buf).await {
+                let n = count.fetch_add(1, Ordering::SeqCst) + 1;
+                if head.starts_with("post /orders/late ") {
+                    let _ = conn.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
+                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                    let forged = b"HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nforged";
+                    let _ = conn.write_all(forged).await;
+                } else {
+                    let body = format!("victim-{n}");
+                    let answer = format!(
+                        "HTTP/1.1 201 Created\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(answer.as_bytes()).await;
+                }
+            }
+        }
+    })
+    .await;
+    let dir = temp_dir("late-204");
+    let config = "[[route]]\npath = \"/orders/**\"\nmethods = [\"POST\"]\n";
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    let late = proxy
+        .send("POST", "/orders/late", &[("idempotency-key", "ka")], "{}")
+        .await;
+    assert_eq!(late.status, 204);
+    let victim = proxy
+        .send("POST", "/orders/victim", &[("idempotency-key", "kb")], "{}")
+        .await;
+    assert!(
+        victim.text().starts_with("victim-"),
+        "the next key got another request's bytes: {} {:?}",
+        victim.status,
+        victim.text()
+    );
+    let replay = proxy
+        .send("POST", "/orders/victim", &[("idempotency-key", "kb")], "{}")
+        .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), victim.text(), "the stored answer is its own");
+    assert_eq!(executed.load(Ordering::SeqCst), 2);
+}
+
+/// Scenario: a backend that answers a covered `POST` with `101 Switching
+/// Protocols` (RFC 9110 forbids it for a request that asks for no
+/// upgrade, and the proxy sends none on a covered request). The proxy
+/// took the 101 as the final answer, which stores nothing and released
+/// the key: the retry with the same key ran the order again. Impact ("at
+/// most one execution"). A 101 there is now a broken answer after the
+/// request was sent: 502, kept as the key's outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_101_to_a_covered_post_never_releases_its_key() {
+    use tokio::io::AsyncWriteExt;
+    let (upstream, accepted) = raw_backend(|mut conn| async move {
+        if read_request(&mut conn, &mut Vec::new()).await {
+            let _ = conn
+                .write_all(b"HTTP/1.1 101 Switching Protocols\r\n\r\nhello")
+                .await;
+            let _ = conn.shutdown().await;
+        }
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "covered-101").await;
+    let first = proxy
+        .send("POST", "/orders", &[("idempotency-key", "k101")], "{}")
+        .await;
+    assert_eq!(first.status, 502, "{:?}", first.text());
+    let retry = proxy
+        .send("POST", "/orders", &[("idempotency-key", "k101")], "{}")
+        .await;
+    assert_ne!(retry.status, 101, "{:?}", retry.text());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "the retry ran again");
 }
