@@ -986,6 +986,36 @@ macro_rules! outbox_tests {
                 assert!(db.outbox.complete(&live[0], Some(200), None).await.unwrap());
             }
 
+            /// From a review: the rescuer ran only when the worker woke to
+            /// poll, so with a long `poll_interval` (sensible beside
+            /// `LISTEN`) a crashed worker's rows waited a poll interval past
+            /// their lease, not a `rescue_interval`.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_rescuer_keeps_its_interval_under_a_long_poll_interval() {
+                let db = db().await;
+                let receiver = Receiver::start().await;
+                db.submit("sub-1", &["crm"], true).await;
+                // A worker that claimed the row and died: its lease runs out.
+                let crashed = db
+                    .outbox
+                    .claim(1, Duration::from_millis(500), None)
+                    .await
+                    .unwrap();
+                assert_eq!(crashed.len(), 1);
+                let config = WorkerConfig {
+                    poll_interval: PATIENCE * 3,
+                    rescue_interval: Duration::from_millis(100),
+                    listen: false,
+                    ..fast()
+                };
+                let worker = spawn_worker(db.another_outbox().await, &receiver, config);
+                eventually("the crashed worker's row delivered", || async {
+                    state_of(&db.outbox, "crm", "sub-1").await.state == State::Completed
+                })
+                .await;
+                worker.shutdown().await;
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_slow_delivery_keeps_its_lease_by_renewing_it() {
                 let db = db().await;
@@ -2043,4 +2073,41 @@ async fn a_key_that_runs_again_enqueues_its_message_once_with_the_execution_scop
     assert_eq!(send("k1", "bob").await, StatusCode::CREATED);
     assert_eq!(*added.lock().unwrap(), [true, false, true, true]);
     assert_eq!(db.outbox.counts().await.unwrap().total(), 3);
+}
+
+/// From a review: a PostgreSQL row whose `attempt` is already the largest
+/// 32-bit integer (written by plain SQL) made every claim of its topic
+/// fail as a whole (`attempt + 1`: integer out of range), so no row behind
+/// it was ever delivered. The claim no longer counts past it; the row is
+/// claimed once more and its batch-mates with it.
+#[tokio::test]
+async fn a_postgres_row_at_the_largest_attempt_does_not_stop_the_claims() {
+    let db = TestDb::postgres().await;
+    let Pool::Pg(pool, _) = &db.pool else {
+        unreachable!()
+    };
+    for n in 0..3 {
+        sqlx::query(
+            "INSERT INTO outbox_messages (topic, source, payload) VALUES ('crm', $1, '\\x7b7d')",
+        )
+        .bind(format!("sub-{n}"))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO outbox_messages (topic, source, payload, attempt, max_attempts)
+         VALUES ('crm', 'worn', '\\x7b7d', 2147483647, 2147483647)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let claimed = db
+        .outbox
+        .claim(16, Duration::from_secs(5), None)
+        .await
+        .expect("the claim of the rows beside the worn one");
+    let mut sources: Vec<_> = claimed.iter().map(|d| d.source().to_owned()).collect();
+    sources.sort();
+    assert_eq!(sources, ["sub-0", "sub-1", "sub-2", "worn"]);
 }

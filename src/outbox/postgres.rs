@@ -82,7 +82,7 @@ WITH due AS MATERIALIZED (
 )
 UPDATE outbox_messages AS m
 SET state = 'running',
-    attempt = m.attempt + 1,
+    attempt = LEAST(m.attempt, 2147483646) + 1,
     owner = uuid_send(gen_random_uuid()),
     lease_expires_at = now() + $3::bigint * interval '1 microsecond',
     updated_at = now()

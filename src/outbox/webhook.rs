@@ -403,10 +403,12 @@ fn receiver_kept_outcome_unknown(headers: &HeaderMap) -> bool {
 }
 
 /// A `Retry-After` value: delay-seconds or an HTTP date (from now).
+/// Delay-seconds too large for a `u64` are the longest wait there is (the
+/// caller caps it), never ignored.
 fn retry_after(value: &HeaderValue) -> Option<Duration> {
     let value = value.to_str().ok()?.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::from_secs(value.parse().unwrap_or(u64::MAX)));
     }
     let date = httpdate::parse_http_date(value).ok()?;
     Some(date.duration_since(SystemTime::now()).unwrap_or_default())
@@ -547,5 +549,20 @@ mod tests {
         let past = HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT");
         assert_eq!(retry_after(&past), Some(Duration::ZERO));
         assert_eq!(retry_after(&HeaderValue::from_static("soon")), None);
+    }
+
+    /// From a review: delay-seconds past `u64` failed to parse and were
+    /// dropped, so the row was retried within a second; they are the
+    /// longest wait, which the backoff caps at `max_retry_after`.
+    #[test]
+    fn retry_after_too_large_to_count_is_the_longest_wait() {
+        let huge = HeaderValue::from_static("99999999999999999999");
+        assert_eq!(retry_after(&huge), Some(Duration::from_secs(u64::MAX)));
+        let backoff = crate::outbox::Backoff::default();
+        assert_eq!(
+            backoff.delay(1, retry_after(&huge)),
+            backoff.max_retry_after
+        );
+        assert_eq!(retry_after(&HeaderValue::from_static("-5")), None);
     }
 }

@@ -296,11 +296,24 @@ impl<D: Deliverer> Worker<D> {
                     () = std::future::ready(()) => continue,
                 }
             }
+            // The rescue and the sweep keep their own intervals, whatever
+            // the poll interval, and with every slot busy too.
+            let next_chore = next_rescue
+                .into_iter()
+                .chain(next_sweep.filter(|_| config.retention.is_some()))
+                .min();
+            let chore = async move {
+                match next_chore {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = &mut shutdown => break,
                 Some(result) = tasks.join_next(), if has_tasks => log_panic(result),
                 () = tokio::time::sleep(config.poll_interval), if slots_left => {}
                 () = wakeup.wait(), if slots_left => {}
+                () = chore => {}
             }
         }
 

@@ -133,6 +133,9 @@ const TABLE: &str = "[[outbox.destination]]";
 /// a huge `lease` left PostgreSQL's time range and failed every claim).
 const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// The shortest `lease` a worker is given.
+const MIN_LEASE: Duration = Duration::from_secs(1);
+
 impl OutboxFile {
     /// Checks the table; `text` is the whole file (for line numbers), and
     /// `shutdown_timeout` the `[proxy]` one (resolved: the most the
@@ -181,7 +184,20 @@ impl OutboxFile {
             };
         let worker = WorkerConfig {
             concurrency,
-            lease: positive(self.lease, "lease", defaults.lease)?,
+            lease: match positive(self.lease, "lease", defaults.lease)? {
+                // Renewed every third, across database round trips: a
+                // shorter lease ran out while the receiver acted, and its
+                // rows went dead as "lease expired" though they were sent.
+                lease if lease < MIN_LEASE => {
+                    return Err((
+                        None,
+                        "[outbox] `lease`: must be at least 1s (it is renewed every third, \
+                         across database round trips)"
+                            .to_owned(),
+                    ))
+                }
+                lease => lease,
+            },
             poll_interval: positive(self.poll_interval, "poll_interval", defaults.poll_interval)?,
             rescue_interval: positive(
                 self.rescue_interval,
@@ -522,6 +538,24 @@ mod tests {
                     backoff_base = \"0s\"\n";
         let (_, message) = Config::parse(text).unwrap_err();
         assert!(message.contains("`backoff_base`"), "{message}");
+    }
+
+    /// From a review: a `lease` of `1ms` was taken, and every row the
+    /// receiver accepted went dead as "lease expired".
+    #[test]
+    fn a_lease_under_a_second_is_refused() {
+        let (_, message) = Config::parse(&destination("").replacen(
+            "[outbox]\n",
+            "[outbox]\nlease = \"1ms\"\n",
+            1,
+        ))
+        .unwrap_err();
+        assert!(
+            message.contains("`lease`") && message.contains("1s"),
+            "{message}"
+        );
+        let text = destination("").replacen("[outbox]\n", "[outbox]\nlease = \"1s\"\n", 1);
+        assert!(Config::parse(&text).is_ok());
     }
 
     fn destination(extra: &str) -> String {
