@@ -241,7 +241,9 @@ impl Problem {
         let detail = escape_html(&self.detail);
         let advice = match self.kind {
             ProblemKind::InFlight | ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
-                "Please wait a moment, then go back and send the form again."
+                // Reloading sends the same submission (its key) again; going
+                // back may render the form anew, with a new key, and run twice.
+                "Please wait a moment, then reload this page to send the same form again."
             }
             ProblemKind::KeyMissing | ProblemKind::KeyInvalid | ProblemKind::KeyMismatch => {
                 "Please go back, reload the form and fill it in again."

@@ -89,7 +89,7 @@ max_body_bytes = 16777216
 /// `docs/frameworks.md`'s Django recipe, as `tests/frameworks.rs` runs it.
 const DJANGO: &str = r#"
 [[route]]
-path = "/contact"
+path = "/contact*"
 methods = ["POST"]
 key = { form_field = "submission_token" }
 required = true
@@ -2035,4 +2035,32 @@ async fn a_101_to_a_covered_post_never_releases_its_key() {
         .await;
     assert_ne!(retry.status, 101, "{:?}", retry.text());
     assert_eq!(accepted.load(Ordering::SeqCst), 1, "the retry ran again");
+}
+
+/// Scenario (a review of the seeds' flows): the Laravel and Django recipes
+/// covered `path = "/contact"`, a prefix, so a resource route's delete form
+/// (`POST /contact/5` with `_method=DELETE`, no submission token) and any
+/// other form under `/contact/` were refused 400 `key-missing` by the
+/// `required` route. The recipes' glob covers `/contact` and `/contact/`
+/// alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_form_recipes_cover_the_form_and_not_the_resources_under_it() {
+    let (upstream, answered) =
+        closing_backend(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            .await;
+    let dir = temp_dir("recipe-path");
+    let proxy = Proxy::start(ProxyArgs::new(upstream, DJANGO, &dir))
+        .await
+        .owning(dir);
+    let form = [("content-type", "application/x-www-form-urlencoded")];
+    for path in ["/contact/5", "/contact/thanks/feedback"] {
+        let reply = proxy.send("POST", path, &form, "_method=DELETE").await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+    }
+    assert_eq!(answered.load(Ordering::SeqCst), 2);
+    for path in ["/contact", "/contact/"] {
+        let reply = proxy.send("POST", path, &form, "name=A").await;
+        assert_eq!(reply.status, 400, "{path} is the form: {}", reply.text());
+    }
+    assert_eq!(answered.load(Ordering::SeqCst), 2);
 }

@@ -22,7 +22,7 @@ use harness::{form_fields, location_path, token, App, Browser, FormClient, Frame
 /// 302; only a redirect to the thanks route consumes the token.
 const LARAVEL: &str = r#"
 [[route]]
-path = "/contact"
+path = "/contact*"
 methods = ["POST"]
 key = { form_field = "submission_token" }
 required = true
@@ -37,7 +37,7 @@ mismatch = "replay"
 /// only the redirect to the thanks page consumes the token.
 const DJANGO: &str = r#"
 [[route]]
-path = "/contact"
+path = "/contact*"
 methods = ["POST"]
 key = { form_field = "submission_token" }
 required = true
@@ -409,7 +409,7 @@ async fn a_front_controller_spelling_is_the_form_route() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_thanks_page_outside_ascii_consumes_the_token() {
     let config = DJANGO
-        .replace("\"/contact\"", "\"/kontakt\"")
+        .replace("\"/contact*\"", "\"/kontakt*\"")
         .replace("\"/contact/thanks\"", "\"/kontakt/bestätigt\"");
     let Stack { app, proxy } = stack(Framework::Django, &config, 20).await;
     let mut browser = FormClient::new(proxy.addr);
