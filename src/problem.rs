@@ -267,6 +267,43 @@ enum Format {
     Html,
 }
 
+/// The engine's own "executed, outcome unknown" problem (`kind`
+/// upstream-unavailable or upstream-timeout) in a stored response, which
+/// is stored as JSON whatever its first caller preferred, rendered again
+/// for `request`: its HTML page for a client that prefers HTML (a
+/// browser's retry showed raw JSON), with the stored status and detail.
+/// `None` for any other stored response, and for a client that takes
+/// JSON: it gets the stored bytes.
+pub(crate) fn unknown_outcome_page(
+    status: http::StatusCode,
+    headers: &[(HeaderName, HeaderValue)],
+    body: &[u8],
+    request: &HeaderMap,
+) -> Option<Response<Bytes>> {
+    if !prefers_html(request) {
+        return None;
+    }
+    let named = |kind: &ProblemKind| {
+        headers.iter().any(|(name, value)| {
+            *name == PROBLEM_TYPE_HEADER && value.as_bytes() == kind.type_uri().as_bytes()
+        })
+    };
+    let kind = [
+        ProblemKind::UpstreamUnavailable,
+        ProblemKind::UpstreamTimeout,
+    ]
+    .into_iter()
+    .find(named)?;
+    let stored: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if stored.get("type")?.as_str()? != kind.type_uri() {
+        return None;
+    }
+    let detail = stored.get("detail")?.as_str()?.to_owned();
+    let mut page = Problem::new(kind, detail).render(Format::Html);
+    *page.status_mut() = status;
+    Some(page)
+}
+
 /// Whether `Accept` ranks `text/html` (or `text/*`) strictly above every
 /// JSON range (`application/problem+json`, `application/json`,
 /// `application/*`, `*/*`). A missing or unreadable `Accept` means JSON.

@@ -2064,3 +2064,54 @@ async fn the_form_recipes_cover_the_form_and_not_the_resources_under_it() {
     }
     assert_eq!(answered.load(Ordering::SeqCst), 2);
 }
+
+/// Scenario (a review of the seeds' flows): a form posted from a browser,
+/// and a backend that dies without answering (a crashed PHP worker). The
+/// first attempt gets the readable 502 page; the key is kept as "executed,
+/// outcome unknown", stored as JSON, and the browser's retry (back and
+/// send again, the same hidden token) was shown that JSON raw. A client
+/// that prefers HTML now gets the page, marked replayed; one that takes
+/// JSON the stored bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_is_replayed_to_a_browser_as_its_page() {
+    let (upstream, answered) = closing_backend(b"").await;
+    let proxy = orders_proxy(upstream, "unknown-page").await;
+    let browser = [
+        ("idempotency-key", "k-page"),
+        ("accept", "text/html,application/xhtml+xml;q=0.9,*/*;q=0.8"),
+    ];
+    let first = proxy.send("POST", "/orders", &browser, "{}").await;
+    assert_eq!(first.status, 502);
+    assert!(first
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/html"));
+    let retry = proxy.send("POST", "/orders", &browser, "{}").await;
+    assert_eq!(retry.status, 502);
+    assert!(retry.replayed(), "{:?}", retry.text());
+    assert!(
+        retry
+            .header("content-type")
+            .unwrap()
+            .starts_with("text/html"),
+        "{:?}: {}",
+        retry.header("content-type"),
+        retry.text()
+    );
+    assert!(
+        retry.text().contains("will not be executed again"),
+        "{}",
+        retry.text()
+    );
+    let api = proxy
+        .send("POST", "/orders", &[("idempotency-key", "k-page")], "{}")
+        .await;
+    assert_eq!(api.status, 502);
+    assert!(api.replayed());
+    assert_eq!(api.header("content-type"), Some("application/problem+json"));
+    assert_eq!(
+        api.json()["type"],
+        "urn:tower-idempotency:upstream-unavailable"
+    );
+    assert_eq!(answered.load(Ordering::SeqCst), 1, "executed once");
+}

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::principal::PrincipalRead;
-use super::responses::{log_decision, replay, Answered};
+use super::responses::{log_decision, replay_for, Answered};
 use super::scope::{principal_hash, scope_key, Short};
 use super::{Covered, Engine, RequestHead, Reservation};
 use crate::fingerprint::{fingerprint_view, Exclusions};
@@ -508,7 +508,7 @@ impl Engine {
                     Event::Replayed
                 };
                 self.inner.metrics.record(event);
-                let mut response = replay(response);
+                let mut response = replay_for(response, request);
                 response.extensions_mut().insert(Answered(event.as_str()));
                 response
             }

@@ -285,6 +285,21 @@ impl Engine {
     }
 }
 
+/// A stored response as `request`'s client gets it again ([`replay`]),
+/// but for the engine's own "executed, outcome unknown" problem, which a
+/// client that prefers HTML gets as its page
+/// ([`crate::problem::unknown_outcome_page`]), marked replayed too.
+pub(super) fn replay_for(stored: StoredResponse, request: &HeaderMap) -> Response<Bytes> {
+    let page =
+        crate::problem::unknown_outcome_page(stored.status, &stored.headers, &stored.body, request);
+    let Some(mut page) = page else {
+        return replay(stored);
+    };
+    page.headers_mut()
+        .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    page
+}
+
 /// A stored response as the client gets it again: its status, headers and
 /// body, with `Content-Length` and `Idempotent-Replayed: true`. A 204 (or
 /// 304) never carries `Content-Length` (RFC 9110, 8.6).
