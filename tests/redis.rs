@@ -1059,3 +1059,44 @@ async fn a_store_answer_that_comes_back_after_a_purge_is_not_cached() {
         "the copy that was not made is counted and logged"
     );
 }
+
+/// From a review: a store of record that was down when the cache first
+/// needed its identity (a PostgreSQL not reachable at start) was counted
+/// as Redis errors, and every call asked for the identity first, doubling
+/// each request's wait for the dead store. A failed identity is the
+/// store's: Redis's counters stay clean, and it is not asked again within
+/// the cooldown.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_down_at_start_is_no_redis_error() {
+    let options = fixtures::fresh_schema().await;
+    let switch = fixtures::Switch::start(&options).await;
+    switch.set(false).await;
+    let inner = tower_idempotency::PostgresStore::from_pool(
+        fixtures::pool(switch.route(&options), 5).await,
+    );
+    let (inner, faults) = counting(inner);
+    let mut settings = config(&shared_url(), "identity-down");
+    settings.cooldown = Duration::from_secs(60);
+    let cache = RedisCache::new(inner, settings).unwrap();
+    for _ in 0..3 {
+        let reserved = cache
+            .reserve(
+                &random_key(),
+                &fingerprint(1),
+                &OwnerToken::random(),
+                LEASE,
+                TTL,
+            )
+            .await;
+        assert!(reserved.is_err(), "the store is down");
+    }
+    assert_eq!(errors(&cache), 0, "Redis never failed");
+    assert_eq!(
+        faults.calls(Op::Reserve),
+        3,
+        "each call still went to the store"
+    );
+    assert!(cache.namespace().is_none());
+    switch.set(true).await;
+}

@@ -138,6 +138,9 @@ pub(super) struct Link {
     pub(super) written: Notify,
     /// `prefix + store id + ":"`, once the inner store's identity is known.
     pub(super) namespace: OnceLock<String>,
+    /// Until when (the clock above) the identity is not asked again after
+    /// the inner store failed to give it.
+    pub(super) identity_retry_ms: AtomicU64,
 }
 
 /// The fingerprint of every reservation this cache granted and that is not

@@ -277,6 +277,7 @@ impl<S: Store> RedisCache<S> {
                 writing: AtomicUsize::new(0),
                 written: Notify::new(),
                 namespace: OnceLock::new(),
+                identity_retry_ms: AtomicU64::new(0),
             }),
         })
     }
@@ -293,11 +294,17 @@ impl<S: Store> RedisCache<S> {
     }
 
     /// Whether Redis may be used: the namespace is known, reading the inner
-    /// store's identity first if needed (a failure is logged like a Redis
-    /// failure, and the call goes to the inner store alone).
+    /// store's identity first if needed. A failure is the inner store's,
+    /// not Redis's (logged, not counted as a Redis error); the call then
+    /// goes to the inner store alone, and the identity is not asked again
+    /// for `cooldown`, so a store that is down costs each call one wait
+    /// for it, not two.
     async fn named(&self) -> bool {
         if self.redis.namespace.get().is_some() {
             return true;
+        }
+        if self.redis.now_ms() < self.redis.identity_retry_ms.load(Relaxed) {
+            return false;
         }
         match self.inner.identity().await {
             Ok(id) => {
@@ -309,8 +316,12 @@ impl<S: Store> RedisCache<S> {
                 true
             }
             Err(error) => {
-                self.redis
-                    .failed(&format!("the store's identity is unknown: {error}"));
+                let retry = self.redis.now_ms() + self.redis.config.cooldown.as_millis() as u64;
+                self.redis.identity_retry_ms.fetch_max(retry, Relaxed);
+                tracing::warn!(
+                    %error,
+                    "the store's identity is unknown; Redis is not used until it is"
+                );
                 false
             }
         }
