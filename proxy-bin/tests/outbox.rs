@@ -1147,3 +1147,49 @@ async fn outbox_run_exits_on_a_second_stop_signal_during_its_shutdown() {
         "the held delivery was never answered"
     );
 }
+
+/// From a review: `outbox counts --store sqlite://…` on an application's
+/// database without an outbox created the table (and sqlx's migration
+/// table) and switched the file to WAL for good. An operator's command
+/// opens the file as it is: no table, no journal mode changed, and a
+/// clear error where there is no outbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_command_leaves_an_sqlite_file_as_it_was() {
+    use sqlx::ConnectOptions;
+    let dir = temp_dir("outbox-ops-sqlite");
+    let file = dir.join("app.db");
+    let url = format!("sqlite://{}", file.display());
+    {
+        let mut app = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&file)
+            .create_if_missing(true)
+            .journal_mode(sqlx::sqlite::SqliteJournalMode::Delete)
+            .connect()
+            .await
+            .unwrap();
+        sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+            .execute(&mut app)
+            .await
+            .unwrap();
+    }
+    let output = cli(&dir, &["counts", "--store", &url]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no outbox table"), "{stderr}");
+    let mut app = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&file)
+        .connect()
+        .await
+        .unwrap();
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(&mut app)
+            .await
+            .unwrap();
+    assert_eq!(tables, ["orders"]);
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut app)
+        .await
+        .unwrap();
+    assert_eq!(mode, "delete");
+}

@@ -141,6 +141,30 @@ impl Outbox {
         Ok(outbox)
     }
 
+    /// Opens the outbox in an existing SQLite file as it is, for a tool
+    /// that reads or mends rows (an operator's command): nothing is
+    /// created, nothing migrated, and the file keeps its journal mode
+    /// ([`Outbox::connect`] makes it WAL, the store's setting, for good).
+    /// `None` when the file holds no outbox table.
+    #[cfg(feature = "sqlite")]
+    pub async fn open_existing_sqlite(url: &str) -> Result<Option<Self>, OutboxError> {
+        use std::str::FromStr;
+        let options = sqlx::sqlite::SqliteConnectOptions::from_str(url)?
+            .create_if_missing(false)
+            .busy_timeout(crate::SqliteStore::BUSY_TIMEOUT);
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(crate::SqliteStore::BUSY_TIMEOUT)
+            .connect_with(options)
+            .await?;
+        let table: Option<i64> = sqlx::query_scalar(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'outbox_messages'",
+        )
+        .fetch_optional(&pool)
+        .await?;
+        Ok(table.map(|_| Self::sqlite(pool)))
+    }
+
     /// Creates or upgrades the table; safe on every start and from several
     /// processes at once.
     pub async fn migrate(&self) -> Result<(), OutboxError> {

@@ -167,19 +167,32 @@ pub fn run(args: OutboxArgs) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Opens the table an operator's command works on; an SQLite file that
-/// does not exist is an error (a mistyped path creates nothing).
+/// does not exist is an error (a mistyped path creates nothing). An
+/// SQLite file is opened as it is: no table created, its journal mode
+/// left alone (the workers' way in switched an application's database to
+/// WAL for good, and created the table in a file that had none).
 async fn open(target: &Target) -> Result<Outbox, String> {
     let url = target.database()?;
-    if let Some(path) = url
+    let Some(path) = url
         .strip_prefix("sqlite://")
         .or_else(|| url.strip_prefix("sqlite:"))
-    {
-        let path = path.split('?').next().unwrap_or_default();
-        if !Path::new(path).exists() {
-            return Err(format!("no SQLite database at {path}"));
-        }
+    else {
+        return workers::open(&url, 0).await;
+    };
+    let path = path.split('?').next().unwrap_or_default();
+    if !Path::new(path).exists() {
+        return Err(format!("no SQLite database at {path}"));
     }
-    workers::open(&url, 0).await
+    match Outbox::open_existing_sqlite(&url).await {
+        Ok(Some(outbox)) => Ok(outbox),
+        Ok(None) => Err(format!(
+            "no outbox table in the SQLite database at {path}: the proxy or `outbox run` \
+             creates it when it first starts"
+        )),
+        Err(error) => Err(format!(
+            "cannot open the SQLite database at {path}: {error}"
+        )),
+    }
 }
 
 /// `outbox run`: the workers alone until SIGTERM or SIGINT. The file is
