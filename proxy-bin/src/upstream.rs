@@ -156,8 +156,8 @@ impl Upstream {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (stream, reused) = match self.idle.take(check) {
-                Some(stream) => (stream, true),
+            let (stream, reused, after_bodiless) = match self.idle.take(check) {
+                Some((stream, after_bodiless)) => (stream, true, after_bodiless),
                 None => {
                     let stream = self
                         .connector
@@ -171,11 +171,14 @@ impl Upstream {
                                 error,
                             }
                         })?;
-                    (stream, false)
+                    (stream, false, false)
                 }
             };
             match self.exchange_head(stream, request, body, deadline).await {
-                Ok(session) => return Ok(session),
+                Ok(mut sent) => {
+                    sent.after_bodiless = after_bodiless;
+                    return Ok(sent);
+                }
                 Err((sent, error)) => {
                     // Once the request head is written, the upstream may
                     // have acted on it: never send it a second time.
@@ -205,6 +208,7 @@ impl Upstream {
         let Sent {
             mut session,
             reusable,
+            after_bodiless,
         } = sent;
         if !reusable {
             // Closed: the upstream may still read the rest of the old
@@ -222,7 +226,8 @@ impl Upstream {
             .resp_header()
             .is_some_and(|head| headers::bodiless(head.status));
         if let Some(stream) = session.reuse().await {
-            self.idle.put(stream, finished, kept, bodiless);
+            self.idle
+                .put(stream, finished, kept, after_bodiless || bodiless);
         }
     }
 
@@ -302,7 +307,9 @@ struct Idle {
     /// read as the answer to the next request on it: that of another
     /// client. Such a connection never carries a request a key rides on
     /// ([`Check::Kernel`]): there the stray bytes would be stored as that
-    /// key's outcome and replayed for its TTL.
+    /// key's outcome and replayed for its TTL. Uncovered requests still
+    /// take it, and the mark stays for good: once stray bytes were read as
+    /// an answer, that answer's own bytes may wait on it for the next.
     after_bodiless: bool,
 }
 
@@ -313,16 +320,22 @@ impl Idle {
 }
 
 impl Pool {
-    /// An idle connection still open and within its idle time, if there
-    /// is one.
-    fn take(&self, check: Check) -> Option<Stream> {
+    /// The newest idle connection still open and within its idle time,
+    /// if there is one, and whether it is marked
+    /// [`after_bodiless`](Idle::after_bodiless). A request a key rides on
+    /// ([`Check::Kernel`]) skips the marked ones and leaves them to others.
+    fn take(&self, check: Check) -> Option<(Stream, bool)> {
         loop {
-            let mut idle = self.lock().pop()?;
-            if idle.after_bodiless && check == Check::Kernel {
-                continue;
-            }
+            let mut idle = {
+                let mut idle = self.lock();
+                let at = match check {
+                    Check::Kernel => idle.iter().rposition(|entry| !entry.after_bodiless)?,
+                    Check::Seen => idle.len().checked_sub(1)?,
+                };
+                idle.remove(at)
+            };
             if !idle.expired() && still_open(&mut idle.stream, check) {
-                return Some(idle.stream);
+                return Some((idle.stream, idle.after_bodiless));
             }
         }
     }
@@ -488,6 +501,7 @@ impl Upstream {
                 Ok(()) => Ok(Sent {
                     session,
                     reusable: false,
+                    after_bodiless: false,
                 }),
                 Err(error) => Err((true, finished.err().unwrap_or(error))),
             };
@@ -528,7 +542,11 @@ impl Upstream {
                 .await
                 .map(|()| {
                     let reusable = framed_cleanly(&session, &request.method, !body.is_empty());
-                    Sent { session, reusable }
+                    Sent {
+                        session,
+                        reusable,
+                        after_bodiless: false,
+                    }
                 })
                 .map_err(|error| (true, error)),
             Err(error) if !sent => Err((false, error)),
@@ -539,6 +557,7 @@ impl Upstream {
                 Ok(()) => Ok(Sent {
                     session,
                     reusable: false,
+                    after_bodiless: false,
                 }),
                 Err(_) => Err((true, error)),
             },
@@ -554,6 +573,10 @@ impl Upstream {
 pub struct Sent {
     session: HttpSession,
     reusable: bool,
+    /// The connection came from the pool marked [`Idle::after_bodiless`]:
+    /// the mark stays with it (stray bytes read as this answer may leave
+    /// the next answer's bytes on it).
+    after_bodiless: bool,
 }
 
 impl std::ops::Deref for Sent {

@@ -1968,6 +1968,12 @@ async fn a_body_written_after_a_204_never_answers_the_next_key() {
                     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
                     let forged = b"HTTP/1.1 201 Created\r\nContent-Length: 6\r\n\r\nforged";
                     let _ = conn.write_all(forged).await;
+                } else if head.starts_with("get /page ") {
+                    // Slow: its answer comes after the next request took
+                    // the connection, if one did.
+                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                    let page = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\npage";
+                    let _ = conn.write_all(page).await;
                 } else {
                     let body = format!("victim-{n}");
                     let answer = format!(
@@ -2004,6 +2010,25 @@ async fn a_body_written_after_a_204_never_answers_the_next_key() {
     assert!(replay.replayed());
     assert_eq!(replay.text(), victim.text(), "the stored answer is its own");
     assert_eq!(executed.load(Ordering::SeqCst), 2);
+
+    // The mark stays: an uncovered request may take the connection (and
+    // read the stray bytes as its answer, as behind any keep-alive proxy),
+    // but its own answer, late, then waits on it for the next request.
+    let late = proxy
+        .send("POST", "/orders/late", &[("idempotency-key", "kc")], "{}")
+        .await;
+    assert_eq!(late.status, 204);
+    let page = proxy.send("GET", "/page", &[], "").await;
+    assert_eq!(page.text(), "forged", "the uncovered request took it");
+    let victim = proxy
+        .send("POST", "/orders/victim", &[("idempotency-key", "kd")], "{}")
+        .await;
+    assert!(
+        victim.text().starts_with("victim-"),
+        "a key got another request's answer: {} {:?}",
+        victim.status,
+        victim.text()
+    );
 }
 
 /// Scenario: a backend that answers a covered `POST` with `101 Switching
