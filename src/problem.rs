@@ -267,22 +267,14 @@ enum Format {
     Html,
 }
 
-/// The engine's own "executed, outcome unknown" problem (`kind`
-/// upstream-unavailable or upstream-timeout) in a stored response, which
-/// is stored as JSON whatever its first caller preferred, rendered again
-/// for `request`: its HTML page for a client that prefers HTML (a
-/// browser's retry showed raw JSON), with the stored status and detail.
-/// `None` for any other stored response, and for a client that takes
-/// JSON: it gets the stored bytes.
-pub(crate) fn unknown_outcome_page(
-    status: http::StatusCode,
+/// The kind and detail of what reads as the engine's own "executed,
+/// outcome unknown" problem (upstream-unavailable or upstream-timeout,
+/// as JSON): its `Problem-Type` header and its body's `type` and
+/// `detail`. The caller checks that the response is that problem exactly.
+pub(crate) fn unknown_outcome_in(
     headers: &[(HeaderName, HeaderValue)],
     body: &[u8],
-    request: &HeaderMap,
-) -> Option<Response<Bytes>> {
-    if !prefers_html(request) {
-        return None;
-    }
+) -> Option<(ProblemKind, String)> {
     let named = |kind: &ProblemKind| {
         headers.iter().any(|(name, value)| {
             *name == PROBLEM_TYPE_HEADER && value.as_bytes() == kind.type_uri().as_bytes()
@@ -298,16 +290,13 @@ pub(crate) fn unknown_outcome_page(
     if stored.get("type")?.as_str()? != kind.type_uri() {
         return None;
     }
-    let detail = stored.get("detail")?.as_str()?.to_owned();
-    let mut page = Problem::new(kind, detail).render(Format::Html);
-    *page.status_mut() = status;
-    Some(page)
+    Some((kind, stored.get("detail")?.as_str()?.to_owned()))
 }
 
 /// Whether `Accept` ranks `text/html` (or `text/*`) strictly above every
 /// JSON range (`application/problem+json`, `application/json`,
 /// `application/*`, `*/*`). A missing or unreadable `Accept` means JSON.
-fn prefers_html(headers: &HeaderMap) -> bool {
+pub(crate) fn prefers_html(headers: &HeaderMap) -> bool {
     let mut html = 0.0_f32;
     let mut json = 0.0_f32;
     for value in headers.get_all(header::ACCEPT) {

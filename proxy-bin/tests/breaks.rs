@@ -2140,3 +2140,34 @@ async fn an_unknown_outcome_is_replayed_to_a_browser_as_its_page() {
     );
     assert_eq!(answered.load(Ordering::SeqCst), 1, "executed once");
 }
+
+/// The review of that fix: a backend's own answer shaped like the engine's
+/// problem (a service behind another idempotency layer, on a route that
+/// stores 5xx) is the backend's response, replayed as stored, headers and
+/// bytes, to a browser too: only the engine's own record is rendered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backends_lookalike_problem_is_replayed_as_stored() {
+    let body = r#"{"type":"urn:tower-idempotency:upstream-unavailable","detail":"theirs"}"#;
+    let answer = format!(
+        "HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/problem+json\r\n\
+         Problem-Type: urn:tower-idempotency:upstream-unavailable\r\nX-Theirs: 1\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let (upstream, answered) =
+        closing_backend(Box::leak(answer.into_bytes().into_boxed_slice())).await;
+    let dir = temp_dir("lookalike-problem");
+    let config = "[[route]]\npath = \"/orders\"\nmethods = [\"POST\"]\n\
+                  store_statuses = [\"2xx\", \"3xx\", \"5xx\"]\n";
+    let proxy = Proxy::start(ProxyArgs::new(upstream, config, &dir))
+        .await
+        .owning(dir);
+    let browser = [("idempotency-key", "k-theirs"), ("accept", "text/html")];
+    let first = proxy.send("POST", "/orders", &browser, "{}").await;
+    assert_eq!((first.status, first.text()), (502, body.to_owned()));
+    let retry = proxy.send("POST", "/orders", &browser, "{}").await;
+    assert!(retry.replayed());
+    assert_eq!(retry.text(), body, "the backend's bytes");
+    assert_eq!(retry.header("x-theirs"), Some("1"));
+    assert_eq!(answered.load(Ordering::SeqCst), 1);
+}

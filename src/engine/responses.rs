@@ -9,7 +9,7 @@ use crate::key::KeyError;
 use crate::metrics::Event;
 use crate::policy::{KeySource, RoutePolicy};
 use crate::problem::{Problem, ProblemKind};
-use crate::store::{ScopeKey, StoredResponse};
+use crate::store::{Outcome, ScopeKey, StoredResponse};
 
 /// The header added to every replayed response.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -286,15 +286,25 @@ impl Engine {
 }
 
 /// A stored response as `request`'s client gets it again ([`replay`]),
-/// but for the engine's own "executed, outcome unknown" problem, which a
-/// client that prefers HTML gets as its page
-/// ([`crate::problem::unknown_outcome_page`]), marked replayed too.
+/// but for the engine's own "executed, outcome unknown" problem, stored as
+/// JSON whatever its first caller preferred: a client that prefers HTML
+/// gets its page (a browser's retry showed the JSON raw), with the same
+/// status and detail, marked replayed. Only a record that is exactly that
+/// problem as the engine stores it: a backend's own answer that looks
+/// like one is replayed as stored.
 pub(super) fn replay_for(stored: StoredResponse, request: &HeaderMap) -> Response<Bytes> {
-    let page =
-        crate::problem::unknown_outcome_page(stored.status, &stored.headers, &stored.body, request);
-    let Some(mut page) = page else {
+    if !crate::problem::prefers_html(request) {
+        return replay(stored);
+    }
+    let Some((kind, detail)) = crate::problem::unknown_outcome_in(&stored.headers, &stored.body)
+    else {
         return replay(stored);
     };
+    let ours = super::execution::unknown(kind, &detail);
+    if !matches!(&ours, Outcome::Stored(ours) if *ours == stored) {
+        return replay(stored);
+    }
+    let mut page = Problem::new(kind, detail).into_response_for(request);
     page.headers_mut()
         .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     page
