@@ -2066,8 +2066,8 @@ async fn a_101_to_a_covered_post_never_releases_its_key() {
 /// covered `path = "/contact"`, a prefix, so a resource route's delete form
 /// (`POST /contact/5` with `_method=DELETE`, no submission token) and any
 /// other form under `/contact/` were refused 400 `key-missing` by the
-/// `required` route. The recipes' glob covers `/contact` and `/contact/`
-/// alone.
+/// `required` route. The recipes' glob covers `/contact` and `/contact/`,
+/// not the paths below.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_form_recipes_cover_the_form_and_not_the_resources_under_it() {
     let (upstream, answered) =

@@ -64,6 +64,9 @@ impl Backoff {
     }
 }
 
+/// The shortest wait for the next rescue or sweep.
+const CHORE_PAUSE: Duration = Duration::from_millis(10);
+
 /// How a [`Worker`] runs.
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
@@ -304,7 +307,11 @@ impl<D: Deliverer> Worker<D> {
                 .min();
             let chore = async move {
                 match next_chore {
-                    Some(at) => tokio::time::sleep_until(at).await,
+                    // At least a moment away: a zero interval (or a rescue
+                    // slower than its interval) never spins the loop.
+                    Some(at) => {
+                        tokio::time::sleep_until(at.max(Instant::now() + CHORE_PAUSE)).await
+                    }
                     None => std::future::pending().await,
                 }
             };

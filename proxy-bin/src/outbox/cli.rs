@@ -127,7 +127,7 @@ pub fn run(args: OutboxArgs) -> Result<(), Box<dyn std::error::Error>> {
         .thread_name("idempotency-outbox")
         .enable_all()
         .build()?;
-    runtime.block_on(async move {
+    let result = runtime.block_on(async move {
         let answer = match args.command {
             OutboxCommand::Run { config, store } => return run_workers(&config, store).await,
             OutboxCommand::Counts(target) => ops::counts(&open(&target).await?).await,
@@ -163,7 +163,12 @@ pub fn run(args: OutboxArgs) -> Result<(), Box<dyn std::error::Error>> {
             }
             Err(refusal) => Err(refusal.message.into()),
         }
-    })
+    });
+    // What is still running is abandoned (a delivery a second stop signal
+    // or `shutdown_timeout` cut short, a name lookup on the blocking pool):
+    // dropped, the runtime would wait for its blocking tasks without end.
+    runtime.shutdown_timeout(Duration::from_millis(500));
+    result
 }
 
 /// Opens the table an operator's command works on; an SQLite file that
