@@ -1100,3 +1100,61 @@ async fn a_store_down_at_start_is_no_redis_error() {
     assert!(cache.namespace().is_none());
     switch.set(true).await;
 }
+
+/// A log that tests read back.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// From a review: a Redis that persists its data (the `save` points of a
+/// stock `redis.conf`) loads, when restarted, copies a purge had replaced
+/// by tombstones since, and the cache replays them again. The cache says
+/// so when it connects; a Redis without persistence gets no such line.
+#[tokio::test(flavor = "current_thread")]
+async fn a_redis_that_persists_its_data_is_warned_about() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("tower_idempotency=warn"))
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let persisting = PrivateRedis::start();
+    let plain = PrivateRedis::start();
+    {
+        let mut conn = redis::Client::open(persisting.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("save")
+            .arg("3600 1")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let text = |logs: &Captured| String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    for (redis, warned) in [(&plain, false), (&persisting, true)] {
+        let cache = RedisCache::new(MemoryStore::new(), config(&redis.url(), "persist")).unwrap();
+        acquire(&cache, &random_key(), &fingerprint(1)).await;
+        cache.ping().await.unwrap();
+        assert_eq!(
+            text(&logs).contains("persists its data"),
+            warned,
+            "{}: {}",
+            redis.url(),
+            text(&logs)
+        );
+    }
+}

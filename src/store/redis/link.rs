@@ -443,8 +443,9 @@ impl Link {
         };
         match connected {
             Ok(manager) => {
-                let _ = self.manager.set(manager);
+                let _ = self.manager.set(manager.clone());
                 tracing::info!(url = %redact(&self.config.url), "redis cache connected");
+                self.warn_if_persistent(manager).await;
             }
             Err(error) => {
                 self.cool_down();
@@ -453,6 +454,41 @@ impl Link {
         }
         self.connecting.store(false, Relaxed);
         self.connected.notify_waiters();
+    }
+
+    /// Warns when Redis keeps its data across a restart (`save` points or
+    /// `appendonly`): a restart then loads copies a purge had overwritten
+    /// since, and they are replayed again (docs/redis.md). A Redis that
+    /// refuses `CONFIG` (a managed one) is not asked further.
+    async fn warn_if_persistent(&self, connection: Connection) {
+        let setting = |name: &'static str| {
+            let connection = connection.clone();
+            async move {
+                let mut cmd = ::redis::cmd("CONFIG");
+                cmd.arg("GET").arg(name);
+                let asked = match connection {
+                    Connection::Single(mut c) => cmd.query_async::<Vec<String>>(&mut c).await,
+                    Connection::Cluster(mut c) => cmd.query_async::<Vec<String>>(&mut c).await,
+                };
+                asked.ok().and_then(|pair| pair.get(1).cloned())
+            }
+        };
+        let asked = async { (setting("save").await, setting("appendonly").await) };
+        let Ok((save, appendonly)) = tokio::time::timeout(self.config.timeout, asked).await else {
+            return;
+        };
+        let snapshots = save.is_some_and(|points| !points.trim().is_empty());
+        let log = appendonly.is_some_and(|on| on.eq_ignore_ascii_case("yes"));
+        if snapshots || log {
+            tracing::warn!(
+                url = %redact(&self.config.url),
+                snapshots,
+                appendonly = log,
+                "the redis cache's Redis persists its data: after a restart it loads copies \
+                 that a purge had removed since, and replays them until they expire; run it \
+                 with save \"\" and appendonly no (docs/redis.md)"
+            );
+        }
     }
 
     pub(super) fn now_ms(&self) -> u64 {
