@@ -149,6 +149,9 @@ pub struct Problem {
     status: StatusCode,
     detail: String,
     retry_after: Option<u64>,
+    /// The request may have taken effect and its key is kept ("executed,
+    /// outcome unknown"): the page says to check, not to send again.
+    kept: bool,
 }
 
 impl Problem {
@@ -159,7 +162,17 @@ impl Problem {
             status: kind.default_status(),
             detail: detail.into(),
             retry_after: None,
+            kept: false,
         }
+    }
+
+    /// Marks the request as possibly carried out, its key kept: the HTML
+    /// page asks the reader to check its result rather than send it again
+    /// (going back renders the form anew, with a new key). The JSON body
+    /// is the same.
+    pub(crate) fn outcome_kept(mut self) -> Self {
+        self.kept = true;
+        self
     }
 
     /// Overrides the status (e.g. 409 instead of 422 for a mismatch).
@@ -240,6 +253,9 @@ impl Problem {
         let title = escape_html(self.kind.title());
         let detail = escape_html(&self.detail);
         let advice = match self.kind {
+            _ if self.kept => {
+                "It may have been carried out: please check its result before sending it again."
+            }
             ProblemKind::InFlight | ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
                 // Reloading sends the same submission (its key) again; going
                 // back may render the form anew, with a new key, and run twice.

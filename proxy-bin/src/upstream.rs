@@ -283,6 +283,9 @@ fn kept_idle(head: Option<&ResponseHeader>, pool: Duration) -> Duration {
 /// The most idle connections kept (Pingora's own pool keeps 128).
 const POOL_SIZE: usize = 128;
 
+/// The most idle connections marked [`Idle::after_bodiless`] kept.
+const MARKED_KEPT: usize = 16;
+
 /// Idle upstream connections, the most recently used first out.
 ///
 /// Pingora's pool watches each idle connection with a task of its own and
@@ -323,14 +326,20 @@ impl Pool {
     /// The newest idle connection still open and within its idle time,
     /// if there is one, and whether it is marked
     /// [`after_bodiless`](Idle::after_bodiless). A request a key rides on
-    /// ([`Check::Kernel`]) skips the marked ones and leaves them to others.
+    /// ([`Check::Kernel`]) skips the marked ones and leaves them to
+    /// others, which take the newest marked one first (so the unmarked stay
+    /// for keyed requests, and the marked do not sit idle).
     fn take(&self, check: Check) -> Option<(Stream, bool)> {
         loop {
             let mut idle = {
                 let mut idle = self.lock();
+                let marked = |entry: &Idle| entry.after_bodiless;
                 let at = match check {
-                    Check::Kernel => idle.iter().rposition(|entry| !entry.after_bodiless)?,
-                    Check::Seen => idle.len().checked_sub(1)?,
+                    Check::Kernel => idle.iter().rposition(|entry| !marked(entry))?,
+                    Check::Seen => idle
+                        .iter()
+                        .rposition(marked)
+                        .or_else(|| idle.len().checked_sub(1))?,
                 };
                 idle.remove(at)
             };
@@ -342,9 +351,11 @@ impl Pool {
 
     /// Keeps a connection whose exchange ended cleanly, idle since
     /// `since`, for up to `max_idle` (`after_bodiless`: see [`Idle`]);
-    /// past [`POOL_SIZE`], the oldest is closed.
+    /// past [`POOL_SIZE`], or past [`MARKED_KEPT`] marked ones, the oldest
+    /// marked one is closed (else the oldest): a keyed API answering 204
+    /// does not fill the pool with connections only others may use.
     fn put(&self, stream: Stream, since: Instant, max_idle: Duration, after_bodiless: bool) {
-        let oldest = {
+        let closed = {
             let mut idle = self.lock();
             idle.push(Idle {
                 stream,
@@ -352,9 +363,12 @@ impl Pool {
                 max_idle,
                 after_bodiless,
             });
-            (idle.len() > POOL_SIZE).then(|| idle.remove(0))
+            let marked = idle.iter().filter(|entry| entry.after_bodiless).count();
+            let oldest_marked = idle.iter().position(|entry| entry.after_bodiless);
+            (idle.len() > POOL_SIZE || marked > MARKED_KEPT)
+                .then(|| idle.remove(oldest_marked.unwrap_or(0)))
         };
-        drop(oldest);
+        drop(closed);
     }
 
     /// Closes, from a thread of its own, the idle connections past their

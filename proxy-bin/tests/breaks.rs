@@ -2128,6 +2128,14 @@ async fn an_unknown_outcome_is_replayed_to_a_browser_as_its_page() {
         "{}",
         retry.text()
     );
+    // Going back would render the form anew, with a new key: the page
+    // says to check instead.
+    assert!(
+        retry.text().contains("check its result"),
+        "{}",
+        retry.text()
+    );
+    assert!(!retry.text().contains("go back"), "{}", retry.text());
     let api = proxy
         .send("POST", "/orders", &[("idempotency-key", "k-page")], "{}")
         .await;
@@ -2170,4 +2178,46 @@ async fn a_backends_lookalike_problem_is_replayed_as_stored() {
     assert_eq!(retry.text(), body, "the backend's bytes");
     assert_eq!(retry.header("x-theirs"), Some("1"));
     assert_eq!(answered.load(Ordering::SeqCst), 1);
+}
+
+/// The review of the 204 fix: keyed requests skip connections whose last
+/// answer was a 204, so a keyed API answering 204 opened a connection per
+/// request and kept every one idle in the pool (up to 128, each an
+/// upstream worker's slot for the idle timeout). At most a few marked
+/// connections are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_api_answering_204_does_not_hoard_upstream_connections() {
+    use tokio::io::AsyncWriteExt;
+    let open = Arc::new(AtomicUsize::new(0));
+    let count = open.clone();
+    let (upstream, accepted) = raw_backend(move |mut conn| {
+        let open = count.clone();
+        async move {
+            open.fetch_add(1, Ordering::SeqCst);
+            let mut buf = Vec::new();
+            while read_request(&mut conn, &mut buf).await {
+                let _ = conn.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
+            }
+            open.fetch_sub(1, Ordering::SeqCst);
+        }
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "hoarded-204").await;
+    for n in 0..48 {
+        let key = format!("k204-{n}");
+        let reply = proxy
+            .send("POST", "/orders", &[("idempotency-key", &key)], "{}")
+            .await;
+        assert_eq!(reply.status, 204);
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 48, "one connection each");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while open.load(Ordering::SeqCst) > 20 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} upstream connections held idle",
+            open.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }

@@ -78,7 +78,9 @@ impl Reservation {
         );
         tracing::warn!(key = %self.key_hash(), problem = kind.type_uri(), "idempotency outcome unknown; stored so that no retry executes again");
         self.store(unknown(kind, &detail)).await;
-        Problem::new(kind, detail).into_response_for(request)
+        Problem::new(kind, detail)
+            .outcome_kept()
+            .into_response_for(request)
     }
 }
 

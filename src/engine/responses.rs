@@ -304,7 +304,9 @@ pub(super) fn replay_for(stored: StoredResponse, request: &HeaderMap) -> Respons
     if !matches!(&ours, Outcome::Stored(ours) if *ours == stored) {
         return replay(stored);
     }
-    let mut page = Problem::new(kind, detail).into_response_for(request);
+    let mut page = Problem::new(kind, detail)
+        .outcome_kept()
+        .into_response_for(request);
     page.headers_mut()
         .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     page

@@ -207,6 +207,13 @@ async fn open(target: &Target) -> Result<Outbox, String> {
 /// the proxy's default store is never assumed, so a file that names none
 /// creates nothing.
 async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
+    // As the proxy reads them: SIGTERM, SIGINT and SIGQUIT stop the
+    // workers, SIGHUP is ignored (their default actions killed the process
+    // with deliveries under way, leaving rows to the rescuer, and a row on
+    // its last attempt dead). Installed first: a signal that arrives while
+    // the database is opened (an SQLite file is migrated there) or the
+    // workers start is a stop, never a kill.
+    let mut stops = Stops::install()?;
     let config = Config::load(path)?;
     let resolved = config.proxy.clone().resolve();
     resolved
@@ -234,12 +241,6 @@ async fn run_workers(path: &Path, store: Option<String>) -> Result<(), Box<dyn s
     };
     let secrets = settings.secrets(path)?;
     let outbox = workers::open(&database, settings.listeners()).await?;
-    // As the proxy reads them: SIGTERM, SIGINT and SIGQUIT stop the
-    // workers, SIGHUP is ignored (their default actions killed the process
-    // with deliveries under way, leaving rows to the rescuer, and a row on
-    // its last attempt dead). Installed before the first worker starts: a
-    // signal that arrives while they start is a stop, never a kill.
-    let mut stops = Stops::install()?;
     let workers = Workers::start(outbox, settings, secrets);
     tracing::info!(
         destinations = settings.destinations.len(),

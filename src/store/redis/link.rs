@@ -443,9 +443,8 @@ impl Link {
         };
         match connected {
             Ok(manager) => {
-                let _ = self.manager.set(manager.clone());
+                let _ = self.manager.set(manager);
                 tracing::info!(url = %redact(&self.config.url), "redis cache connected");
-                self.warn_if_persistent(manager).await;
             }
             Err(error) => {
                 self.cool_down();
@@ -454,26 +453,33 @@ impl Link {
         }
         self.connecting.store(false, Relaxed);
         self.connected.notify_waiters();
+        // After the waiters went on: they are never held up by it.
+        if let Some(manager) = self.manager.get() {
+            self.warn_if_persistent(manager.clone()).await;
+        }
     }
 
     /// Warns when Redis keeps its data across a restart (`save` points or
     /// `appendonly`): a restart then loads copies a purge had overwritten
     /// since, and they are replayed again (docs/redis.md). A Redis that
-    /// refuses `CONFIG` (a managed one) is not asked further.
+    /// refuses `CONFIG` (a managed one) is not asked further; of a
+    /// cluster, the node that answers is asked.
     async fn warn_if_persistent(&self, connection: Connection) {
         let setting = |name: &'static str| {
             let connection = connection.clone();
             async move {
                 let mut cmd = ::redis::cmd("CONFIG");
                 cmd.arg("GET").arg(name);
+                // A flat pair under RESP2, a map under RESP3.
+                type Settings = std::collections::HashMap<String, String>;
                 let asked = match connection {
-                    Connection::Single(mut c) => cmd.query_async::<Vec<String>>(&mut c).await,
-                    Connection::Cluster(mut c) => cmd.query_async::<Vec<String>>(&mut c).await,
+                    Connection::Single(mut c) => cmd.query_async::<Settings>(&mut c).await,
+                    Connection::Cluster(mut c) => cmd.query_async::<Settings>(&mut c).await,
                 };
-                asked.ok().and_then(|pair| pair.get(1).cloned())
+                asked.ok().and_then(|mut settings| settings.remove(name))
             }
         };
-        let asked = async { (setting("save").await, setting("appendonly").await) };
+        let asked = async { tokio::join!(setting("save"), setting("appendonly")) };
         let Ok((save, appendonly)) = tokio::time::timeout(self.config.timeout, asked).await else {
             return;
         };

@@ -304,6 +304,7 @@ impl<S: Store> RedisCache<S> {
             return true;
         }
         if self.redis.now_ms() < self.redis.identity_retry_ms.load(Relaxed) {
+            self.redis.skipped.fetch_add(1, Relaxed);
             return false;
         }
         match self.inner.identity().await {
