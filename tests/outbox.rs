@@ -1807,26 +1807,11 @@ async fn the_outbox_and_the_store_share_one_database() {
         .unwrap());
 }
 
-/// A `tracing` writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Everything the crate logs while a message fails transiently, then
 /// permanently: never the payload, the delivery key or the secret.
 #[tokio::test(flavor = "current_thread")]
 async fn logs_carry_no_payload_key_or_secret() {
-    let logs = Captured::default();
+    let logs = fixtures::Captured::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fixtures::{fingerprint, random_key};
+use fixtures::{fingerprint, random_key, Captured};
 use http::{Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -1099,21 +1099,6 @@ async fn a_store_down_at_start_is_no_redis_error() {
     );
     assert!(cache.namespace().is_none());
     switch.set(true).await;
-}
-
-/// A log that tests read back.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 /// From a review: a Redis that persists its data (the `save` points of a
