@@ -297,8 +297,8 @@ impl<S: Store> RedisCache<S> {
     /// store's identity first if needed. A failure is the inner store's,
     /// not Redis's (logged, not counted as a Redis error); the call then
     /// goes to the inner store alone, and the identity is not asked again
-    /// for `cooldown`, so a store that is down costs each call one wait
-    /// for it, not two.
+    /// for `cooldown`, so while the store is down only the first call of
+    /// each cooldown waits for it twice (the identity, then the call).
     async fn named(&self) -> bool {
         if self.redis.namespace.get().is_some() {
             return true;
