@@ -1819,3 +1819,21 @@ async fn a_body_cut_by_an_outer_limit_is_413() {
     assert_eq!(calls.load(SeqCst), 0);
     assert!(store.is_empty());
 }
+
+/// A handler that answers a covered request with a 1xx as its final
+/// status (a 101 with no upgrade asked for): the request ran, but no
+/// replay can give a protocol switch again. The key was released, as for
+/// any status not stored, and the retry ran it a second time; it is kept
+/// as "executed, response not stored" now.
+#[tokio::test]
+async fn a_1xx_as_the_final_answer_runs_once() {
+    let (engine, _) = memory_engine(Policy::default());
+    let upstream = layered(&engine, |_, _| async move {
+        reply(StatusCode::SWITCHING_PROTOCOLS, "")
+    });
+    let first = upstream.send(support::post_json(b"k-101", "{}")).await;
+    assert_eq!(first.status, StatusCode::SWITCHING_PROTOCOLS);
+    let retry = upstream.send(support::post_json(b"k-101", "{}")).await;
+    assert_eq!(upstream.calls(), 1, "the retry ran again: {retry:?}");
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+}

@@ -215,6 +215,14 @@ impl Reservation {
             mount: "",
         };
         let target = self.target.as_ref().map_or(unknown, Target::read);
+        if status.is_informational() {
+            // A 1xx as the final answer (a 101 protocol switch): the
+            // request ran, and no replay could give it again. Kept as
+            // "executed, response not stored": released, as any status not
+            // stored is, the retry ran it a second time.
+            self.store(Outcome::TooLarge { status }).await;
+            return Recorder::settled(status);
+        }
         if !self.policy.consumes(status, headers, &target) {
             self.release_as(status).await;
             return Recorder::settled(status);
