@@ -986,6 +986,33 @@ macro_rules! outbox_tests {
                 assert!(db.outbox.complete(&live[0], Some(200), None).await.unwrap());
             }
 
+            /// From a review: a row the rescuer sent to `dead` (its worker
+            /// died on its last attempt) was counted as rescued only, and an
+            /// alert on `outbox_dead_total` never saw it.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_the_rescuer_buries_is_counted_dead() {
+                let db = db().await;
+                let last = Message::new("crm", "sub-1", payload("sub-1")).max_attempts(1);
+                assert!(db.outbox.enqueue(&last).await.unwrap());
+                let claimed = db
+                    .outbox
+                    .claim(1, Duration::from_millis(200), None)
+                    .await
+                    .unwrap();
+                assert_eq!(claimed.len(), 1);
+                let rescued = loop {
+                    let rescued = db.outbox.rescue(10).await.unwrap();
+                    if !rescued.is_empty() {
+                        break rescued;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                assert_eq!(rescued, [claimed[0].id()]);
+                assert_eq!(state_of(&db.outbox, "crm", "sub-1").await.state, State::Dead);
+                assert_eq!(db.outbox.metrics().dead(), 1);
+                assert_eq!(db.outbox.metrics().rescued(), 1);
+            }
+
             /// From a review: the rescuer ran only when the worker woke to
             /// poll, so with a long `poll_interval` (sensible beside
             /// `LISTEN`) a crashed worker's rows waited a poll interval past

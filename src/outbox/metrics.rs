@@ -103,7 +103,8 @@ impl OutboxMetrics {
         self.retried.get()
     }
 
-    /// Rows sent to `dead` by a failed attempt.
+    /// Rows sent to `dead` by a failed attempt, or by the rescuer when the
+    /// attempt whose lease ran out was their last.
     pub fn dead(&self) -> u64 {
         self.dead.get()
     }
@@ -114,7 +115,8 @@ impl OutboxMetrics {
         self.unreadable.get()
     }
 
-    /// Rows whose expired lease was re-queued by this process's rescuer.
+    /// Rows whose expired lease was re-queued by this process's rescuer
+    /// (or sent to `dead`, on their last attempt; counted there too).
     pub fn rescued(&self) -> u64 {
         self.rescued.get()
     }
@@ -143,7 +145,7 @@ impl OutboxMetrics {
             ),
             (
                 "dead",
-                "Rows sent to dead by a failed attempt.",
+                "Rows sent to dead by a failed attempt or, on their last attempt, by the rescuer.",
                 self.dead(),
             ),
             (

@@ -152,7 +152,7 @@ SET state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'retryable' END,
 FROM expired
 WHERE outbox_messages.id = expired.id
   AND state = 'running' AND lease_expires_at <= now()
-RETURNING outbox_messages.id";
+RETURNING outbox_messages.id, outbox_messages.state = 'dead' AS dead";
 
 pub(super) const SWEEP: &str = "
 WITH old AS MATERIALIZED (

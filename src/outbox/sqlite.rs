@@ -105,7 +105,7 @@ WHERE id IN (SELECT id FROM outbox_messages
              WHERE state = 'running' AND lease_expires_at <= unixepoch('subsec')
              ORDER BY lease_expires_at
              LIMIT ?1)
-RETURNING id";
+RETURNING id, state = 'dead' AS dead";
 
 pub(super) const SWEEP: &str = "
 DELETE FROM outbox_messages

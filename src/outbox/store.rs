@@ -380,14 +380,18 @@ impl Outbox {
     /// Rescuers running at once re-queue each row once.
     pub async fn rescue(&self, limit: usize) -> Result<Vec<i64>, OutboxError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let ids: Vec<i64> = with_backend!(self, |pool, sql| {
-            sqlx::query_scalar(sql::RESCUE)
+        let rows: Vec<(i64, bool)> = with_backend!(self, |pool, sql| {
+            sqlx::query_as(sql::RESCUE)
                 .bind(limit)
                 .fetch_all(pool)
                 .await?
         });
-        self.metrics.rescued.add(ids.len() as u64);
-        Ok(ids)
+        self.metrics.rescued.add(rows.len() as u64);
+        // A row on its last attempt goes dead here: counted as every dead
+        // row is, so an alert on `outbox_dead_total` sees it.
+        let dead = rows.iter().filter(|(_, dead)| *dead).count();
+        self.metrics.dead.add(dead as u64);
+        Ok(rows.into_iter().map(|(id, _)| id).collect())
     }
 
     /// Deletes up to `limit` rows delivered more than `older_than` ago,
