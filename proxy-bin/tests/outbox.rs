@@ -565,6 +565,30 @@ async fn proxy_runs_the_destinations_of_its_configuration(db: Db, dir: TempDir) 
         purged["purged"], 0,
         "no dead crm rows; delivered ones untouched"
     );
+    // From a review: a misspelt filter was ignored, so `topc=crm` purged
+    // every topic's dead rows; a repeated one read as its first. Refused,
+    // nothing purged; so is an unknown `payload` value on the listing.
+    for misspelt in [
+        "/outbox/purge?older_than=0s&topc=crm",
+        "/outbox/purge?older_than=0s&Topic=crm",
+        "/outbox/purge?older_than=0s&topic=crm&topic=refuse",
+        "/outbox/purge?id=1&force=1",
+    ] {
+        let refused = proxy.admin_send("POST", misspelt, &auth, "").await;
+        assert_eq!(refused.status, 400, "{misspelt}: {}", refused.text());
+        assert!(refused.text().contains("parameter"), "{}", refused.text());
+    }
+    for (path, method) in [
+        ("/outbox/dead?payload=yes", "GET"),
+        ("/outbox/dead?limt=1", "GET"),
+        ("/outbox/counts?topic=crm", "GET"),
+        ("/keys/in-flight?limit=1&limit=2", "GET"),
+        ("/keys/counts?older_than=1s", "GET"),
+    ] {
+        let refused = proxy.admin_send(method, path, &auth, "").await;
+        assert_eq!(refused.status, 400, "{path}: {}", refused.text());
+    }
+    assert_eq!(db.count("state = 'dead'").await, 1, "nothing purged");
     let purged = proxy
         .admin_send(
             "POST",

@@ -62,27 +62,27 @@ pub async fn serve(engine: &Engine, session: &mut ServerSession) -> Option<Answe
 
 /// The operation a request asks for.
 async fn parse(session: &mut ServerSession, path: &str, query: &str) -> Result<Op, Failure> {
+    let allowed: &[&str] = match path {
+        "in-flight" => &["older_than", "limit"],
+        _ => &[],
+    };
+    let params = super::query_params(query, allowed).map_err(Failure::Input)?;
     if path == "counts" {
         return Ok(Op::Counts);
     }
     if path == "in-flight" {
         let mut older_than = std::time::Duration::ZERO;
         let mut limit = keys::DEFAULT_LIMIT;
-        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+        for (name, value) in params {
             match &*name {
                 "older_than" => older_than = keys::parse_age(&value)?,
-                "limit" => {
+                _ => {
                     limit = value.parse().map_err(|_| {
                         Failure::Input(format!(
                             "limit: expected a number of records (at most {}), got `{value}`",
                             keys::MAX_LIMIT
                         ))
                     })?
-                }
-                other => {
-                    return Err(Failure::Input(format!(
-                        "unknown parameter `{other}`: expected older_than (such as 30s) and limit"
-                    )))
                 }
             }
         }

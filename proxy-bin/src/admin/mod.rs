@@ -51,6 +51,30 @@ impl HealthCache {
     pub const FRESH: std::time::Duration = std::time::Duration::from_secs(1);
 }
 
+/// The query parameters of an operator request, each named at most once
+/// and only among `allowed`: a misspelt filter (`topc=crm` on a purge) is
+/// refused, never read as no filter, and a repeated one never read as
+/// whichever comes first. The error says what is expected.
+fn query_params(query: &str, allowed: &[&str]) -> Result<Vec<(String, String)>, String> {
+    let mut params: Vec<(String, String)> = Vec::new();
+    for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+        if !allowed.contains(&&*name) {
+            return Err(match allowed {
+                [] => format!("unknown parameter `{name}`: this route takes none"),
+                _ => format!(
+                    "unknown parameter `{name}`: expected {}",
+                    allowed.join(", ")
+                ),
+            });
+        }
+        if params.iter().any(|(seen, _)| *seen == name) {
+            return Err(format!("parameter `{name}` given twice"));
+        }
+        params.push((name.into_owned(), value.into_owned()));
+    }
+    Ok(params)
+}
+
 /// An answer of the admin listener, before it is written.
 pub struct Answer {
     status: StatusCode,

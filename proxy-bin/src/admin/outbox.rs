@@ -29,27 +29,39 @@ pub async fn route(outbox: Option<&Outbox>, request: &RequestHeader) -> Option<A
                 .to_owned(),
         }));
     };
-    let query: Vec<(String, String)> =
-        form_urlencoded::parse(request.uri.query().unwrap_or_default().as_bytes())
-            .into_owned()
-            .collect();
+    let method = &request.method;
+    let segments: Vec<&str> = path.split('/').skip(1).collect();
+    let allowed: &[&str] = match segments.as_slice() {
+        ["dead"] => &["limit", "payload"],
+        ["purge"] => &["id", "older_than", "topic"],
+        _ => &[],
+    };
+    let query = match super::query_params(request.uri.query().unwrap_or_default(), allowed) {
+        Ok(query) => query,
+        Err(message) => return Some(refused(Refused::bad(message))),
+    };
     let param = |name: &str| {
         query
             .iter()
             .find(|(key, _)| key == name)
             .map(|(_, value)| value.as_str())
     };
-    let method = &request.method;
-    let segments: Vec<&str> = path.split('/').skip(1).collect();
     let result = match (segments.as_slice(), method) {
         (["counts"], &Method::GET) => ops::counts(outbox).await,
-        (["dead"], &Method::GET) => match param("limit").map(str::parse::<usize>) {
-            Some(Err(_)) => Err(Refused::bad("`limit` must be a whole number")),
-            limit => {
-                let payload = matches!(param("payload"), Some("1" | "true"));
-                ops::dead(outbox, limit.and_then(Result::ok).unwrap_or(100), payload).await
+        (["dead"], &Method::GET) => {
+            match (param("limit").map(str::parse::<usize>), param("payload")) {
+                (Some(Err(_)), _) => Err(Refused::bad("`limit` must be a whole number")),
+                (_, Some(other)) if !matches!(other, "1" | "true" | "0" | "false") => {
+                    Err(Refused::bad(format!(
+                        "`payload`: expected 1, true, 0 or false, got `{other}`"
+                    )))
+                }
+                (limit, payload) => {
+                    let payload = matches!(payload, Some("1" | "true"));
+                    ops::dead(outbox, limit.and_then(Result::ok).unwrap_or(100), payload).await
+                }
             }
-        },
+        }
         (["dead", id, "retry"], &Method::POST) => match id.parse() {
             Ok(id) => ops::retry(outbox, id).await,
             Err(_) => Err(Refused::bad(format!("`{id}` is not a row id"))),
