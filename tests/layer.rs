@@ -1647,6 +1647,121 @@ async fn a_slow_upload_does_not_hold_the_inner_services_readiness() {
     upload.abort();
 }
 
+/// From a review: the layer passed its inner service's readiness on, so
+/// with the concurrency limit README recommends inside it, a retry of a
+/// finished order (a replay), a changed retry (422) and a request with a
+/// malformed key (400) all waited behind slow executions holding every
+/// permit — when clients retry, under overload — though none of them calls
+/// the inner service. The layer is always ready; what calls the inner
+/// service waits for it on its own clone, and still runs.
+#[tokio::test]
+async fn answers_that_never_call_the_inner_service_do_not_wait_for_its_readiness() {
+    use tower::limit::ConcurrencyLimitLayer;
+    let (engine, _store) = memory_engine(Policy::default());
+    let gate = Gate::default();
+    let held = gate.clone();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let service = tower::ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(engine))
+        .layer(ConcurrencyLimitLayer::new(1))
+        .service(tower::service_fn(move |request: Request<_>| {
+            let (held, counted) = (held.clone(), counted.clone());
+            async move {
+                counted.fetch_add(1, SeqCst);
+                if request
+                    .headers()
+                    .get("idempotency-key")
+                    .is_some_and(|k| k == "slow")
+                {
+                    held.pass().await;
+                }
+                Ok::<_, Infallible>(reply(StatusCode::CREATED, "done"))
+            }
+        }));
+    let first = service.clone().oneshot(order("done", "{}")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    // The one permit is held by a slow execution.
+    let slow = tokio::spawn(service.clone().oneshot(order("slow", "{}")));
+    gate.started.notified().await;
+    let replay = promptly(service.clone().oneshot(order("done", "{}")))
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let changed = promptly(service.clone().oneshot(order("done", r#"{"n":2}"#)))
+        .await
+        .unwrap();
+    assert_eq!(changed.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let malformed = promptly(service.clone().oneshot(order(&"x".repeat(300), "{}")))
+        .await
+        .unwrap();
+    assert_eq!(malformed.status(), StatusCode::BAD_REQUEST);
+    // What does call the inner service waits for the permit, then runs:
+    // a new order and a passthrough (a GET).
+    let queued = tokio::spawn(service.clone().oneshot(order("queued", "{}")));
+    let status = Request::get("/status").body(Body::empty()).unwrap();
+    let passthrough = tokio::spawn(service.clone().oneshot(status));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!queued.is_finished() && !passthrough.is_finished());
+    assert_eq!(
+        calls.load(SeqCst),
+        2,
+        "nothing else reached the inner service"
+    );
+    gate.open.notify_one();
+    assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    let queued = promptly(queued).await.unwrap().unwrap();
+    assert_eq!(queued.status(), StatusCode::CREATED);
+    assert!(!queued.headers().contains_key("idempotent-replayed"));
+    assert_eq!(
+        promptly(passthrough).await.unwrap().unwrap().status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(calls.load(SeqCst), 4);
+}
+
+/// From a review: a layer nested in another on the same engine (a
+/// sub-router's layer inside an app-wide one) computed the very key the
+/// outer layer held, waited for it until `wait_timeout`, and answered
+/// 409 `in-flight` — which the outer layer released: the order never ran,
+/// on every retry. The inner layer now goes on as the outer execution; a
+/// retry is replayed, the handler ran once.
+#[tokio::test]
+async fn a_layer_nested_in_another_on_the_same_engine_runs_the_order_once() {
+    let (engine, _store) = memory_engine(Policy {
+        wait_timeout: Duration::from_millis(300),
+        ..Policy::default()
+    });
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let routes = axum::Router::new()
+        .route(
+            "/orders",
+            axum::routing::post(move || {
+                let counted = counted.clone();
+                async move {
+                    let n = counted.fetch_add(1, SeqCst) + 1;
+                    (StatusCode::CREATED, format!("order {n}"))
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(engine.clone()));
+    let app = tower::ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(engine))
+        .service(routes);
+    let mut bodies = Vec::new();
+    for _ in 0..3 {
+        let answer = promptly(app.clone().oneshot(order("nested", "{}")))
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::CREATED);
+        bodies.push(answer.into_body().collect().await.unwrap().to_bytes());
+    }
+    assert!(bodies.iter().all(|body| body == "order 1"), "{bodies:?}");
+    assert_eq!(calls.load(SeqCst), 1);
+}
+
 /// Bodies queued behind the inner service's readiness (a clone that must
 /// wait for a concurrency limit's permit or a buffer's slot) are buffered
 /// bodies too: they stay counted in `max_buffered_bytes` until the inner

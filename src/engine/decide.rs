@@ -84,8 +84,24 @@ impl Engine {
     /// read, the scope hash's first 8 hex digits. A reservation is logged
     /// when it ends ([`Reservation`]).
     pub async fn begin(&self, covered: &Covered, head: RequestHead<'_>, body: &[u8]) -> Decision {
+        self.begin_within(covered, head, body, None).await
+    }
+
+    /// [`Engine::begin`] for a request already executing under `held`, a
+    /// key an outer front end reserved (the layer nested in another): a
+    /// request whose own scope is that key is forwarded as that execution,
+    /// unreserved, where it would otherwise wait for itself until
+    /// `wait_timeout` and get 409. A request scoped otherwise is decided
+    /// as any other.
+    pub(crate) async fn begin_within(
+        &self,
+        covered: &Covered,
+        head: RequestHead<'_>,
+        body: &[u8],
+        held: Option<&ScopeKey>,
+    ) -> Decision {
         let mut key = None;
-        let decision = self.begin_inner(covered, head, body, &mut key).await;
+        let decision = self.begin_inner(covered, head, body, held, &mut key).await;
         match decision {
             Decision::Respond(mut response) => {
                 if let Some(Answered(outcome)) = response.extensions_mut().remove::<Answered>() {
@@ -102,6 +118,7 @@ impl Engine {
         covered: &Covered,
         head: RequestHead<'_>,
         body: &[u8],
+        held: Option<&ScopeKey>,
         scope: &mut Option<ScopeKey>,
     ) -> Decision {
         let started = Instant::now();
@@ -145,6 +162,10 @@ impl Engine {
             ..head
         };
         let key = scope_key(&self.inner.hasher, policy, &head, &raw_key);
+        if held == Some(&key) {
+            self.inner.metrics.record(Event::Passthrough);
+            return Decision::Forward;
+        }
         *scope = Some(key);
         let fingerprint = fingerprint_view(
             head.method,

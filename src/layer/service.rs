@@ -114,16 +114,38 @@ impl std::fmt::Debug for ExecutionScope {
 /// Makes unsafe requests to the inner service take effect once. Built by
 /// [`IdempotencyLayer`](super::IdempotencyLayer); see the
 /// [module docs](crate::layer) for the guarantees.
-#[derive(Clone, Debug)]
+///
+/// Always ready ([`Service::poll_ready`] fails only when the inner
+/// service's does): a replay, a duplicate's 409 and the engine's refusals
+/// never call the inner service, so they never wait for its readiness (a
+/// concurrency limit held by slow executions). A request that does call it
+/// waits for that readiness inside its own future, on a clone of its own;
+/// load shedding (`LoadShedLayer`) belongs inside the layer, beside the
+/// limit, where it sheds only what would call the inner service.
+#[derive(Debug)]
 pub struct Idempotency<S> {
     inner: S,
     engine: Engine,
+    /// Whether `inner` said it was ready to the last `poll_ready` and was
+    /// not called since: a passthrough then calls it directly.
+    inner_ready: bool,
+}
+
+impl<S: Clone> Clone for Idempotency<S> {
+    /// A clone's inner service is a clone, not ready until polled.
+    fn clone(&self) -> Self {
+        Idempotency::new(self.inner.clone(), self.engine.clone())
+    }
 }
 
 impl<S> Idempotency<S> {
     /// Wraps `inner` with `engine`.
     pub fn new(inner: S, engine: Engine) -> Self {
-        Idempotency { inner, engine }
+        Idempotency {
+            inner,
+            engine,
+            inner_ready: false,
+        }
     }
 
     /// The wrapped service.
@@ -149,7 +171,16 @@ where
     type Future = ResponseFuture<S::Future, ResB, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+        if !self.inner_ready {
+            match self.inner.poll_ready(cx) {
+                Poll::Ready(Ok(())) => self.inner_ready = true,
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                // Ready all the same: see the type's docs. A request that
+                // calls the inner service waits for it on a clone.
+                Poll::Pending => {}
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
@@ -160,10 +191,14 @@ where
             principal: None,
             routed: Some(request.uri()),
         };
+        let ready_now = std::mem::take(&mut self.inner_ready);
         let Coverage::Covered(covered) = self.engine.classify(&head) else {
-            return ResponseFuture::passthrough(
-                self.inner.call(request.map(RequestBody::streaming)),
-            );
+            let request = request.map(RequestBody::streaming);
+            if ready_now {
+                return ResponseFuture::passthrough(self.inner.call(request));
+            }
+            let inner = self.inner.clone();
+            return ResponseFuture::engine(Box::pin(forward(inner, request)));
         };
         // A clone, made ready only when it is called: the instance polled
         // ready is dropped here (a fresh clone takes its place), so what its
@@ -209,7 +244,15 @@ where
                 principal: principal.as_deref(),
                 routed: Some(&parts.uri),
             };
-            let decision = engine.begin(&covered, head, &body).await;
+            // Under a key an outer layer holds (the same scope: a layer
+            // nested in another on the same engine or store), the request
+            // goes on as the outer layer's execution: waiting for the key
+            // would wait for itself.
+            let held = parts
+                .extensions
+                .get::<ExecutionScope>()
+                .map(|held| &held.key);
+            let decision = engine.begin_within(&covered, head, &body, held).await;
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
             // The body stays counted in the budget until the inner service
@@ -222,12 +265,7 @@ where
                         return Step::Done(Err(error));
                     }
                     drop(permit);
-                    Step::Done(
-                        inner
-                            .call(request)
-                            .await
-                            .map(|response| response.map(|body| ResponseBody::streaming(body))),
-                    )
+                    forward(inner, request).await
                 }
                 // Runs in the caller's task; if the caller goes away, the
                 // `ResponseFuture` moves it to a task of its own.
@@ -274,6 +312,22 @@ fn original_uri<'a>(
         return uri;
     }
     uri
+}
+
+/// Calls `service` once it is ready, its answer streamed as it is.
+async fn forward<S, ReqB, ResB>(
+    mut service: S,
+    request: Request<RequestBody<ReqB>>,
+) -> Step<ResB, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes> + Unpin,
+{
+    if let Err(error) = ready(&mut service).await {
+        return Step::Done(Err(error));
+    }
+    let answer = service.call(request).await;
+    Step::Done(answer.map(|response| response.map(|body| ResponseBody::streaming(body))))
 }
 
 /// Waits until `service` is ready for a call.
