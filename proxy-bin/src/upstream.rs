@@ -296,7 +296,58 @@ const MARKED_KEPT: usize = 16;
 /// that has unexpected bytes waiting) is dropped and the next one tried.
 #[derive(Default)]
 struct Pool {
-    idle: Mutex<Vec<Idle>>,
+    idle: Mutex<IdleList>,
+}
+
+/// The idle connections, oldest first, and how many of them are marked
+/// [`Idle::after_bodiless`] (kept beside the list, so that neither a take
+/// nor a put scans it while none is).
+#[derive(Default)]
+struct IdleList {
+    entries: Vec<Idle>,
+    marked: usize,
+}
+
+impl IdleList {
+    fn push(&mut self, entry: Idle) {
+        self.marked += usize::from(entry.after_bodiless);
+        self.entries.push(entry);
+    }
+
+    fn remove(&mut self, at: usize) -> Idle {
+        let entry = self.entries.remove(at);
+        self.marked -= usize::from(entry.after_bodiless);
+        entry
+    }
+
+    /// Where the newest unmarked connection is.
+    fn newest_unmarked(&self) -> Option<usize> {
+        match self.marked {
+            0 => self.entries.len().checked_sub(1),
+            _ => self.entries.iter().rposition(|entry| !entry.after_bodiless),
+        }
+    }
+
+    /// Where the newest marked connection is, else the newest.
+    fn newest_marked_first(&self) -> Option<usize> {
+        match self.marked {
+            0 => None,
+            _ => self.entries.iter().rposition(|entry| entry.after_bodiless),
+        }
+        .or_else(|| self.entries.len().checked_sub(1))
+    }
+
+    /// Where the oldest marked connection is, else the oldest.
+    fn oldest_marked_first(&self) -> usize {
+        match self.marked {
+            0 => 0,
+            _ => self
+                .entries
+                .iter()
+                .position(|entry| entry.after_bodiless)
+                .unwrap_or(0),
+        }
+    }
 }
 
 /// A pooled connection: since when it is idle, for how long it may be,
@@ -333,13 +384,9 @@ impl Pool {
         loop {
             let mut idle = {
                 let mut idle = self.lock();
-                let marked = |entry: &Idle| entry.after_bodiless;
                 let at = match check {
-                    Check::Kernel => idle.iter().rposition(|entry| !marked(entry))?,
-                    Check::Seen => idle
-                        .iter()
-                        .rposition(marked)
-                        .or_else(|| idle.len().checked_sub(1))?,
+                    Check::Kernel => idle.newest_unmarked()?,
+                    Check::Seen => idle.newest_marked_first()?,
                 };
                 idle.remove(at)
             };
@@ -363,10 +410,10 @@ impl Pool {
                 max_idle,
                 after_bodiless,
             });
-            let marked = idle.iter().filter(|entry| entry.after_bodiless).count();
-            let oldest_marked = idle.iter().position(|entry| entry.after_bodiless);
-            (idle.len() > POOL_SIZE || marked > MARKED_KEPT)
-                .then(|| idle.remove(oldest_marked.unwrap_or(0)))
+            (idle.entries.len() > POOL_SIZE || idle.marked > MARKED_KEPT).then(|| {
+                let at = idle.oldest_marked_first();
+                idle.remove(at)
+            })
         };
         drop(closed);
     }
@@ -386,8 +433,8 @@ impl Pool {
                 {
                     let mut idle = pool.lock();
                     let mut index = 0;
-                    while index < idle.len() {
-                        let entry = &mut idle[index];
+                    while index < idle.entries.len() {
+                        let entry = &mut idle.entries[index];
                         if entry.expired() || !still_open(&mut entry.stream, Check::Kernel) {
                             closed.push(idle.remove(index));
                         } else {
@@ -402,7 +449,7 @@ impl Pool {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, IdleList> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -805,6 +852,63 @@ mod tests {
     fn l4(client: std::net::TcpStream) -> Stream {
         let tcp = tokio::net::TcpStream::from_std(client).unwrap();
         Box::new(pingora_core::protocols::l4::stream::Stream::from(tcp))
+    }
+
+    /// The pool's count of marked connections stays the count of its
+    /// marked entries through puts past both caps and takes of both kinds,
+    /// and each take picks as the rules say: a keyed request never a
+    /// marked connection, another the newest marked one while there is one.
+    #[test]
+    fn the_marked_count_follows_the_list_through_puts_and_takes() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _entered = runtime.enter();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let pool = Pool::default();
+        let mut servers = Vec::new();
+        let recount = |pool: &Pool| {
+            let idle = pool.lock();
+            let marked = idle.entries.iter().filter(|e| e.after_bodiless).count();
+            (idle.marked, marked, idle.entries.len())
+        };
+        // A deterministic mix: runs of marked and unmarked puts, with takes.
+        for step in 0u32..160 {
+            let mark = (step / 7) % 3 == 0;
+            let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            servers.push(listener.accept().unwrap().0);
+            client.set_nonblocking(true).unwrap();
+            let minute = Duration::from_secs(60);
+            pool.put(l4(client), Instant::now(), minute, mark);
+            if step % 5 == 4 {
+                let (kept, _, _) = recount(&pool);
+                let had_unmarked = recount(&pool).2 > kept;
+                match pool.take(Check::Kernel) {
+                    Some((_, marked)) => {
+                        assert!(!marked, "step {step}: a keyed take got a marked one")
+                    }
+                    None => assert!(!had_unmarked, "step {step}: an unmarked one was left"),
+                }
+            }
+            if step % 6 == 5 {
+                let had_marked = recount(&pool).0 > 0;
+                let (_, marked) = pool.take(Check::Seen).expect("the pool is not empty");
+                assert_eq!(
+                    marked, had_marked,
+                    "step {step}: the newest marked one first"
+                );
+            }
+            let (kept, counted, len) = recount(&pool);
+            assert_eq!(
+                kept, counted,
+                "step {step}: the count drifted from the list"
+            );
+            assert!(
+                len <= POOL_SIZE && counted <= MARKED_KEPT,
+                "step {step}: {len}, {counted}"
+            );
+        }
     }
 
     /// An open idle connection with nothing on it passes either check.

@@ -401,8 +401,8 @@ pub(crate) fn execution_scope_id(key: &ScopeKey) -> String {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.stop_renewing();
         if self.settled {
+            self.stop_renewing();
             self.engine.left_flight();
             return;
         }
@@ -414,6 +414,7 @@ impl Drop for Reservation {
                 // the key is never freed for a second run: it stays in
                 // flight until its lease ends.
                 _ => {
+                    self.stop_renewing();
                     self.engine.left_flight();
                     return;
                 }
@@ -446,9 +447,14 @@ impl Drop for Reservation {
             // stands for an execution that reached its upstream.
             heir.lease.settling(status);
             heir.lease.markable();
+            // Only now is this one's lease forgotten: at every instant a
+            // drain finds the key in its lists, under this lease or the
+            // heir's (marking it twice is harmless: the second is refused).
+            self.stop_renewing();
             handle.spawn(heir.store(Outcome::Incomplete { status }));
             return;
         }
+        self.stop_renewing();
         // Abandoned (panic or cancellation): free the key in the background.
         let engine = self.engine.clone();
         let (key, owner) = (self.key, self.owner);
