@@ -82,6 +82,46 @@ async fn a_full_memory_store_answers_503_and_does_not_grow() {
     assert_eq!(app.calls(), 4);
 }
 
+/// From a review: a full memory store was handled as an outage, so on a
+/// fail-open route a request whose key could not be reserved ran
+/// unprotected — and so did every retry of it (four sends, four runs), for
+/// as long as records took to expire, not the "two executions" of an
+/// outage. Full is 503 on every route; the store's health check says so
+/// meanwhile (it cannot take a reservation), and both recover with room.
+#[tokio::test]
+async fn a_full_memory_store_runs_nothing_unprotected_even_on_a_fail_open_route() {
+    use tower_idempotency::store::Store;
+    let store = MemoryStore::with_limits(1, usize::MAX);
+    let policy = Policy {
+        fail_mode: FailMode::Open,
+        ..short_lived()
+    };
+    let app = Harness::new(policy.clone())
+        .with_engine(Engine::new(store.clone(), Routes::all(policy).unwrap()));
+    assert!(store.ping().await.is_ok());
+    assert_eq!(
+        app.send(post_json(b"k0", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(store.ping().await.is_err(), "a full store reports itself");
+    for _ in 0..4 {
+        let refused = app.send(post_json(b"pay", "{}")).await;
+        refused.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
+    }
+    assert_eq!(app.calls(), 1, "no retry ran unprotected");
+    tokio::time::sleep(PAST_RETENTION).await;
+    assert!(
+        store.ping().await.is_ok(),
+        "room again once records expired"
+    );
+    assert_eq!(
+        app.send(post_json(b"pay", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(app.send(post_json(b"pay", "{}")).await.replayed());
+    assert_eq!(app.calls(), 2);
+}
+
 /// The byte ceiling: stored responses count, and past it new keys get 503.
 #[tokio::test]
 async fn the_memory_store_byte_ceiling_holds() {

@@ -603,7 +603,10 @@ impl Engine {
     /// after this request `saw_held` its key in flight under another
     /// request (a waiter's look or wait failing): forwarding would run it
     /// beside the holder, which may be running still, and every waiter
-    /// meeting one failed poll would run once more.
+    /// meeting one failed poll would run once more. A full store
+    /// ([`StoreError::Full`]) is 503 on every route too: it is no outage
+    /// that ends soon, but full until records expire, so each retry of a
+    /// forwarded request would find it full again and run once more.
     fn store_failed(
         &self,
         policy: &RoutePolicy,
@@ -616,8 +619,9 @@ impl Engine {
         }
         self.inner.metrics.record(Event::StoreError);
         tracing::warn!(%error, path = head.uri.path(), "idempotency store failed");
+        let full = matches!(error, StoreError::Full(_));
         match policy.policy().fail_mode {
-            FailMode::Open if !saw_held => Decision::Forward,
+            FailMode::Open if !saw_held && !full => Decision::Forward,
             _ => Decision::Respond(self.store_unavailable(head.headers)),
         }
     }

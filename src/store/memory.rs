@@ -31,8 +31,10 @@ mod admin;
 /// * **Bounded memory.** At [`max_records`](MemoryStore::max_records)
 ///   records, or [`max_bytes`](MemoryStore::max_bytes) bytes of stored
 ///   responses and bookkeeping, [`Store::reserve`] refuses a new key with
-///   [`StoreError::Full`] (the engine answers 503, or forwards on a
-///   fail-open route) instead of growing. A completion is never refused
+///   [`StoreError::Full`] (the engine answers 503 on every route, fail-open
+///   ones too: a full store stays full until records expire, so forwarding
+///   would run every retry) instead of growing; [`Store::ping`] fails
+///   meanwhile. A completion is never refused
 ///   (the request already ran), so the bytes may exceed the ceiling by the
 ///   responses of reservations granted before it was reached.
 ///
@@ -353,6 +355,27 @@ impl Drop for Waiter<'_> {
 }
 
 impl MemoryStore {
+    /// Whether a new key fits under the ceilings, once expired records
+    /// made room (still a bounded amount of work); else
+    /// [`StoreError::Full`] saying which ceiling.
+    fn room_for_a_key(&self, table: &mut Table, now: Instant) -> Result<(), StoreError> {
+        let at_ceiling = |table: &Table| {
+            table.records.len() >= self.inner.max_records
+                || table.bytes + ENTRY_OVERHEAD > self.inner.max_bytes
+        };
+        if at_ceiling(table) {
+            table.expire(now, 32 * Self::EXPIRE_PER_WRITE);
+        }
+        if !at_ceiling(table) {
+            return Ok(());
+        }
+        let what = match table.records.len() >= self.inner.max_records {
+            true => format!("{} records", table.records.len()),
+            false => format!("{} bytes", table.bytes),
+        };
+        Err(StoreError::Full(format!("the memory store holds {what}")))
+    }
+
     /// [`Store::reserve`], keeping `principal` with the record.
     fn reserve_with(
         &self,
@@ -381,22 +404,7 @@ impl MemoryStore {
         // A new key must fit under the ceilings (a takeover or an expired
         // record's slot replaces one already counted).
         if !table.records.contains_key(key) {
-            if table.records.len() >= self.inner.max_records
-                || table.bytes + ENTRY_OVERHEAD > self.inner.max_bytes
-            {
-                // Make room from expired records first (still bounded).
-                table.expire(now, 32 * Self::EXPIRE_PER_WRITE);
-            }
-            let full = if table.records.len() >= self.inner.max_records {
-                Some(format!("{} records", table.records.len()))
-            } else if table.bytes + ENTRY_OVERHEAD > self.inner.max_bytes {
-                Some(format!("{} bytes", table.bytes))
-            } else {
-                None
-            };
-            if let Some(what) = full {
-                return Err(StoreError::Full(format!("the memory store holds {what}")));
-            }
+            self.room_for_a_key(&mut table, now)?;
         }
         let created = match table.records.get(key) {
             Some(entry) if takeover => entry.created,
@@ -544,8 +552,10 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    /// Fails with [`StoreError::Full`] while a new key would not fit: the
+    /// store cannot take a reservation then (a health check reports it).
     async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
+        self.room_for_a_key(&mut self.table(), Instant::now())
     }
 
     async fn identity(&self) -> Result<Option<String>, StoreError> {

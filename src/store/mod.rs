@@ -424,7 +424,10 @@ pub enum StoreError {
     #[error("unreadable record: {0}")]
     Unreadable(String),
     /// The store is at its configured ceiling (records or bytes) and
-    /// refuses new reservations rather than grow.
+    /// refuses new reservations rather than grow. The engine answers it
+    /// with 503 on every route, fail-open ones too: the store stays full
+    /// until records expire, so a forwarded request's every retry would
+    /// find it full and run again.
     #[error("store full: {0}")]
     Full(String),
 }
