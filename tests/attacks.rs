@@ -507,7 +507,7 @@ async fn a_blocked_worker_does_not_stop_other_leases_from_being_renewed() {
     let routes = Routes::new()
         .route("/slow", policy(300))
         .unwrap()
-        .route("/block", policy(30))
+        .route("/block", policy(100))
         .unwrap();
     let engine = Engine::new(MemoryStore::new(), routes);
     let slow_calls = Arc::new(AtomicUsize::new(0));

@@ -328,6 +328,8 @@ impl Config {
             let mut path: Option<Spanned<String>> = None;
             let mut enabled = true;
             let mut switch: Option<&str> = None;
+            // The route's first own setting (beside `path` and `enabled`).
+            let mut own: Option<(String, std::ops::Range<usize>)> = None;
             for (key, value) in route.get_ref() {
                 match key.get_ref().as_str() {
                     "path" => match value.get_ref() {
@@ -357,6 +359,7 @@ impl Config {
                         }
                     },
                     other => {
+                        own.get_or_insert((other.to_owned(), value.span()));
                         entries.insert(other.to_owned(), value.clone());
                     }
                 }
@@ -364,6 +367,20 @@ impl Config {
             let Some(path) = path else {
                 return Err(at(&route_span, "a [[route]] needs a `path`".into()));
             };
+            // A route that leaves its paths alone does so for every method:
+            // a `methods` (or any setting) beside `enabled = false` reads as
+            // if it narrowed that, and would be silently ignored.
+            if let (false, Some((key, span))) = (enabled, &own) {
+                return Err(at(
+                    span,
+                    format!(
+                        "route `{}` has `enabled = false`, which leaves every method of its \
+                         paths alone: `{key}` has no effect there; remove it (to leave only \
+                         some methods alone, list the others in a route's `methods`)",
+                        path.get_ref()
+                    ),
+                ));
+            }
             let unreachable = enabled
                 .then(|| shadowing(&exclusions, path.get_ref(), file.case_insensitive_paths));
             if let Some(Some((earlier, line))) = unreachable {
@@ -391,20 +408,38 @@ impl Config {
                     .iter()
                     .map(|m| m.to_ascii_uppercase())
                     .collect();
-                let same_methods: Vec<(String, usize)> = covering
-                    .iter()
-                    .filter(|(_, _, earlier)| methods.iter().all(|m| earlier.contains(m)))
-                    .map(|(earlier, line, _)| (earlier.clone(), *line))
-                    .collect();
-                let hidden = shadowing(&same_methods, path.get_ref(), file.case_insensitive_paths);
-                if let Some((earlier, line)) = hidden {
+                // And one covering all its paths for some of its methods
+                // leaves it those methods: its settings never apply to them.
+                let mut hidden: Vec<(&str, String, usize)> = Vec::new();
+                for method in &methods {
+                    let earlier: Vec<(String, usize)> = covering
+                        .iter()
+                        .filter(|(_, _, earlier)| earlier.contains(method))
+                        .map(|(earlier, line, _)| (earlier.clone(), *line))
+                        .collect();
+                    let ci = file.case_insensitive_paths;
+                    if let Some((earlier, line)) = shadowing(&earlier, path.get_ref(), ci) {
+                        hidden.push((method, earlier.clone(), *line));
+                    }
+                }
+                if let Some((_, earlier, line)) = hidden.first() {
+                    let which = match hidden.len() == methods.len() {
+                        true => "can never apply".to_owned(),
+                        false => {
+                            let names: Vec<&str> = hidden.iter().map(|h| h.0).collect();
+                            format!("never applies to {}", names.join(", "))
+                        }
+                    };
                     return Err(at(
                         &path.span(),
                         format!(
-                            "route `{}` can never apply: the route `{earlier}` (line {line}) \
-                             before it covers every path under it for the same methods; list \
-                             `{}` first",
+                            "route `{}` {which}: the route `{earlier}` (line {line}) before it \
+                             covers every path under it for {}; list `{}` first",
                             path.get_ref(),
+                            match hidden.len() {
+                                1 => "that method",
+                                _ => "those methods",
+                            },
                             path.get_ref()
                         ),
                     ));
@@ -619,9 +654,38 @@ mod tests {
                 "{earlier}: {message}"
             );
         }
+        // Hidden for some of its methods (from a later review: `/api`'s
+        // default POST and PATCH before `/api/pay` for POST and PUT left
+        // `/api/pay`'s POST unprotected by its `required` and `principal`,
+        // without a word): refused, naming the methods.
+        for (earlier, methods, hidden) in [
+            (
+                "[[route]]\npath = \"/api\"\nmethods = [\"POST\"]\n",
+                "",
+                "POST",
+            ),
+            (
+                "[[route]]\npath = \"/api\"\n",
+                "methods = [\"POST\", \"PUT\"]\n",
+                "POST",
+            ),
+            (
+                "[[route]]\npath = \"/**\"\nmethods = [\"put\", \"PATCH\"]\n",
+                "methods = [\"POST\", \"PUT\", \"PATCH\"]\n",
+                "PUT, PATCH",
+            ),
+        ] {
+            let (line, message) = error(&format!("{earlier}\n{later}{methods}"));
+            assert!(line.is_some(), "{earlier}: {message}");
+            assert!(
+                message.contains(&format!("never applies to {hidden}:"))
+                    && message.contains("line 2"),
+                "{earlier}: {message}"
+            );
+        }
         for earlier in [
-            // Other methods: `/api/pay`'s PATCH still reaches it.
-            "[[route]]\npath = \"/api\"\nmethods = [\"POST\"]\n",
+            // Other methods only.
+            "[[route]]\npath = \"/api\"\nmethods = [\"PUT\"]\n",
             // Some paths only.
             "[[route]]\npath = \"/api/*\"\n",
             "[[route]]\npath = \"/api/pay/x\"\n",
@@ -629,6 +693,34 @@ mod tests {
             let text = format!("{earlier}\n{later}");
             assert!(Config::parse(&text).is_ok(), "{earlier}");
         }
+    }
+
+    /// From a review: on an `enabled = false` route every other setting
+    /// was silently ignored — `methods = ["PATCH"]` read as excluding PATCH
+    /// alone, while the exclusion took every method (a POST skipped the
+    /// required route after it), and an invalid `mismatch_status` passed.
+    /// Refused, naming the key and its line.
+    #[test]
+    fn a_setting_beside_enabled_false_is_refused() {
+        for (setting, key) in [
+            ("methods = [\"PATCH\"]", "methods"),
+            ("required = true", "required"),
+            ("mismatch_status = 400", "mismatch_status"),
+        ] {
+            let text =
+                format!("[[route]]\npath = \"/orders/export\"\nenabled = false\n{setting}\n");
+            let (line, message) = error(&text);
+            assert_eq!(line, Some(4), "{message}");
+            assert!(
+                message.contains(&format!("`{key}` has no effect")),
+                "{message}"
+            );
+        }
+        let alone = "[[route]]\npath = \"/orders/export\"\nenabled = false\n";
+        assert!(Config::parse(alone).is_ok());
+        // `[defaults]` still apply to the routes that use them.
+        let text = format!("[defaults]\nrequired = true\n\n{alone}");
+        assert!(Config::parse(&text).is_ok());
     }
 
     /// A route no request can reach (every path it matches left alone by

@@ -208,6 +208,17 @@ impl Target {
             let Some(scope) = scope.as_str() else {
                 return Err(Failure::Input("scope: expected 64 hex characters".into()));
             };
+            // A scope names the record whole: a `key` or `path` beside it
+            // would be silently dropped (the command line refuses the pair).
+            let beside = value
+                .as_object()
+                .and_then(|fields| fields.keys().find(|name| *name != "scope").cloned());
+            if let Some(other) = beside {
+                return Err(Failure::Input(format!(
+                    "`{other}` beside `scope`: a scope names the record on its own; give \
+                     either {{\"scope\": hex}} or the request's fields"
+                )));
+            }
             return Ok(Target::Scope {
                 scope: scope.to_owned(),
             });
@@ -463,4 +474,25 @@ fn response(outcome: &Outcome) -> Value {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// From a review: `{"scope", "key", "path"}` used the scope and
+    /// dropped the rest without a word (the command line refuses the pair).
+    #[test]
+    fn a_scope_beside_request_fields_is_refused() {
+        let scope = "ab".repeat(32);
+        let refused = Target::from_json(json!({ "scope": scope, "key": "k", "path": "/x" }));
+        let Err(Failure::Input(message)) = refused else {
+            panic!("accepted a scope beside request fields");
+        };
+        assert!(message.contains("beside `scope`"), "{message}");
+        assert!(matches!(
+            Target::from_json(json!({ "scope": scope })),
+            Ok(Target::Scope { .. })
+        ));
+    }
 }

@@ -77,7 +77,13 @@ impl TryFrom<toml::Value> for Source {
         let toml::Value::Table(mut table) = value else {
             return Err(SOURCE_HELP.to_owned());
         };
-        Source::take(&mut table)
+        let source = Source::take(&mut table)?;
+        // A misspelt second field (`fiel = "/x"` beside `env`) is refused,
+        // never ignored: this table names a secret.
+        if let Some(other) = table.keys().next() {
+            return Err(format!("unknown field `{other}`: {SOURCE_HELP}"));
+        }
+        Ok(source)
     }
 }
 
@@ -242,6 +248,9 @@ mod tests {
         assert!(!error.contains("inline"), "the value is echoed: {error}");
         let error = parse("key_secret = { env = \"A\", file = \"/b\" }").unwrap_err();
         assert!(error.contains("not both"), "{error}");
+        // From a review: a misspelt field beside the source was ignored.
+        let error = parse("key_secret = { env = \"X\", fiel = \"/x\" }").unwrap_err();
+        assert!(error.contains("unknown field `fiel`"), "{error}");
         let error = parse("keys = [{ id = \"1\", key = \"c2VjcmV0\" }]").unwrap_err();
         assert!(error.contains("key \"1\""), "{error}");
         assert!(!error.contains("c2VjcmV0"), "{error}");

@@ -174,7 +174,28 @@ impl Engine {
     }
 
     /// An engine over a shared store with explicit settings.
+    ///
+    /// Warns (once, here) for each route whose `lease` is under 3 ×
+    /// `store_timeout`: a renewal that takes as long as the store may take
+    /// lands after such a lease ran out, and a retry may then take the key
+    /// over from a request still running.
     pub fn with_config(store: Arc<dyn Store>, routes: Routes, config: EngineConfig) -> Self {
+        for route in routes.iter() {
+            let Some(policy) = &route.policy else {
+                continue;
+            };
+            let lease = policy.policy().lease;
+            if lease < config.store_timeout * 3 {
+                tracing::warn!(
+                    route = route.path.as_str(),
+                    lease = ?lease,
+                    store_timeout = ?config.store_timeout,
+                    "lease is under 3 × store_timeout: a renewal as slow as the store may be \
+                     lands after the lease ran out, and a retry may take the key over from a \
+                     request still running"
+                );
+            }
+        }
         Engine {
             inner: Arc::new(Inner {
                 store,

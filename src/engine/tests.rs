@@ -271,13 +271,13 @@ async fn the_heartbeat_keeps_a_long_call_from_being_taken_over() {
 #[tokio::test(start_paused = true)]
 async fn a_renewed_reservation_outlives_its_retention() {
     let (engine, store, policy) = engine(Policy {
-        lease: Duration::from_millis(300),
-        ttl: Duration::from_millis(300),
+        lease: Duration::from_secs(1),
+        ttl: Duration::from_secs(1),
         in_flight: InFlightPolicy::Reject,
         ..Policy::default()
     });
     let first = proceed(begin(&engine, &policy, "k").await);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(store.maintenance().unwrap().sweep(10).await.unwrap(), 0);
     assert_eq!(
         problem_type(begin(&engine, &policy, "k").await).1,

@@ -33,6 +33,19 @@ pub use principal::{JwtPolicy, PrincipalPolicy};
 /// added to a clock somewhere, and `Duration::MAX` would overflow it.
 const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// The shortest `lease` a policy may name: renewed every third of it,
+/// a shorter lease's renewals swamp a busy store (SQLite's one writer
+/// first) until leases lapse under requests still running, and a retry
+/// takes the key over and runs again.
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// The shortest `ttl` a policy may name: a duplicate waiting for the first
+/// request looks at the store at least every 200 ms
+/// ([`backoff`](crate::store::backoff)'s cap), so its record outlives the
+/// completion long enough to be seen and replayed, not found gone (a key
+/// free to run again).
+pub const MIN_TTL: Duration = Duration::from_secs(1);
+
 /// One mebibyte, the default request and response size cap.
 pub const MIB: usize = 1024 * 1024;
 
@@ -141,11 +154,14 @@ pub struct Policy {
     /// route it is answered as any changed form is, with the key's stored
     /// outcome. Default empty (none).
     pub fingerprint_version: String,
-    /// How long a completed record is kept and replayed. Default 24 h.
+    /// How long a completed record is kept and replayed. Default 24 h; at
+    /// least the lease and [`MIN_TTL`].
     #[serde(with = "humantime_serde")]
     pub ttl: Duration,
     /// How long an in-flight record is held before another request may take
-    /// it over; renewed by a heartbeat while the upstream runs. Default 30 s.
+    /// it over; renewed by a heartbeat while the upstream runs. Default 30 s;
+    /// at least [`MIN_LEASE`], and keep it at least 3 × the engine's
+    /// `store_timeout` (the engine warns at start when it is not).
     #[serde(with = "humantime_serde")]
     pub lease: Duration,
     /// What a duplicate does while the first is in flight. Default `wait`.
@@ -361,14 +377,26 @@ impl Policy {
             Some(principal) => Some(Arc::new(principal.load(&scope_headers)?)),
             None => None,
         };
-        if self.lease < Duration::from_millis(10) {
-            return Err(invalid("lease", "must be at least 10ms"));
+        if self.lease < MIN_LEASE {
+            return Err(invalid(
+                "lease",
+                "must be at least 100ms: it is renewed every third of it, and shorter \
+                 renewals swamp a busy store until leases lapse under running requests",
+            ));
         }
         if self.execution_timeout.is_zero() {
             return Err(invalid("execution_timeout", "must be longer than zero"));
         }
         if self.ttl < self.lease {
             return Err(invalid("ttl", "must be at least as long as the lease"));
+        }
+        if self.ttl < MIN_TTL {
+            return Err(invalid(
+                "ttl",
+                "must be at least 1s: a duplicate waiting for the first request looks \
+                 at the store every 200ms or sooner, and a record that expired between \
+                 two looks would let it run again",
+            ));
         }
         // Added to clocks (the stores' expiries, a waiter's deadline): a
         // "forever" such as `Duration::MAX` would overflow them.

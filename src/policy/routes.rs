@@ -32,7 +32,10 @@ impl PathPattern {
     /// `/` (other than `/` itself: paths are matched without their
     /// trailing slash, so `/orders/` would never match `/orders`); and one
     /// that is not in normal form (`//`, `.` or `..` segments, `%`
-    /// escapes), which no normalised path could match.
+    /// escapes), which no normalised path could match; and one holding a
+    /// `?` or `#` (a query or fragment: routes match the path alone), a
+    /// control character, or ending in white space, which no request path
+    /// could match either.
     pub fn parse(pattern: &str) -> Result<Self, PolicyError> {
         if !pattern.starts_with('/') {
             return Err(invalid(
@@ -48,6 +51,29 @@ impl PathPattern {
                      without the slash and everything under it",
                     pattern.trim_end_matches('/')
                 ),
+            ));
+        }
+        // A query or a fragment (`/orders?type=refund`: routes match the
+        // path alone), a control character, or white space at either end
+        // (a typo): such a pattern's route would never match a request,
+        // and protect nothing without a word. (Other characters a request
+        // sends percent-encoded, a space or `ä` inside, match its decoded
+        // reading.)
+        let edge = |c: char| c.is_whitespace();
+        let never = pattern
+            .chars()
+            .find(|&c| c == '?' || c == '#' || c.is_control())
+            .or_else(|| pattern.chars().next_back().filter(|&c| edge(c)));
+        if let Some(c) = never {
+            let hint = match c {
+                '?' => ": routes match the path alone; drop the query",
+                '#' => ": a fragment never reaches the server",
+                c if c.is_control() => ": no request path holds a control character",
+                _ => ": a path never ends in white space",
+            };
+            return Err(invalid(
+                "path",
+                format!("`{}` holds {c:?}{hint}", pattern.escape_debug()),
             ));
         }
         if pattern.contains('%')
@@ -69,6 +95,13 @@ impl PathPattern {
         } else {
             PathPattern::Prefix(pattern.to_owned())
         })
+    }
+
+    /// The pattern as written.
+    pub fn as_str(&self) -> &str {
+        match self {
+            PathPattern::Prefix(pattern) | PathPattern::Glob(pattern) => pattern,
+        }
     }
 
     /// Whether `path` (without query, already normalised) matches.

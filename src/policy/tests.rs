@@ -19,6 +19,40 @@ fn status_sets_parse_and_match() {
     assert!(!default.contains(StatusCode::UNPROCESSABLE_ENTITY));
 }
 
+/// From a review: a pattern holding what no request path can (a query,
+/// a fragment, a space, a character requests carry percent-encoded) was
+/// accepted, and its route never matched: `required = true` on
+/// `/orders?type=refund` protected nothing. Refused, naming the character;
+/// every character a path may hold is still accepted.
+#[test]
+fn a_pattern_no_request_path_can_match_is_refused() {
+    for pattern in [
+        "/orders?type=refund",
+        "/orders#x",
+        "/orders ",
+        "/api/*/pay\t",
+        "/a\u{0}",
+        "/a\nb",
+        "/orders\u{a0}",
+    ] {
+        let error = PathPattern::parse(pattern).expect_err(pattern).to_string();
+        assert!(error.contains("holds"), "{pattern}: {error}");
+    }
+    assert!(PathPattern::parse("/orders?x")
+        .unwrap_err()
+        .to_string()
+        .contains("drop the query"));
+    for pattern in [
+        "/a-b._~!$&'()+,;=:@/c",
+        "/api/*/pay",
+        "/forms/**",
+        "/bestellung/bestätigen",
+        "/files/my report",
+    ] {
+        assert!(PathPattern::parse(pattern).is_ok(), "{pattern}");
+    }
+}
+
 #[test]
 fn prefixes_respect_segments() {
     let p = PathPattern::parse("/orders").unwrap();
@@ -498,6 +532,38 @@ fn durations_that_would_overflow_a_clock_are_refused() {
         ..Policy::default()
     };
     assert!(long.validate().is_ok(), "ten years is fine");
+}
+
+/// From a review: a 10 ms lease (renewed every 3 ms) swamped SQLite's
+/// writer under 100 keys in flight until leases lapsed under running
+/// requests (55 keys ran twice), and a `ttl` shorter than a waiting
+/// duplicate's look at the store let the record expire between two looks
+/// (a key run four times). Both floors are refused naming their field;
+/// the floors themselves pass.
+#[test]
+fn leases_and_retentions_too_short_to_protect_are_refused() {
+    let ms = Duration::from_millis;
+    for (field, lease, ttl) in [
+        ("lease", ms(10), ms(10_000)),
+        ("lease", ms(99), ms(10_000)),
+        ("ttl", ms(100), ms(100)),
+        ("ttl", ms(500), ms(999)),
+    ] {
+        let policy = Policy {
+            lease,
+            ttl,
+            ..Policy::default()
+        };
+        let error = policy.validate().unwrap_err();
+        assert_eq!(error.field, field, "{lease:?} {ttl:?}: {error}");
+        assert!(error.to_string().contains("at least"), "{error}");
+    }
+    let floors = Policy {
+        lease: crate::policy::MIN_LEASE,
+        ttl: crate::policy::MIN_TTL,
+        ..Policy::default()
+    };
+    assert!(floors.validate().is_ok());
 }
 
 /// Patterns of 64 tokens or more take the general automaton; shorter ones

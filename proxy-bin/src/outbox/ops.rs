@@ -11,7 +11,8 @@ use tower_idempotency::outbox::{MessageStatus, Outbox, State};
 pub const MAX_DEAD: usize = 1000;
 
 /// Why an operation gave no answer: an HTTP status for the admin API
-/// (the command line exits with 1) and a message.
+/// (the command line exits with 2, as for any failed outbox command) and a
+/// message.
 #[derive(Debug)]
 pub struct Refused {
     /// 400 (bad request), 404 (no such row) or 503 (database error).
