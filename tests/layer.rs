@@ -1762,6 +1762,90 @@ async fn a_layer_nested_in_another_on_the_same_engine_runs_the_order_once() {
     assert_eq!(calls.load(SeqCst), 1);
 }
 
+/// From a review of the always-ready change: a `Buffer` outside the layer
+/// keeps one instance and polls it only when a message comes. Its inner
+/// limit, polled while a slow execution held the one permit, queued for
+/// it; the layer answered ready and sent the passthrough on a clone, and
+/// when the permit came free it went to the instance nobody polled again:
+/// the passthrough waited for good. The waiting instance is dropped.
+#[tokio::test]
+async fn a_buffer_outside_the_layer_never_pins_the_limit_inside_it() {
+    use tower::limit::ConcurrencyLimitLayer;
+    let (engine, _store) = memory_engine(Policy::default());
+    let gate = Gate::default();
+    let held = gate.clone();
+    let service = tower::ServiceBuilder::new()
+        .buffer(8)
+        .layer(IdempotencyLayer::new(engine))
+        .layer(ConcurrencyLimitLayer::new(1))
+        .service(tower::service_fn(move |request: Request<_>| {
+            let held = held.clone();
+            async move {
+                if request.method() == http::Method::POST {
+                    held.pass().await;
+                }
+                Ok::<_, Infallible>(reply(StatusCode::OK, "done"))
+            }
+        }));
+    let slow = tokio::spawn(service.clone().oneshot(order("slow", "{}")));
+    gate.started.notified().await;
+    let status = Request::get("/status").body(Body::empty()).unwrap();
+    let passthrough = tokio::spawn(service.clone().oneshot(status));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    gate.open.notify_one();
+    assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
+    let answer = promptly(passthrough).await.unwrap().unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+}
+
+/// From a review of the nesting change: an app-wide layer over each
+/// replica's memory store around a sub-router's layer over one shared
+/// store computed the same scope, and the inner layer passed the request
+/// through on the outer's key — so the shared store never saw it, and the
+/// retry on the other replica ran the order again. Only a key held in the
+/// same store passes; the shared store replays it.
+#[tokio::test]
+async fn a_nested_layer_over_another_store_still_protects_its_route() {
+    let shared = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let replica = || {
+        let counted = calls.clone();
+        let routes = axum::Router::new()
+            .route(
+                "/orders",
+                axum::routing::post(move || {
+                    let counted = counted.clone();
+                    async move {
+                        let n = counted.fetch_add(1, SeqCst) + 1;
+                        (StatusCode::CREATED, format!("order {n}"))
+                    }
+                }),
+            )
+            .layer(IdempotencyLayer::new(Engine::new(
+                shared.clone(),
+                Routes::all(Policy::default()).unwrap(),
+            )));
+        let (own, _) = memory_engine(Policy::default());
+        tower::ServiceBuilder::new()
+            .layer(IdempotencyLayer::new(own))
+            .service(routes)
+    };
+    let (first, second) = (replica(), replica());
+    let answer = first.oneshot(order("across", "{}")).await.unwrap();
+    assert_eq!(answer.status(), StatusCode::CREATED);
+    let retry = second.oneshot(order("across", "{}")).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(
+        retry.into_body().collect().await.unwrap().to_bytes(),
+        "order 1"
+    );
+    assert_eq!(
+        calls.load(SeqCst),
+        1,
+        "the retry on the other replica ran again"
+    );
+}
+
 /// Bodies queued behind the inner service's readiness (a clone that must
 /// wait for a concurrency limit's permit or a buffer's slot) are buffered
 /// bodies too: they stay counted in `max_buffered_bytes` until the inner

@@ -394,6 +394,19 @@ impl Config {
                     ),
                 ));
             }
+            let own_path_left = enabled.then(|| {
+                deciding_its_own_path(&exclusions, path.get_ref(), file.case_insensitive_paths)
+            });
+            if let Some(Some((earlier, line))) = own_path_left {
+                return Err(at(
+                    &path.span(),
+                    format!(
+                        "route `{0}` never applies to `{0}` itself: the route `{earlier}` (line \
+                         {line}) before it leaves that path alone; list `{0}` first",
+                        path.get_ref()
+                    ),
+                ));
+            }
             if !enabled {
                 exclusions.push((path.get_ref().clone(), line_of(text, path.span().start)));
             }
@@ -420,6 +433,20 @@ impl Config {
                     let ci = file.case_insensitive_paths;
                     if let Some((earlier, line)) = shadowing(&earlier, path.get_ref(), ci) {
                         hidden.push((method, earlier.clone(), *line));
+                    } else if let Some((earlier, line)) =
+                        deciding_its_own_path(&earlier, path.get_ref(), ci)
+                    {
+                        // `/api/*` before `/api/pay`: the deeper paths
+                        // reach it, its own path never does.
+                        return Err(at(
+                            &path.span(),
+                            format!(
+                                "route `{0}` never applies to `{0}` itself for {method}: the \
+                                 route `{earlier}` (line {line}) before it decides that path; \
+                                 list `{0}` first",
+                                path.get_ref()
+                            ),
+                        ));
                     }
                 }
                 if let Some((_, earlier, line)) = hidden.first() {
@@ -500,6 +527,27 @@ fn shadowing<'e>(
     exclusions.iter().find(|(earlier, _)| {
         PathPattern::parse(&fold(earlier))
             .is_ok_and(|earlier| samples.iter().all(|path| earlier.matches(path)))
+    })
+}
+
+/// The earliest of `earlier` that matches a prefix pattern's own path
+/// (`/api/*` for `/api/pay`), when `pattern` is a prefix: that route then
+/// decides the path the later route is named for. `None` for a glob.
+fn deciding_its_own_path<'e>(
+    earlier: &'e [(String, usize)],
+    pattern: &str,
+    case_insensitive: bool,
+) -> Option<&'e (String, usize)> {
+    if pattern.contains('*') {
+        return None;
+    }
+    let fold = |p: &str| match case_insensitive {
+        true => p.to_ascii_lowercase(),
+        false => p.to_owned(),
+    };
+    let own = fold(pattern);
+    earlier.iter().find(|(earlier, _)| {
+        PathPattern::parse(&fold(earlier)).is_ok_and(|earlier| earlier.matches(&own))
     })
 }
 
@@ -683,12 +731,27 @@ mod tests {
                 "{earlier}: {message}"
             );
         }
+        // Its own path decided by an earlier glob (from a review of the
+        // fix: `/api/*` before `/api/pay` left `POST /api/pay` itself to
+        // `/api/*`, only `/api/pay/x` reaching the required route).
+        for earlier in [
+            "[[route]]\npath = \"/api/*\"\n",
+            "[[route]]\npath = \"/*/pay\"\nmethods = [\"PATCH\"]\n",
+        ] {
+            let (line, message) = error(&format!("{earlier}\n{later}"));
+            assert!(line.is_some(), "{earlier}: {message}");
+            assert!(
+                message.contains("never applies to `/api/pay` itself")
+                    && message.contains("line 2"),
+                "{earlier}: {message}"
+            );
+        }
         for earlier in [
             // Other methods only.
             "[[route]]\npath = \"/api\"\nmethods = [\"PUT\"]\n",
-            // Some paths only.
-            "[[route]]\npath = \"/api/*\"\n",
+            // Some paths only, its own not among them.
             "[[route]]\npath = \"/api/pay/x\"\n",
+            "[[route]]\npath = \"/api/*/x\"\n",
         ] {
             let text = format!("{earlier}\n{later}");
             assert!(Config::parse(&text).is_ok(), "{earlier}");
@@ -769,9 +832,16 @@ mod tests {
                 "{exclusion} {later}: {message}"
             );
         }
+        // An exclusion of a prefix route's own path.
+        let text = "[[route]]\npath = \"/api/*\"\nenabled = false\n\n\
+                    [[route]]\npath = \"/api/pay\"\nrequired = true\n";
+        let (_, message) = error(text);
+        assert!(
+            message.contains("never applies to `/api/pay` itself"),
+            "{message}"
+        );
         // Exclusions that leave only some of a route's paths alone.
         for (exclusion, later) in [
-            ("/api/*", "/api/pay"),
             ("/api/*", "/api/**"),
             ("/api/*/internal", "/api/*/submit"),
             ("/api/*/*/*", "/api/**"),

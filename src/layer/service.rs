@@ -71,13 +71,16 @@ impl Principal {
 #[derive(Clone)]
 pub struct ExecutionScope {
     key: crate::store::ScopeKey,
+    /// The store the key is held in ([`Engine::store_id`]).
+    store: usize,
     id: std::sync::OnceLock<String>,
 }
 
 impl ExecutionScope {
-    fn of(key: crate::store::ScopeKey) -> Self {
+    fn of(key: crate::store::ScopeKey, store: usize) -> Self {
         ExecutionScope {
             key,
+            store,
             id: std::sync::OnceLock::new(),
         }
     }
@@ -176,8 +179,15 @@ where
                 Poll::Ready(Ok(())) => self.inner_ready = true,
                 Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
                 // Ready all the same: see the type's docs. A request that
-                // calls the inner service waits for it on a clone.
-                Poll::Pending => {}
+                // calls the inner service waits for it on a clone; this
+                // instance, left waiting, is dropped for a fresh clone, so
+                // nothing it queued for (a concurrency limit's permit,
+                // handed to the first waiter in line) stays pinned by an
+                // instance nobody polls again.
+                Poll::Pending => {
+                    let fresh = self.inner.clone();
+                    drop(std::mem::replace(&mut self.inner, fresh));
+                }
             }
         }
         Poll::Ready(Ok(()))
@@ -244,13 +254,16 @@ where
                 principal: principal.as_deref(),
                 routed: Some(&parts.uri),
             };
-            // Under a key an outer layer holds (the same scope: a layer
-            // nested in another on the same engine or store), the request
-            // goes on as the outer layer's execution: waiting for the key
-            // would wait for itself.
+            // Under a key an outer layer holds in this same store (a layer
+            // nested in another sharing its store), the request goes on as
+            // the outer layer's execution: waiting for the key would wait
+            // for itself. Under another store's key, it is decided as any
+            // request (that store's record is not this one's).
+            let store = engine.store_id();
             let held = parts
                 .extensions
                 .get::<ExecutionScope>()
+                .filter(|held| held.store == store)
                 .map(|held| &held.key);
             let decision = engine.begin_within(&covered, head, &body, held).await;
             let request = Request::from_parts(parts, RequestBody::buffered(body));
@@ -278,7 +291,7 @@ where
                     let deadline = tokio::time::Instant::now() + timeout;
                     match tokio::time::timeout_at(deadline, ready(&mut inner)).await {
                         Ok(Ok(())) => {
-                            let execution = execute(inner, request, reservation, deadline);
+                            let execution = execute(inner, request, reservation, deadline, store);
                             Step::Execute(Box::pin(execution))
                         }
                         Ok(Err(error)) => {
@@ -437,6 +450,7 @@ async fn execute<S, ReqB, ResB>(
     request: Request<RequestBody<ReqB>>,
     reservation: Reservation,
     deadline: tokio::time::Instant,
+    store: usize,
 ) -> Result<Response<ResponseBody<ResB, ResB::Error>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
@@ -451,7 +465,7 @@ where
     let mut request = request;
     request
         .extensions_mut()
-        .insert(ExecutionScope::of(reservation.scope_key()));
+        .insert(ExecutionScope::of(reservation.scope_key(), store));
     if !reservation.acting() {
         // The key may be another arrival's now (the store was out for the
         // whole lease while this one waited for the inner service).
