@@ -1726,40 +1726,52 @@ async fn answers_that_never_call_the_inner_service_do_not_wait_for_its_readiness
 /// outer layer held, waited for it until `wait_timeout`, and answered
 /// 409 `in-flight` — which the outer layer released: the order never ran,
 /// on every retry. The inner layer now goes on as the outer execution; a
-/// retry is replayed, the handler ran once.
+/// retry is replayed, the handler ran once. So for two engines built apart
+/// over the same records (a review of the fix: told apart by their `Arc`,
+/// they deadlocked again).
 #[tokio::test]
-async fn a_layer_nested_in_another_on_the_same_engine_runs_the_order_once() {
-    let (engine, _store) = memory_engine(Policy {
+async fn a_layer_nested_in_another_on_the_same_records_runs_the_order_once() {
+    let policy = Policy {
         wait_timeout: Duration::from_millis(300),
         ..Policy::default()
-    });
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
-    let routes = axum::Router::new()
-        .route(
-            "/orders",
-            axum::routing::post(move || {
-                let counted = counted.clone();
-                async move {
-                    let n = counted.fetch_add(1, SeqCst) + 1;
-                    (StatusCode::CREATED, format!("order {n}"))
-                }
-            }),
-        )
-        .layer(IdempotencyLayer::new(engine.clone()));
-    let app = tower::ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(engine))
-        .service(routes);
-    let mut bodies = Vec::new();
-    for _ in 0..3 {
-        let answer = promptly(app.clone().oneshot(order("nested", "{}")))
-            .await
-            .unwrap();
-        assert_eq!(answer.status(), StatusCode::CREATED);
-        bodies.push(answer.into_body().collect().await.unwrap().to_bytes());
+    };
+    for apart in [false, true] {
+        let (engine, store) = memory_engine(policy.clone());
+        let inner_engine = match apart {
+            false => engine.clone(),
+            true => Engine::new(store, Routes::all(policy.clone()).unwrap()),
+        };
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let routes = axum::Router::new()
+            .route(
+                "/orders",
+                axum::routing::post(move || {
+                    let counted = counted.clone();
+                    async move {
+                        let n = counted.fetch_add(1, SeqCst) + 1;
+                        (StatusCode::CREATED, format!("order {n}"))
+                    }
+                }),
+            )
+            .layer(IdempotencyLayer::new(inner_engine));
+        let app = tower::ServiceBuilder::new()
+            .layer(IdempotencyLayer::new(engine))
+            .service(routes);
+        let mut bodies = Vec::new();
+        for _ in 0..3 {
+            let answer = promptly(app.clone().oneshot(order("nested", "{}")))
+                .await
+                .unwrap();
+            assert_eq!(answer.status(), StatusCode::CREATED, "apart: {apart}");
+            bodies.push(answer.into_body().collect().await.unwrap().to_bytes());
+        }
+        assert!(
+            bodies.iter().all(|body| body == "order 1"),
+            "{apart}: {bodies:?}"
+        );
+        assert_eq!(calls.load(SeqCst), 1, "apart: {apart}");
     }
-    assert!(bodies.iter().all(|body| body == "order 1"), "{bodies:?}");
-    assert_eq!(calls.load(SeqCst), 1);
 }
 
 /// From a review of the always-ready change: a `Buffer` outside the layer

@@ -88,17 +88,18 @@ impl Engine {
     }
 
     /// [`Engine::begin`] for a request already executing under `held`, a
-    /// key an outer front end reserved (the layer nested in another): a
-    /// request whose own scope is that key is forwarded as that execution,
-    /// unreserved, where it would otherwise wait for itself until
-    /// `wait_timeout` and get 409. A request scoped otherwise is decided
-    /// as any other.
+    /// key an outer front end reserved under its owner token (the layer
+    /// nested in another): a request whose own scope is that key, and whose
+    /// store holds it for that owner (an owner-checked renewal says so: the
+    /// same records), is forwarded as that execution, unreserved, where it
+    /// would otherwise wait for itself until `wait_timeout` and get 409.
+    /// Any other request is decided as usual.
     pub(crate) async fn begin_within(
         &self,
         covered: &Covered,
         head: RequestHead<'_>,
         body: &[u8],
-        held: Option<&ScopeKey>,
+        held: Option<(&ScopeKey, &OwnerToken)>,
     ) -> Decision {
         let mut key = None;
         let decision = self.begin_inner(covered, head, body, held, &mut key).await;
@@ -118,7 +119,7 @@ impl Engine {
         covered: &Covered,
         head: RequestHead<'_>,
         body: &[u8],
-        held: Option<&ScopeKey>,
+        held: Option<(&ScopeKey, &OwnerToken)>,
         scope: &mut Option<ScopeKey>,
     ) -> Decision {
         let started = Instant::now();
@@ -162,9 +163,13 @@ impl Engine {
             ..head
         };
         let key = scope_key(&self.inner.hasher, policy, &head, &raw_key);
-        if held == Some(&key) {
-            self.inner.metrics.record(Event::Passthrough);
-            return Decision::Forward;
+        if let Some((_, owner)) = held.filter(|(held, _)| **held == key) {
+            let lease = policy.policy().lease;
+            let renewal = self.inner.store.renew(&key, owner, lease);
+            if let Ok(true) = self.store_call(renewal).await {
+                self.inner.metrics.record(Event::Passthrough);
+                return Decision::Forward;
+            }
         }
         *scope = Some(key);
         let fingerprint = fingerprint_view(

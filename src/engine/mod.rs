@@ -210,15 +210,6 @@ impl Engine {
         }
     }
 
-    /// Which store this engine keeps its records in: equal for engines
-    /// sharing one store (`Arc`), else different. (A layer nested in
-    /// another passes a request through only under a key the outer layer
-    /// holds in this very store.)
-    #[cfg(feature = "layer")]
-    pub(crate) fn store_id(&self) -> usize {
-        Arc::as_ptr(&self.inner.store) as *const () as usize
-    }
-
     /// The counters.
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics

@@ -194,6 +194,13 @@ impl Reservation {
         self.key
     }
 
+    /// The owner token the key is held under (a nested layer proves with
+    /// it that the key is held in its own store by this execution).
+    #[cfg(feature = "layer")]
+    pub(crate) fn owner_token(&self) -> OwnerToken {
+        self.owner
+    }
+
     /// The route's policy.
     pub fn policy(&self) -> &RoutePolicy {
         &self.policy

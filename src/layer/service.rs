@@ -71,16 +71,18 @@ impl Principal {
 #[derive(Clone)]
 pub struct ExecutionScope {
     key: crate::store::ScopeKey,
-    /// The store the key is held in ([`Engine::store_id`]).
-    store: usize,
+    /// The owner the key is held under: a layer nested inside checks with
+    /// it (an owner-checked renewal) that its own store holds the key for
+    /// this very execution.
+    owner: crate::store::OwnerToken,
     id: std::sync::OnceLock<String>,
 }
 
 impl ExecutionScope {
-    fn of(key: crate::store::ScopeKey, store: usize) -> Self {
+    fn of(reservation: &Reservation) -> Self {
         ExecutionScope {
-            key,
-            store,
+            key: reservation.scope_key(),
+            owner: reservation.owner_token(),
             id: std::sync::OnceLock::new(),
         }
     }
@@ -254,17 +256,15 @@ where
                 principal: principal.as_deref(),
                 routed: Some(&parts.uri),
             };
-            // Under a key an outer layer holds in this same store (a layer
-            // nested in another sharing its store), the request goes on as
-            // the outer layer's execution: waiting for the key would wait
-            // for itself. Under another store's key, it is decided as any
-            // request (that store's record is not this one's).
-            let store = engine.store_id();
+            // Under a key an outer layer holds in this layer's store too (a
+            // layer nested in another over the same records), the request
+            // goes on as the outer layer's execution: waiting for the key
+            // would wait for itself. Over another store, it is decided as
+            // any request (that store holds no such lease).
             let held = parts
                 .extensions
                 .get::<ExecutionScope>()
-                .filter(|held| held.store == store)
-                .map(|held| &held.key);
+                .map(|held| (&held.key, &held.owner));
             let decision = engine.begin_within(&covered, head, &body, held).await;
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
@@ -291,7 +291,7 @@ where
                     let deadline = tokio::time::Instant::now() + timeout;
                     match tokio::time::timeout_at(deadline, ready(&mut inner)).await {
                         Ok(Ok(())) => {
-                            let execution = execute(inner, request, reservation, deadline, store);
+                            let execution = execute(inner, request, reservation, deadline);
                             Step::Execute(Box::pin(execution))
                         }
                         Ok(Err(error)) => {
@@ -450,7 +450,6 @@ async fn execute<S, ReqB, ResB>(
     request: Request<RequestBody<ReqB>>,
     reservation: Reservation,
     deadline: tokio::time::Instant,
-    store: usize,
 ) -> Result<Response<ResponseBody<ResB, ResB::Error>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
@@ -465,7 +464,7 @@ where
     let mut request = request;
     request
         .extensions_mut()
-        .insert(ExecutionScope::of(reservation.scope_key(), store));
+        .insert(ExecutionScope::of(&reservation));
     if !reservation.acting() {
         // The key may be another arrival's now (the store was out for the
         // whole lease while this one waited for the inner service).
