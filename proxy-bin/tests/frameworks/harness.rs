@@ -317,15 +317,27 @@ impl Browser {
         require("chromedriver");
         require("chromium");
         let dir = crate::common::temp_dir("chromium");
-        let base = free_port();
-        let driver = Command::new("chromedriver")
-            .arg(format!("--port={}", base.port()))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start chromedriver");
-        wait_for_port(base.port());
+        // A port picked free may be taken by another test's listener before
+        // ChromeDriver binds it (it then exits, and the session request
+        // reached that listener): only ChromeDriver's own socket counts.
+        let (driver, base) = (0..5)
+            .find_map(|_| {
+                let base = free_port();
+                let mut driver = Command::new("chromedriver")
+                    .arg(format!("--port={}", base.port()))
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start chromedriver");
+                if crate::common::services::wait_listening(&mut driver, base) {
+                    return Some((driver, base));
+                }
+                let _ = driver.kill();
+                let _ = driver.wait();
+                None
+            })
+            .expect("ChromeDriver never listened on a port of its own");
         let mut browser = Browser {
             driver,
             base,
