@@ -286,6 +286,17 @@ const POOL_SIZE: usize = 128;
 /// The most idle connections marked [`Idle::after_bodiless`] kept.
 const MARKED_KEPT: usize = 16;
 
+/// The longest a pooled connection may have been idle to carry a request a
+/// key rides on ([`Check::Kernel`]); an older one is left to others, and
+/// the key's request opens a new connection. An upstream that closes idle
+/// connections without announcing when (uvicorn and hypercorn after 5 s,
+/// gunicorn after 2 s, Node after 5 s) may close one just as a request is
+/// written on it: the request was never read, but the failure after the
+/// write keeps the key's outcome unknown (502) for good. Below the
+/// shortest such timeout in common use, that close never crosses a keyed
+/// request; busy connections are reused within it anyway.
+const KEYED_MAX_IDLE: Duration = Duration::from_secs(1);
+
 /// Idle upstream connections, the most recently used first out.
 ///
 /// Pingora's pool watches each idle connection with a task of its own and
@@ -380,6 +391,9 @@ impl Pool {
     /// ([`Check::Kernel`]) skips the marked ones and leaves them to
     /// others, which take the newest marked one first (so the unmarked stay
     /// for keyed requests, and the marked do not sit idle).
+    ///
+    /// A keyed request takes none idle for [`KEYED_MAX_IDLE`] or longer
+    /// (the newest is the least idle: none then is younger).
     fn take(&self, check: Check) -> Option<(Stream, bool)> {
         loop {
             let mut idle = {
@@ -388,6 +402,9 @@ impl Pool {
                     Check::Kernel => idle.newest_unmarked()?,
                     Check::Seen => idle.newest_marked_first()?,
                 };
+                if check == Check::Kernel && idle.entries[at].since.elapsed() >= KEYED_MAX_IDLE {
+                    return None;
+                }
                 idle.remove(at)
             };
             if !idle.expired() && still_open(&mut idle.stream, check) {

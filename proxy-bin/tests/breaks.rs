@@ -1039,6 +1039,44 @@ async fn a_pooled_connection_the_upstream_closed_unannounced_is_never_written_to
     }
 }
 
+/// Scenario (from a review behind uvicorn, whose keep-alive timeout, 5 s
+/// by default, is never announced): the upstream's idle close of a pooled
+/// connection crosses the next keyed order written on it — here the
+/// upstream closes that connection, unread, the moment the order arrives,
+/// as its timer would have a moment before. No check can see that close
+/// coming: the order failed after its write and was kept as "executed,
+/// outcome unknown" (502) for good, though it never reached the upstream
+/// (3 of 90 orders sent about a keep-alive timeout apart). A keyed
+/// request never rides on a connection idle for a second or more: both
+/// orders run, each once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_keyed_order_never_rides_on_a_connection_idle_for_a_second() {
+    let (upstream, connections) = raw_backend(|mut conn| async move {
+        use tokio::io::AsyncWriteExt;
+        let mut buffer = Vec::new();
+        if !read_request(&mut conn, &mut buffer).await {
+            return;
+        }
+        let answer = b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok";
+        if conn.write_all(answer).await.is_err() {
+            return;
+        }
+        // The next request on this connection meets the idle close: reset,
+        // nothing read.
+        let mut byte = [0u8; 1];
+        let _ = tokio::io::AsyncReadExt::read(&mut conn, &mut byte).await;
+        #[allow(deprecated)]
+        let _ = conn.set_linger(Some(std::time::Duration::ZERO));
+    })
+    .await;
+    let proxy = orders_proxy(upstream, "breaks-idle-close").await;
+    assert_eq!(json_order(&proxy, "before-the-pause").await.0, 201);
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let (status, text) = json_order(&proxy, "after-the-pause").await;
+    assert_eq!((status, text.as_str()), (201, "ok"), "the order was lost");
+    assert_eq!(connections.load(Ordering::SeqCst), 2);
+}
+
 /// Scenario: an upstream answers `GET /status` with a `204` that declares
 /// a body (`Content-Length: 49`, a framework bug or a hostile app) and
 /// sends those 49 bytes only later — here when the connection carries its
