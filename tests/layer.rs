@@ -1774,6 +1774,56 @@ async fn a_layer_nested_in_another_on_the_same_records_runs_the_order_once() {
     }
 }
 
+/// From a review of the nesting fix: the inner layer's owner-checked
+/// renewal used its own route's lease. An inner lease shorter than the
+/// outer's (300 ms under the default 30 s, whose next heartbeat is 10 s
+/// off) cut the outer's lease short, and a retry a second into the slow
+/// handler took the key over and ran it again. The renewal uses the outer's
+/// lease: the retry finds the key in flight; the handler runs once.
+#[tokio::test]
+async fn a_nested_layers_check_never_shortens_the_outer_lease() {
+    let (outer, store) = memory_engine(Policy {
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    });
+    let short = Policy {
+        lease: Duration::from_millis(300),
+        in_flight: InFlightPolicy::Reject,
+        ..Policy::default()
+    };
+    let inner = Engine::new(store, Routes::all(short).unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let routes = axum::Router::new()
+        .route(
+            "/orders",
+            axum::routing::post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, SeqCst);
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    (StatusCode::CREATED, "done")
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(inner));
+    let app = tower::ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(outer))
+        .service(routes);
+    let first = tokio::spawn(app.clone().oneshot(order("slow", "{}")));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let retry = promptly(app.clone().oneshot(order("slow", "{}")))
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status(),
+        StatusCode::CONFLICT,
+        "the retry took the key over"
+    );
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    assert_eq!(calls.load(SeqCst), 1, "the handler ran twice");
+}
+
 /// From a review of the always-ready change: a `Buffer` outside the layer
 /// keeps one instance and polls it only when a message comes. Its inner
 /// limit, polled while a slow execution held the one permit, queued for

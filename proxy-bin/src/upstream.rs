@@ -293,9 +293,11 @@ const MARKED_KEPT: usize = 16;
 /// gunicorn after 2 s, Node after 5 s) may close one just as a request is
 /// written on it: the request was never read, but the failure after the
 /// write keeps the key's outcome unknown (502) for good. Below the
-/// shortest such timeout in common use, that close never crosses a keyed
+/// shortest such timeout in common use (a second: uvicorn or gunicorn set
+/// to `1`), with room for the latency by which the proxy's idle clock
+/// starts later than the upstream's, that close never crosses a keyed
 /// request; busy connections are reused within it anyway.
-const KEYED_MAX_IDLE: Duration = Duration::from_secs(1);
+const KEYED_MAX_IDLE: Duration = Duration::from_millis(500);
 
 /// Idle upstream connections, the most recently used first out.
 ///
@@ -331,12 +333,13 @@ impl IdleList {
         entry
     }
 
-    /// Where the newest unmarked connection is.
-    fn newest_unmarked(&self) -> Option<usize> {
-        match self.marked {
-            0 => self.entries.len().checked_sub(1),
-            _ => self.entries.iter().rposition(|entry| !entry.after_bodiless),
-        }
+    /// Where the newest unmarked connection idle for less than `young`
+    /// is (entries are in the order they were put back, which is not
+    /// always the order they went idle in: each is looked at).
+    fn newest_unmarked_within(&self, young: Duration) -> Option<usize> {
+        self.entries
+            .iter()
+            .rposition(|entry| !entry.after_bodiless && entry.since.elapsed() < young)
     }
 
     /// Where the newest marked connection is, else the newest.
@@ -392,19 +395,15 @@ impl Pool {
     /// others, which take the newest marked one first (so the unmarked stay
     /// for keyed requests, and the marked do not sit idle).
     ///
-    /// A keyed request takes none idle for [`KEYED_MAX_IDLE`] or longer
-    /// (the newest is the least idle: none then is younger).
+    /// A keyed request takes none idle for [`KEYED_MAX_IDLE`] or longer.
     fn take(&self, check: Check) -> Option<(Stream, bool)> {
         loop {
             let mut idle = {
                 let mut idle = self.lock();
                 let at = match check {
-                    Check::Kernel => idle.newest_unmarked()?,
+                    Check::Kernel => idle.newest_unmarked_within(KEYED_MAX_IDLE)?,
                     Check::Seen => idle.newest_marked_first()?,
                 };
-                if check == Check::Kernel && idle.entries[at].since.elapsed() >= KEYED_MAX_IDLE {
-                    return None;
-                }
                 idle.remove(at)
             };
             if !idle.expired() && still_open(&mut idle.stream, check) {

@@ -88,10 +88,11 @@ impl Engine {
     }
 
     /// [`Engine::begin`] for a request already executing under `held`, a
-    /// key an outer front end reserved under its owner token (the layer
-    /// nested in another): a request whose own scope is that key, and whose
-    /// store holds it for that owner (an owner-checked renewal says so: the
-    /// same records), is forwarded as that execution, unreserved, where it
+    /// key an outer front end reserved under its owner token with its
+    /// lease (the layer nested in another): a request whose own scope is
+    /// that key, and whose store holds it for that owner (an owner-checked
+    /// renewal, with that lease, says so: the same records), is forwarded
+    /// as that execution, unreserved, where it
     /// would otherwise wait for itself until `wait_timeout` and get 409.
     /// Any other request is decided as usual.
     pub(crate) async fn begin_within(
@@ -99,7 +100,7 @@ impl Engine {
         covered: &Covered,
         head: RequestHead<'_>,
         body: &[u8],
-        held: Option<(&ScopeKey, &OwnerToken)>,
+        held: Option<(&ScopeKey, &OwnerToken, Duration)>,
     ) -> Decision {
         let mut key = None;
         let decision = self.begin_inner(covered, head, body, held, &mut key).await;
@@ -119,7 +120,7 @@ impl Engine {
         covered: &Covered,
         head: RequestHead<'_>,
         body: &[u8],
-        held: Option<(&ScopeKey, &OwnerToken)>,
+        held: Option<(&ScopeKey, &OwnerToken, Duration)>,
         scope: &mut Option<ScopeKey>,
     ) -> Decision {
         let started = Instant::now();
@@ -163,8 +164,10 @@ impl Engine {
             ..head
         };
         let key = scope_key(&self.inner.hasher, policy, &head, &raw_key);
-        if let Some((_, owner)) = held.filter(|(held, _)| **held == key) {
-            let lease = policy.policy().lease;
+        // Renewed with the outer route's lease (an early heartbeat of its
+        // own): this route's, if shorter, would cut the outer's lease short,
+        // and a retry take the key over from the running execution.
+        if let Some((_, owner, lease)) = held.filter(|(held, _, _)| **held == key) {
             let renewal = self.inner.store.renew(&key, owner, lease);
             if let Ok(true) = self.store_call(renewal).await {
                 self.inner.metrics.record(Event::Passthrough);

@@ -75,6 +75,10 @@ pub struct ExecutionScope {
     /// it (an owner-checked renewal) that its own store holds the key for
     /// this very execution.
     owner: crate::store::OwnerToken,
+    /// The outer route's lease: the inner layer's check renews with it, as
+    /// an early heartbeat of the outer's (never a shorter lease, which a
+    /// retry could take over while the execution still runs).
+    lease: std::time::Duration,
     id: std::sync::OnceLock<String>,
 }
 
@@ -83,6 +87,7 @@ impl ExecutionScope {
         ExecutionScope {
             key: reservation.scope_key(),
             owner: reservation.owner_token(),
+            lease: reservation.policy().policy().lease,
             id: std::sync::OnceLock::new(),
         }
     }
@@ -264,7 +269,7 @@ where
             let held = parts
                 .extensions
                 .get::<ExecutionScope>()
-                .map(|held| (&held.key, &held.owner));
+                .map(|held| (&held.key, &held.owner, held.lease));
             let decision = engine.begin_within(&covered, head, &body, held).await;
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let mut inner = inner;
