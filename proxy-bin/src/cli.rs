@@ -368,6 +368,7 @@ fn run_keys(args: &KeysArgs) -> Result<serde_json::Value, Failure> {
             redis.map(String::as_str),
             prefix.map(String::as_str),
             STORE_TIMEOUT,
+            (None, None),
         )
         .await
         .map_err(Failure::Input)?;

@@ -89,6 +89,12 @@ pub struct ProxySettings {
     /// The most bytes of covered request bodies buffered at once (then
     /// 503 `overloaded`, body unread).
     pub max_buffered_bytes: Option<u64>,
+    /// With `--store memory`: the most live records it holds (then new
+    /// keys get 503).
+    pub memory_max_records: Option<usize>,
+    /// With `--store memory`: the most bytes of stored responses and
+    /// bookkeeping it holds (then new keys get 503).
+    pub memory_max_bytes: Option<usize>,
 }
 
 /// [`ProxySettings`] with every default applied.
@@ -128,6 +134,11 @@ pub struct Resolved {
     pub threads: usize,
     /// Buffered covered bodies, in bytes (default 64 MiB).
     pub max_buffered_bytes: u64,
+    /// The memory store's ceilings, records and bytes (defaults:
+    /// `MemoryStore`'s, 100,000 and 256 MiB); `None` where not set.
+    pub memory_max_records: Option<usize>,
+    /// See `memory_max_records`.
+    pub memory_max_bytes: Option<usize>,
 }
 
 /// The default store: an SQLite file in the working directory.
@@ -154,6 +165,8 @@ impl ProxySettings {
             sweep_interval: over.sweep_interval.or(self.sweep_interval),
             threads: over.threads.or(self.threads),
             max_buffered_bytes: over.max_buffered_bytes.or(self.max_buffered_bytes),
+            memory_max_records: over.memory_max_records.or(self.memory_max_records),
+            memory_max_bytes: over.memory_max_bytes.or(self.memory_max_bytes),
         }
     }
 
@@ -182,6 +195,8 @@ impl ProxySettings {
             threads: self.threads.filter(|&n| n > 0).unwrap_or_else(|| {
                 std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
             }),
+            memory_max_records: self.memory_max_records,
+            memory_max_bytes: self.memory_max_bytes,
         }
     }
 }
@@ -201,6 +216,24 @@ impl Resolved {
             return Err(
                 "`max_buffered_bytes` (in [proxy]) must be more than zero, e.g. 67108864".into(),
             );
+        }
+        let memory = [
+            ("memory_max_records", self.memory_max_records, "100000"),
+            ("memory_max_bytes", self.memory_max_bytes, "268435456"),
+        ];
+        for (name, value, example) in memory {
+            if value.is_some() && self.store != "memory" {
+                return Err(format!(
+                    "`{name}` (in [proxy]) sizes the memory store, but the store is `{}`: \
+                     remove it, or use --store memory",
+                    self.store.split(':').next().unwrap_or_default()
+                ));
+            }
+            if value == Some(0) {
+                return Err(format!(
+                    "`{name}` (in [proxy]) must be more than zero, e.g. {example}"
+                ));
+            }
         }
         let durations = [
             ("store_timeout", self.store_timeout),
@@ -677,6 +710,23 @@ mod tests {
             Config::parse("[proxy]\nupstream = \"http://a:1\"\nmax_buffered_bytes = 0\n").unwrap();
         let message = config.proxy.clone().resolve().check().unwrap_err();
         assert!(message.contains("`max_buffered_bytes`"), "{message}");
+    }
+
+    /// The memory store's ceilings: more than zero, and only beside
+    /// `--store memory` (a ceiling for a store that has none is no
+    /// protection anyone gets).
+    #[test]
+    fn memory_store_ceilings_are_checked() {
+        let check = |text: &str, store: &str| {
+            let mut settings = Config::parse(text).unwrap().proxy.resolve();
+            settings.store = store.into();
+            settings.check()
+        };
+        assert!(check("[proxy]\nmemory_max_records = 10\n", "memory").is_ok());
+        let zero = check("[proxy]\nmemory_max_bytes = 0\n", "memory").unwrap_err();
+        assert!(zero.contains("`memory_max_bytes`"), "{zero}");
+        let elsewhere = check("[proxy]\nmemory_max_records = 10\n", "sqlite://x.db").unwrap_err();
+        assert!(elsewhere.contains("sizes the memory store"), "{elsewhere}");
     }
 
     /// A route an earlier enabled route hides whole (every path it matches,

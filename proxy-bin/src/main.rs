@@ -216,6 +216,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         settings.redis.as_deref(),
         settings.redis_prefix.as_deref(),
         settings.store_timeout,
+        (settings.memory_max_records, settings.memory_max_bytes),
     ))?;
     let engine = Engine::with_config(
         store,

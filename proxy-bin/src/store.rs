@@ -28,10 +28,16 @@ pub async fn open(
     redis: Option<&str>,
     prefix: Option<&str>,
     store_timeout: Duration,
+    memory_limits: (Option<usize>, Option<usize>),
 ) -> Result<Arc<dyn Store>, String> {
     let redis = redis.map(|url| (url, prefix));
     if spec == "memory" {
-        with_cache(MemoryStore::new(), redis)
+        let (records, bytes) = memory_limits;
+        let store = MemoryStore::with_limits(
+            records.unwrap_or(MemoryStore::DEFAULT_MAX_RECORDS),
+            bytes.unwrap_or(MemoryStore::DEFAULT_MAX_BYTES),
+        );
+        with_cache(store, redis)
     } else if spec.starts_with("sqlite:") {
         let store = SqliteStore::connect(spec)
             .await

@@ -1247,6 +1247,36 @@ async fn metric(proxy: &Proxy, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {name} in /metrics"))
 }
 
+/// From a review: the proxy's memory store was fixed at 100,000 records
+/// and 256 MiB, whatever the host. `memory_max_records` (and
+/// `memory_max_bytes`) size it: past the ceiling a new key gets 503 and
+/// runs nothing, stored keys still replay.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_memory_store_is_sized_by_the_configuration() {
+    let (backend, proxy) = start("memory-size", "[proxy]\nmemory_max_records = 2\n").await;
+    let order = |key: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let headers = [
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ];
+            proxy.send("POST", "/items", &headers, "{}").await
+        }
+    };
+    assert_eq!(order("a").await.status, 200);
+    assert_eq!(order("b").await.status, 200);
+    let refused = order("c").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert_eq!(
+        refused.json()["type"],
+        "urn:tower-idempotency:store-unavailable"
+    );
+    let again = order("a").await;
+    assert_eq!((again.status, again.replayed()), (200, true));
+    assert_eq!(backend.hits("/items"), 2, "the refused key ran");
+}
+
 /// 60 concurrent duplicates with 1000-byte bodies against a budget of five
 /// such bodies: the first is held at the backend while the others wait with
 /// their bodies buffered; those that do not fit get 503 `overloaded`
