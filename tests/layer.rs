@@ -1721,6 +1721,22 @@ async fn answers_that_never_call_the_inner_service_do_not_wait_for_its_readiness
     assert_eq!(calls.load(SeqCst), 4);
 }
 
+/// An axum router whose `POST /orders` answers `201 order {n}`, `n`
+/// counted in `calls`.
+fn counted_orders(calls: &Arc<AtomicUsize>) -> axum::Router {
+    let counted = calls.clone();
+    axum::Router::new().route(
+        "/orders",
+        axum::routing::post(move || {
+            let counted = counted.clone();
+            async move {
+                let n = counted.fetch_add(1, SeqCst) + 1;
+                (StatusCode::CREATED, format!("order {n}"))
+            }
+        }),
+    )
+}
+
 /// From a review: a layer nested in another on the same engine (a
 /// sub-router's layer inside an app-wide one) computed the very key the
 /// outer layer held, waited for it until `wait_timeout`, and answered
@@ -1742,19 +1758,7 @@ async fn a_layer_nested_in_another_on_the_same_records_runs_the_order_once() {
             true => Engine::new(store, Routes::all(policy.clone()).unwrap()),
         };
         let calls = Arc::new(AtomicUsize::new(0));
-        let counted = calls.clone();
-        let routes = axum::Router::new()
-            .route(
-                "/orders",
-                axum::routing::post(move || {
-                    let counted = counted.clone();
-                    async move {
-                        let n = counted.fetch_add(1, SeqCst) + 1;
-                        (StatusCode::CREATED, format!("order {n}"))
-                    }
-                }),
-            )
-            .layer(IdempotencyLayer::new(inner_engine));
+        let routes = counted_orders(&calls).layer(IdempotencyLayer::new(inner_engine));
         let app = tower::ServiceBuilder::new()
             .layer(IdempotencyLayer::new(engine))
             .service(routes);
@@ -1871,22 +1875,10 @@ async fn a_nested_layer_over_another_store_still_protects_its_route() {
     let shared = MemoryStore::new();
     let calls = Arc::new(AtomicUsize::new(0));
     let replica = || {
-        let counted = calls.clone();
-        let routes = axum::Router::new()
-            .route(
-                "/orders",
-                axum::routing::post(move || {
-                    let counted = counted.clone();
-                    async move {
-                        let n = counted.fetch_add(1, SeqCst) + 1;
-                        (StatusCode::CREATED, format!("order {n}"))
-                    }
-                }),
-            )
-            .layer(IdempotencyLayer::new(Engine::new(
-                shared.clone(),
-                Routes::all(Policy::default()).unwrap(),
-            )));
+        let routes = counted_orders(&calls).layer(IdempotencyLayer::new(Engine::new(
+            shared.clone(),
+            Routes::all(Policy::default()).unwrap(),
+        )));
         let (own, _) = memory_engine(Policy::default());
         tower::ServiceBuilder::new()
             .layer(IdempotencyLayer::new(own))
