@@ -114,10 +114,6 @@ async fn a_full_memory_store_runs_nothing_unprotected_even_on_a_fail_open_route(
     }
     assert_eq!(app.calls(), 1, "no retry ran unprotected");
     tokio::time::sleep(PAST_RETENTION).await;
-    assert!(
-        store.ping().await.is_ok(),
-        "room again once records expired"
-    );
     assert_eq!(
         app.send(post_json(b"pay", "{}")).await.status,
         StatusCode::CREATED

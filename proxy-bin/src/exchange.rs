@@ -288,8 +288,11 @@ impl Exchange {
         let mut paced = !recorder.as_ref().is_some_and(Recorder::is_recording);
         self.send(Frame::Head(Box::new(head), !paced), false).await;
         // When the upstream finished its answer: its idle clock for the
-        // connection starts then, not once the outcome is stored.
+        // connection starts then, not once the outcome is stored; and no
+        // later than the body's end was read less the time spent waiting
+        // for the client (the upstream may have written it all meanwhile).
         let mut finished = None;
+        let mut waited = std::time::Duration::ZERO;
         // One timer for the whole body, made when a read first waits.
         let mut expired = pin!(async move {
             match deadline {
@@ -325,7 +328,7 @@ impl Exchange {
                     }
                     // Store before the client sees the last byte.
                     if session.is_body_done() {
-                        finished.get_or_insert_with(std::time::Instant::now);
+                        finished.get_or_insert_with(|| crate::upstream::idle_since(waited));
                         if let Some(recording) = recorder.take() {
                             if let Ended::Cut(_) = recording.end().await {
                                 // Off the declared length (Pingora reads
@@ -335,7 +338,9 @@ impl Exchange {
                             }
                         }
                     }
+                    let sending = std::time::Instant::now();
                     self.send(Frame::Body(chunk), paced).await;
+                    waited += sending.elapsed();
                 }
                 Ok(None) => break,
                 Err(error) => {
@@ -350,7 +355,7 @@ impl Exchange {
                 }
             }
         }
-        let finished = *finished.get_or_insert_with(std::time::Instant::now);
+        let finished = *finished.get_or_insert_with(|| crate::upstream::idle_since(waited));
         // A body framed by the connection's close ends here too: a clean
         // close cannot be told from a cut (a reset is an error above).
         if let Some(Ended::Cut(_)) = match recorder {

@@ -100,11 +100,19 @@ pub async fn forward(
     let answered = exchange.resp_header().expect("a response head was read");
     let head = relayed_head(&request, answered);
     write_head(session, Box::new(head), false).await?;
+    // Time spent waiting for the client to take the body: the upstream may
+    // have written all of it meanwhile, so its idle clock for the
+    // connection may have started that much before the body's end was read.
+    let mut waited = std::time::Duration::ZERO;
     let finished = loop {
         match exchange.read_body_bytes().await {
-            Ok(Some(chunk)) => write_body(session, Some(chunk), false).await?,
-            // The upstream's idle clock for the connection starts here.
-            Ok(None) => break std::time::Instant::now(),
+            Ok(Some(chunk)) => {
+                let writing = std::time::Instant::now();
+                write_body(session, Some(chunk), false).await?;
+                waited += writing.elapsed();
+            }
+            // The upstream's idle clock for the connection started no later.
+            Ok(None) => break crate::upstream::idle_since(waited),
             Err(error) => {
                 tracing::warn!(error = %crate::logs::Redacted(&error), "upstream broke off its response");
                 return Err(error.into_up());

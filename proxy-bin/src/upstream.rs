@@ -280,6 +280,16 @@ fn kept_idle(head: Option<&ResponseHeader>, pool: Duration) -> Duration {
     }
 }
 
+/// When the upstream's idle clock for a connection started, at the latest:
+/// now, less the time the relay of its answer spent waiting for the client
+/// (`waited`), during which the upstream may have written all of it. A
+/// slow client's answer so never makes its connection look younger than
+/// the upstream sees it ([`KEYED_MAX_IDLE`]).
+pub fn idle_since(waited: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_sub(waited).unwrap_or(now)
+}
+
 /// The most idle connections kept (Pingora's own pool keeps 128).
 const POOL_SIZE: usize = 128;
 
@@ -925,6 +935,46 @@ mod tests {
                 "step {step}: {len}, {counted}"
             );
         }
+    }
+
+    /// A keyed take skips a connection idle for [`KEYED_MAX_IDLE`] or
+    /// longer wherever it sits (put back after a younger one: put-back
+    /// order is not idle order), takes the younger one, and with only old
+    /// ones left opens a new connection (`None`); an unkeyed take still
+    /// uses the old one.
+    #[test]
+    fn a_keyed_take_skips_connections_idle_too_long_wherever_they_sit() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _entered = runtime.enter();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut servers = Vec::new();
+        let mut connection = || {
+            let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            servers.push(listener.accept().unwrap().0);
+            client.set_nonblocking(true).unwrap();
+            l4(client)
+        };
+        let pool = Pool::default();
+        let minute = Duration::from_secs(60);
+        let old = Instant::now() - KEYED_MAX_IDLE - Duration::from_millis(100);
+        pool.put(connection(), Instant::now(), minute, false);
+        pool.put(connection(), old, minute, false);
+        assert!(
+            pool.take(Check::Kernel).is_some(),
+            "the younger one is taken"
+        );
+        assert_eq!(pool.lock().entries.len(), 1, "the old one is left");
+        assert!(
+            pool.take(Check::Kernel).is_none(),
+            "only an old one: a new connection"
+        );
+        assert!(
+            pool.take(Check::Seen).is_some(),
+            "unkeyed requests still use it"
+        );
     }
 
     /// An open idle connection with nothing on it passes either check.

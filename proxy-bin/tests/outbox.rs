@@ -588,6 +588,15 @@ async fn proxy_runs_the_destinations_of_its_configuration(db: Db, dir: TempDir) 
         let refused = proxy.admin_send(method, path, &auth, "").await;
         assert_eq!(refused.status, 400, "{path}: {}", refused.text());
     }
+    // The route and method are judged before the query: 404 and 405.
+    for (method, path, status) in [
+        ("GET", "/outbox/nosuch?x=1", 404),
+        ("POST", "/outbox/counts?x=1", 405),
+        ("POST", "/outbox/dead?limit=1", 405),
+    ] {
+        let answer = proxy.admin_send(method, path, &auth, "").await;
+        assert_eq!(answer.status, status, "{method} {path}: {}", answer.text());
+    }
     assert_eq!(db.count("state = 'dead'").await, 1, "nothing purged");
     let purged = proxy
         .admin_send(

@@ -169,9 +169,16 @@ impl Engine {
         // and a retry take the key over from the running execution.
         if let Some((_, owner, lease)) = held.filter(|(held, _, _)| **held == key) {
             let renewal = self.inner.store.renew(&key, owner, lease);
-            if let Ok(true) = self.store_call(renewal).await {
-                self.inner.metrics.record(Event::Passthrough);
-                return Decision::Forward;
+            match self.store_call(renewal).await {
+                Ok(true) => {
+                    self.inner.metrics.record(Event::Passthrough);
+                    return Decision::Forward;
+                }
+                // Not this store's, or no longer the outer's: decided as usual.
+                Ok(false) => {}
+                // Unknown: deciding would meet the outer's own key in flight
+                // and wait for itself; 503 on every route, nothing run.
+                Err(error) => return self.store_failed(policy, &head, &error, true),
             }
         }
         *scope = Some(key);
