@@ -880,6 +880,29 @@ mod tests {
         Box::new(pingora_core::protocols::l4::stream::Stream::from(tcp))
     }
 
+    /// Open loopback connections as the pool holds them (in a runtime),
+    /// their server ends kept open while this lives.
+    struct Connections {
+        listener: std::net::TcpListener,
+        servers: Vec<std::net::TcpStream>,
+    }
+
+    impl Connections {
+        fn new() -> Self {
+            Connections {
+                listener: std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+                servers: Vec::new(),
+            }
+        }
+
+        fn open(&mut self) -> Stream {
+            let client = std::net::TcpStream::connect(self.listener.local_addr().unwrap()).unwrap();
+            self.servers.push(self.listener.accept().unwrap().0);
+            client.set_nonblocking(true).unwrap();
+            l4(client)
+        }
+    }
+
     /// The pool's count of marked connections stays the count of its
     /// marked entries through puts past both caps and takes of both kinds,
     /// and each take picks as the rules say: a keyed request never a
@@ -891,9 +914,8 @@ mod tests {
             .build()
             .unwrap();
         let _entered = runtime.enter();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut connections = Connections::new();
         let pool = Pool::default();
-        let mut servers = Vec::new();
         let recount = |pool: &Pool| {
             let idle = pool.lock();
             let marked = idle.entries.iter().filter(|e| e.after_bodiless).count();
@@ -902,11 +924,8 @@ mod tests {
         // A deterministic mix: runs of marked and unmarked puts, with takes.
         for step in 0u32..160 {
             let mark = (step / 7) % 3 == 0;
-            let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-            servers.push(listener.accept().unwrap().0);
-            client.set_nonblocking(true).unwrap();
             let minute = Duration::from_secs(60);
-            pool.put(l4(client), Instant::now(), minute, mark);
+            pool.put(connections.open(), Instant::now(), minute, mark);
             if step % 5 == 4 {
                 let (kept, _, _) = recount(&pool);
                 let had_unmarked = recount(&pool).2 > kept;
@@ -949,19 +968,12 @@ mod tests {
             .build()
             .unwrap();
         let _entered = runtime.enter();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut servers = Vec::new();
-        let mut connection = || {
-            let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-            servers.push(listener.accept().unwrap().0);
-            client.set_nonblocking(true).unwrap();
-            l4(client)
-        };
+        let mut connections = Connections::new();
         let pool = Pool::default();
         let minute = Duration::from_secs(60);
         let old = Instant::now() - KEYED_MAX_IDLE - Duration::from_millis(100);
-        pool.put(connection(), Instant::now(), minute, false);
-        pool.put(connection(), old, minute, false);
+        pool.put(connections.open(), Instant::now(), minute, false);
+        pool.put(connections.open(), old, minute, false);
         assert!(
             pool.take(Check::Kernel).is_some(),
             "the younger one is taken"

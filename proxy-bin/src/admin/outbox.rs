@@ -31,23 +31,23 @@ pub async fn route(outbox: Option<&Outbox>, request: &RequestHeader) -> Option<A
     };
     let method = &request.method;
     let segments: Vec<&str> = path.split('/').skip(1).collect();
-    // Parameters are read once the route and method are known: an unknown
-    // route is 404 and a wrong method 405, whatever the query.
-    let allowed: &[&str] = match (segments.as_slice(), method) {
-        (["dead"], &Method::GET) => &["limit", "payload"],
-        (["purge"], &Method::POST) => &["id", "older_than", "topic"],
-        _ => &[],
+    // The parameters each route takes; read only once the route and method
+    // are known (`None`: an unknown route is 404 and a wrong method 405,
+    // whatever the query).
+    let allowed: Option<&[&str]> = match (segments.as_slice(), method) {
+        (["dead"], &Method::GET) => Some(&["limit", "payload"]),
+        (["purge"], &Method::POST) => Some(&["id", "older_than", "topic"]),
+        (["counts"], &Method::GET) | (["dead", _, "retry"], &Method::POST) => Some(&[]),
+        _ => None,
     };
-    let known = matches!(
-        (segments.as_slice(), method),
-        (["counts"] | ["dead"], &Method::GET) | (["purge"] | ["dead", _, "retry"], &Method::POST)
-    );
-    let query = match known {
-        false => Vec::new(),
-        true => match super::query_params(request.uri.query().unwrap_or_default(), allowed) {
-            Ok(query) => query,
-            Err(message) => return Some(refused(Refused::bad(message))),
-        },
+    let query = match allowed {
+        None => Vec::new(),
+        Some(allowed) => {
+            match super::query_params(request.uri.query().unwrap_or_default(), allowed) {
+                Ok(query) => query,
+                Err(message) => return Some(refused(Refused::bad(message))),
+            }
+        }
     };
     let param = |name: &str| {
         query
