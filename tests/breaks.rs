@@ -2950,3 +2950,73 @@ async fn two_gateway_headers_naming_one_value_are_two_callers() {
     assert!(!partner.replayed(), "the partner got the user's order");
     assert_eq!(app.calls(), 2);
 }
+
+tokio::task_local! {
+    /// The request id an app's own middleware sets for its handlers.
+    static REQUEST_ID: u64;
+}
+
+/// Scenario: an app's middleware outside the layer gives its handlers a
+/// request id as a tokio task-local (`REQUEST_ID.scope(id, next.run(request))`,
+/// as request-id and tracing-context middleware do), and the payment
+/// handler logs with it once it has charged. The client hangs up while the
+/// handler awaits its database; the layer runs the execution on, detached,
+/// so that the retry replays it — outside the middleware's scope, where
+/// `REQUEST_ID.get()` panics after the charge. Impact ("once"): the panic
+/// released the key as any panic before the response head does, and the
+/// retry (which waited for it) charged again.
+#[tokio::test]
+async fn a_handler_failing_for_a_task_local_after_its_caller_left_never_runs_twice() {
+    use axum::middleware::{from_fn, Next};
+    use axum::routing::post;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    use tower::ServiceExt;
+
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let charges = Arc::new(AtomicUsize::new(0));
+    let database = Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let (charges, database) = (charges.clone(), database.clone());
+        move || async move {
+            if charges.fetch_add(1, SeqCst) == 0 {
+                database.notified().await; // the first charge's commit
+            }
+            let id = REQUEST_ID.get();
+            (StatusCode::CREATED, format!("charged, request {id}"))
+        }
+    };
+    let app = axum::Router::new()
+        .route("/payments", post(handler))
+        .layer(tower_idempotency::IdempotencyLayer::new(engine))
+        .layer(from_fn(|request: axum::extract::Request, next: Next| {
+            REQUEST_ID.scope(7, next.run(request))
+        }));
+    let payment = || {
+        Request::post("/payments")
+            .header("idempotency-key", "pay-1")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(r#"{"amount":100}"#))
+            .unwrap()
+    };
+
+    let first = tokio::spawn(app.clone().oneshot(payment()));
+    while charges.load(SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    first.abort(); // the client hangs up mid-flight
+    assert!(first.await.unwrap_err().is_cancelled());
+    database.notify_one();
+
+    let retry = app.oneshot(payment()).await.unwrap();
+    let status = retry.status();
+    let replayed = retry.headers().get("idempotent-replayed").cloned();
+    let body = retry.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(charges.load(SeqCst), 1, "the retry charged again");
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body:?}");
+    assert_eq!(replayed.as_ref().map(|v| v.as_bytes()), Some(&b"true"[..]));
+    assert!(
+        String::from_utf8_lossy(&body).contains("urn:tower-idempotency:upstream-unavailable"),
+        "{body:?}"
+    );
+}

@@ -68,13 +68,26 @@ impl<T: Send + 'static> std::fmt::Debug for Execution<T> {
     }
 }
 
+tokio::task_local! {
+    /// Set while a detached execution runs ([`running_detached`]).
+    static DETACHED: ();
+}
+
 /// Runs `future` to the end on the current runtime, its output unused.
 /// Without a runtime (it is shutting down) the future is dropped, and a
 /// dropped reservation frees its key in the background or at lease expiry.
 pub(crate) fn detach<T: Send + 'static>(future: BoxFuture<T>) {
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(future);
+        runtime.spawn(DETACHED.scope((), future));
     }
+}
+
+/// Whether the code running now is a detached execution's, one whose
+/// caller went away. It runs outside whatever wrapped its caller's future
+/// (a task-local an outer layer set, a tracing span's context): a handler
+/// reading one may fail there although it would not have for its caller.
+pub(crate) fn running_detached() -> bool {
+    DETACHED.try_with(|_| ()).is_ok()
 }
 
 #[cfg(test)]

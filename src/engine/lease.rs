@@ -271,6 +271,13 @@ impl Lease {
         }
     }
 
+    /// Whether [`Lease::acting`] marked its request as reaching the
+    /// upstream.
+    pub(super) fn acted(&self) -> bool {
+        let state = lock(&self.renewer.state);
+        state.held.get(&self.id).is_some_and(|held| held.acting)
+    }
+
     /// Marks the lease as settling: its outcome, of `status`, is being
     /// stored. It is still renewed (a store outage may keep it settling
     /// for a while), but a "not in flight" answer is no longer reported as

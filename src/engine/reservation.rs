@@ -23,7 +23,9 @@ use crate::store::{Outcome, OwnerToken, ScopeKey, StoreError};
 /// answer head was recorded, the key is released, so no key is ever stuck
 /// for longer than its lease; after it (a body that panicked, a task
 /// cancelled while storing), the upstream acted, so the marker "executed,
-/// response incomplete" is stored and the key never runs again.
+/// response incomplete" is stored and the key never runs again. So is
+/// "executed, outcome unknown" for an execution whose caller went away
+/// (run on detached) that panics once its request reached the upstream.
 #[derive(Debug)]
 pub struct Reservation {
     engine: Engine,
@@ -397,6 +399,10 @@ impl Reservation {
     }
 }
 
+/// The detail of the outcome a detached execution that panicked keeps.
+const DETACHED_PANIC: &str = "The request failed after its caller went away; it may or may not \
+                              have taken effect, and it will not be executed again with this key.";
+
 /// [`Reservation::scope_id`] of the reservation holding `key`.
 pub(crate) fn execution_scope_id(key: &ScopeKey) -> String {
     use sha2::{Digest, Sha256};
@@ -413,7 +419,28 @@ impl Drop for Reservation {
             self.engine.left_flight();
             return;
         }
-        if let Some(status) = self.executed {
+        let outcome = match self.executed {
+            Some(status) => Some(Outcome::Incomplete { status }),
+            // An execution whose caller went away, panicking once its
+            // request reached the handler: the handler may have acted, and
+            // the panic may come from the detachment itself (a task-local
+            // an outer layer set for its caller is gone), where its caller,
+            // had it waited, would have had a response. Kept as "executed,
+            // outcome unknown": a retry never runs it a second time.
+            None if std::thread::panicking()
+                && super::detached::running_detached()
+                && self.lease.acted() =>
+            {
+                tracing::warn!(key = %Short::of(&self.key), "idempotency execution panicked after its caller went away; outcome unknown, kept so that no retry executes again");
+                Some(super::execution::unknown(
+                    crate::problem::ProblemKind::UpstreamUnavailable,
+                    DETACHED_PANIC,
+                ))
+            }
+            None => None,
+        };
+        if let Some(outcome) = outcome {
+            let status = outcome.status().unwrap_or(StatusCode::OK);
             let handle = match tokio::runtime::Handle::try_current() {
                 Ok(handle) if !self.heir => handle,
                 // An heir dropped unsettled (its runtime is shutting
@@ -458,7 +485,7 @@ impl Drop for Reservation {
             // drain finds the key in its lists, under this lease or the
             // heir's (marking it twice is harmless: the second is refused).
             self.stop_renewing();
-            handle.spawn(heir.store(Outcome::Incomplete { status }));
+            handle.spawn(heir.store(outcome));
             return;
         }
         self.stop_renewing();
