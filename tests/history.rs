@@ -449,6 +449,13 @@ fn finds_a_redirect_replayed_without_its_location() {
     finds(Mutation::LocationDropped, "replay");
 }
 
+/// The first caller's own answer relayed with another status than its
+/// upstream's: its body and headers alone would not show it.
+#[test]
+fn finds_a_first_answer_relayed_with_another_status() {
+    finds(Mutation::FirstAnswerAs200, "relay");
+}
+
 /// A store that fails now and then with no fault switched on: the engine's
 /// 503s are not earned.
 #[test]

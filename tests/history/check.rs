@@ -634,6 +634,11 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             );
             continue;
         }
+        let expected_status = match exec.upstream {
+            Upstream::Answer(s) => s,
+            Upstream::Redirect(_) => 303,
+            _ => 201,
+        };
         if !replayed {
             if exec.request != req.id || *body != exec.body {
                 flag(
@@ -641,6 +646,16 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                     None,
                     format!(
                         "request {} got exec {}'s answer without a replay mark",
+                        req.id, exec.id
+                    ),
+                );
+            } else if status.as_u16() != expected_status {
+                flag(
+                    "relay",
+                    None,
+                    format!(
+                        "request {}'s own answer (exec {}) came as {status}, the upstream \
+                         answered {expected_status}",
                         req.id, exec.id
                     ),
                 );
@@ -653,11 +668,6 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             }
             continue;
         }
-        let expected_status = match exec.upstream {
-            Upstream::Answer(s) => s,
-            Upstream::Redirect(_) => 303,
-            _ => 201,
-        };
         if *body != exec.body || status.as_u16() != expected_status {
             flag(
                 "replay",

@@ -111,6 +111,10 @@ pub enum Mutation {
     /// A reservation of a key its holder released answers, once, that the
     /// key is still in flight (a store that kept a stale row).
     ReleasedKeyInFlight,
+    /// The first caller's own `201` reaches it as `200` (modelled in the
+    /// harness, past the layer: an engine that relayed the status it
+    /// stored in another form, or a default in place of the upstream's).
+    FirstAnswerAs200,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -345,6 +345,38 @@ pub fn generate(seed: u64, store: StoreKind, mutation: Option<Mutation>) -> Sche
             instance: rng.random_range(0..config.instances),
         });
     }
+    // The end, on the memory store's virtual clock: one more retry of
+    // every scope the history used, sent as its first request was, once
+    // every fault has ended and every execution, with the lease of any it
+    // left behind, is over. A record lost or changed meanwhile shows as a
+    // second execution or a wrong replay, a key left stuck as a wait past
+    // its deadline, though no later request happened to look.
+    if store == StoreKind::Memory {
+        let quiet = actions.iter().map(Action::at).max().unwrap_or(at) + lease * 7;
+        let mut scopes = Vec::new();
+        let firsts: Vec<Req> = actions
+            .iter()
+            .filter_map(|action| match action {
+                Action::Request(req) => Some(req.clone()),
+                _ => None,
+            })
+            .collect();
+        for req in firsts {
+            let scope = (host_of(req.host), req.principal, req.key);
+            if scopes.contains(&scope) {
+                continue;
+            }
+            scopes.push(scope);
+            actions.push(Action::Request(Req {
+                id: n + scopes.len() - 1,
+                at: quiet,
+                delay: ms(5),
+                upstream: Upstream::Answer(201),
+                drop_after: None,
+                ..req
+            }));
+        }
+    }
     actions.sort_by_key(Action::at);
     Schedule { config, actions }
 }
@@ -498,17 +530,26 @@ fn build(faulty: Arc<Faulty>, shared: Arc<Shared>, config: &Config) -> Svc {
         async move { upstream(&shared, &faulty, request).await }
     });
     let layered = tower::Layer::layer(&IdempotencyLayer::new(engine), upstream);
-    BoxCloneService::new(layered.and_then(|response: Response<Layered>| async move {
-        let (parts, body) = response.into_parts();
-        match body.collect().await {
-            Ok(collected) => {
-                let mut response = Response::from_parts(parts, collected.to_bytes());
-                response.extensions_mut().insert(BodyOk);
-                Ok(response)
+    let relabel = config.mutation == Some(Mutation::FirstAnswerAs200);
+    BoxCloneService::new(
+        layered.and_then(move |response: Response<Layered>| async move {
+            let (mut parts, body) = response.into_parts();
+            if relabel
+                && parts.status == StatusCode::CREATED
+                && !parts.headers.contains_key("idempotent-replayed")
+            {
+                parts.status = StatusCode::OK;
             }
-            Err(_) => Ok(Response::from_parts(parts, Bytes::new())),
-        }
-    }))
+            match body.collect().await {
+                Ok(collected) => {
+                    let mut response = Response::from_parts(parts, collected.to_bytes());
+                    response.extensions_mut().insert(BodyOk);
+                    Ok(response)
+                }
+                Err(_) => Ok(Response::from_parts(parts, Bytes::new())),
+            }
+        }),
+    )
 }
 
 type Layered = tower_idempotency::layer::ResponseBody<ResBody, std::io::Error>;
