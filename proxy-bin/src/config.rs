@@ -542,11 +542,6 @@ fn shadowing<'e>(
     pattern: &str,
     case_insensitive: bool,
 ) -> Option<&'e (String, usize)> {
-    let fold = |p: &str| match case_insensitive {
-        true => p.to_ascii_lowercase(),
-        false => p.to_owned(),
-    };
-    let pattern = fold(pattern);
     let samples = match pattern.contains('*') {
         // `**` as one segment and as three: an exclusion of a fixed depth
         // (`/api/*/*/*`) leaves some of a `/api/**` route's paths alone,
@@ -555,12 +550,12 @@ fn shadowing<'e>(
             pattern.replace("**", "%").replace('*', "%"),
             pattern.replace("**", "%/%/%").replace('*', "%"),
         ],
-        false => vec![format!("{}/%/%/%", pattern.trim_end_matches('/')), pattern],
+        false => vec![
+            format!("{}/%/%/%", pattern.trim_end_matches('/')),
+            pattern.to_owned(),
+        ],
     };
-    exclusions.iter().find(|(earlier, _)| {
-        PathPattern::parse(&fold(earlier))
-            .is_ok_and(|earlier| samples.iter().all(|path| earlier.matches(path)))
-    })
+    first_matching_all(exclusions, &samples, case_insensitive)
 }
 
 /// The earliest of `earlier` that matches a prefix pattern's own path
@@ -571,16 +566,28 @@ fn deciding_its_own_path<'e>(
     pattern: &str,
     case_insensitive: bool,
 ) -> Option<&'e (String, usize)> {
-    if pattern.contains('*') {
-        return None;
+    match pattern.contains('*') {
+        true => None,
+        false => first_matching_all(earlier, &[pattern.to_owned()], case_insensitive),
     }
+}
+
+/// The first of `earlier` (pattern, line) whose pattern matches every one
+/// of `paths`, by the engine's own matcher; under `case_insensitive_paths`
+/// patterns and paths are compared in one case, as the engine routes them.
+fn first_matching_all<'e>(
+    earlier: &'e [(String, usize)],
+    paths: &[String],
+    case_insensitive: bool,
+) -> Option<&'e (String, usize)> {
     let fold = |p: &str| match case_insensitive {
         true => p.to_ascii_lowercase(),
         false => p.to_owned(),
     };
-    let own = fold(pattern);
+    let paths: Vec<String> = paths.iter().map(|path| fold(path)).collect();
     earlier.iter().find(|(earlier, _)| {
-        PathPattern::parse(&fold(earlier)).is_ok_and(|earlier| earlier.matches(&own))
+        PathPattern::parse(&fold(earlier))
+            .is_ok_and(|earlier| paths.iter().all(|path| earlier.matches(path)))
     })
 }
 
