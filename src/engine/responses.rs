@@ -202,8 +202,9 @@ impl Engine {
     }
 
     /// 409 (or the route's `unreplayable_status`): the request ran once,
-    /// but its response was too large to store. Counted as a replay: the
-    /// answer stands for the stored outcome.
+    /// but its response was not stored (too large, or the store kept
+    /// refusing it, or the process stopped while it was being stored).
+    /// Counted as a replay: the answer stands for the stored outcome.
     pub(super) fn not_stored(
         &self,
         policy: &RoutePolicy,
@@ -217,7 +218,8 @@ impl Engine {
                 ProblemKind::ResponseNotStored,
                 format!(
                     "The request was executed once (status {}), but its response \
-                     was too large to store; it will not be executed again.",
+                     could not be stored (too large to keep, or the store failed while \
+                     it was being saved); it will not be executed again.",
                     status.as_u16()
                 ),
             )
