@@ -3020,3 +3020,80 @@ async fn a_handler_failing_for_a_task_local_after_its_caller_left_never_runs_twi
         "{body:?}"
     );
 }
+
+/// Scenario (review): `/orders` scopes its keys by the gateway's
+/// `x-user-id`, `/api` by none; both are `required`. The target
+/// `/orders;/../api` is `/api` once normalised, but find-my-way before 8
+/// (Fastify, Restify) cuts the path at `;` and runs `/orders`. Scoped as
+/// `/api`, two users who send it with one key shared a scope: the second
+/// got the first one's stored order, marked replayed. Such a path is
+/// refused now, nothing run; a route's own spellings, and a path that only
+/// one required route reaches (`/orders;jsessionid=1` beside an optional
+/// catch-all), are decided as before.
+#[tokio::test]
+async fn a_path_read_as_two_routes_scoped_differently_is_refused() {
+    use tower_idempotency::PrincipalPolicy;
+    let orders = Policy {
+        required: true,
+        principal: Some(PrincipalPolicy::header("x-user-id")),
+        ..Policy::default()
+    };
+    let api = Policy {
+        required: true,
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/orders", orders)
+        .unwrap()
+        .route("/api", api)
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let user = request.headers().get("x-user-id").cloned();
+        let _ = request.into_body().collect().await.unwrap();
+        let user = user.map(|u| String::from_utf8_lossy(u.as_bytes()).into_owned());
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Body::from(format!("order {n} for {user:?}")))
+            .unwrap()
+    });
+    let order = |path: &str, user: &str| {
+        Request::post(path)
+            .header("idempotency-key", "K-1")
+            .header("x-user-id", user)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"a\":1}")))
+            .unwrap()
+    };
+
+    for path in ["/orders;/../api", "/orders/%2e%2e/api"] {
+        let alice = app.send(order(path, "alice")).await;
+        let bob = app.send(order(path, "bob")).await;
+        for reply in [&alice, &bob] {
+            assert_eq!(
+                reply.status,
+                StatusCode::BAD_REQUEST,
+                "{path}: {:?}",
+                reply.text()
+            );
+            assert_eq!(
+                reply.headers.get("problem-type").unwrap(),
+                "urn:tower-idempotency:path-ambiguous"
+            );
+        }
+    }
+    assert_eq!(app.calls(), 0, "nothing ran for an ambiguous path");
+
+    // One required route among the readings decides, as before.
+    let first = app.send(order("/orders;jsessionid=1", "alice")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other_user = app.send(order("/orders;jsessionid=1", "bob")).await;
+    assert_eq!(other_user.status, StatusCode::CREATED);
+    assert!(!other_user.replayed(), "bob got alice's order");
+    let retry = app.send(order("/orders;jsessionid=1", "alice")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.calls(), 2);
+}

@@ -102,7 +102,9 @@ impl Engine {
         head: &RequestHead<'_>,
         raw_key: &[u8],
     ) -> Result<(ScopeKey, Arc<str>), AdminError> {
-        let Some(policy) = self.route_of(head) else {
+        // A path read as two routes scoped differently is refused: no
+        // record is ever stored for it.
+        let Some(policy) = self.route_of(head).filter(|policy| !policy.ambiguous) else {
             return Err(AdminError::NotCovered {
                 method: head.method.to_string(),
                 path: head.uri.path().to_owned(),

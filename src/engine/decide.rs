@@ -134,6 +134,9 @@ impl Engine {
             return Decision::Forward;
         };
         let (method, policy) = (dispatched.method, dispatched.policy);
+        if covered.policy().ambiguous || policy.ambiguous {
+            return Decision::Respond(self.path_ambiguous(head.headers));
+        }
         let head = RequestHead {
             method: method.as_ref().unwrap_or(head.method),
             ..head

@@ -469,6 +469,7 @@ impl Policy {
             case_insensitive_paths: false,
             principal,
             policy: self.clone(),
+            ambiguous: false,
         }))
     }
 }
@@ -496,6 +497,10 @@ pub struct RoutePolicy {
     /// `Policy::principal`, its keys loaded.
     pub(crate) principal: Option<Arc<PrincipalSource>>,
     pub(crate) policy: Policy,
+    /// Stands for two `required` routes that scope differently, which one
+    /// request's path readings reach ([`prefer`](routes::prefer)): the
+    /// request is refused (400 `path-ambiguous`).
+    pub(crate) ambiguous: bool,
 }
 
 impl RoutePolicy {
@@ -529,9 +534,19 @@ impl RoutePolicy {
     /// the method before dispatching, so `post` must not get around a
     /// `POST` route.
     pub fn applies_to(&self, method: &Method) -> bool {
-        self.methods
-            .iter()
-            .any(|covered| covered.as_str().eq_ignore_ascii_case(method.as_str()))
+        self.ambiguous
+            || self
+                .methods
+                .iter()
+                .any(|covered| covered.as_str().eq_ignore_ascii_case(method.as_str()))
+    }
+
+    /// Whether requests under `other` are scoped as under this route: the
+    /// same principal, scope headers and host scoping.
+    pub(crate) fn scoped_alike(&self, other: &RoutePolicy) -> bool {
+        self.scope_headers == other.scope_headers
+            && self.policy.scope_authority == other.policy.scope_authority
+            && self.policy.principal == other.policy.principal
     }
 
     /// Whether an upstream answer with `status` and `headers` consumes the

@@ -581,18 +581,43 @@ impl Routes {
 }
 
 /// Of two readings' routes, `found` unless it is not `required` and
-/// `other` (asked only then) is; else whichever is covered, `found` first.
+/// `other` is; else whichever is covered, `found` first. Two `required`
+/// routes that scope differently ([`RoutePolicy::scoped_alike`]) give
+/// [`ambiguous`]: whichever scope were taken, a backend reading the path
+/// the other way would run the request under a scope not its own (a
+/// caller's principal left out), so it is refused.
 pub(crate) fn prefer<'a>(
     found: Option<&'a Arc<RoutePolicy>>,
     other: impl FnOnce() -> Option<&'a Arc<RoutePolicy>>,
 ) -> Option<&'a Arc<RoutePolicy>> {
-    if found.is_some_and(|policy| policy.policy().required) {
-        return found;
+    match (found, other()) {
+        (Some(found), Some(other))
+            if found.policy().required
+                && other.policy().required
+                && !Arc::ptr_eq(found, other)
+                && !found.scoped_alike(other) =>
+        {
+            Some(ambiguous())
+        }
+        (Some(found), _) if found.policy().required => Some(found),
+        (_, Some(other)) if other.policy().required => Some(other),
+        (found, other) => found.or(other),
     }
-    match other() {
-        Some(other) if other.policy().required => Some(other),
-        other => found.or(other),
-    }
+}
+
+/// The route standing for two `required` routes that scope differently
+/// (see [`prefer`]): covered, required, for every method, and refused.
+fn ambiguous() -> &'static Arc<RoutePolicy> {
+    static AMBIGUOUS: std::sync::LazyLock<Arc<RoutePolicy>> = std::sync::LazyLock::new(|| {
+        let policy = Policy {
+            required: true,
+            ..Policy::default()
+        };
+        let mut compiled = policy.validate().expect("the default policy is valid");
+        Arc::make_mut(&mut compiled).ambiguous = true;
+        compiled
+    });
+    &AMBIGUOUS
 }
 
 /// What the route table says about one normalised path and method.
