@@ -3097,3 +3097,66 @@ async fn a_path_read_as_two_routes_scoped_differently_is_refused() {
     assert_eq!(retry.body, first.body);
     assert_eq!(app.calls(), 2);
 }
+
+/// The same for a method override: `POST /items/5` with `_method=DELETE`
+/// is a `DELETE` to Laravel and Rails, a `POST` to a backend that reads no
+/// override. `DELETE /items` is `required` unscoped, `POST /items`
+/// `required` per user: scoped as the `DELETE`, two users sending it with
+/// one key shared a record, the second one replayed the first one's
+/// answer. Refused now (400 `path-ambiguous`), nothing run; an override
+/// between routes scoped alike is decided as before.
+#[tokio::test]
+async fn a_method_override_between_routes_scoped_differently_is_refused() {
+    use tower_idempotency::PrincipalPolicy;
+    let deletes = Policy {
+        methods: vec!["DELETE".into()],
+        required: true,
+        ..Policy::default()
+    };
+    let posts = Policy {
+        methods: vec!["POST".into()],
+        required: true,
+        principal: Some(PrincipalPolicy::header("x-user-id")),
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/items", deletes)
+        .unwrap()
+        .route("/items", posts)
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::OK)
+            .body(Body::from(format!("deleted {n}")))
+            .unwrap()
+    });
+    let delete = |user: &str, body: &'static [u8]| {
+        Request::post("/items/5")
+            .header("idempotency-key", "K-del")
+            .header("x-user-id", user)
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .body(Full::new(Bytes::from_static(body)))
+            .unwrap()
+    };
+    for user in ["alice", "bob"] {
+        let reply = app.send(delete(user, b"_method=DELETE")).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::BAD_REQUEST,
+            "{user}: {:?}",
+            reply.text()
+        );
+        assert_eq!(
+            reply.headers.get("problem-type").unwrap(),
+            "urn:tower-idempotency:path-ambiguous"
+        );
+    }
+    assert_eq!(app.calls(), 0);
+    // Without an override, the POST route decides, per user.
+    let alice = app.send(delete("alice", b"x=1")).await;
+    let bob = app.send(delete("bob", b"x=1")).await;
+    assert_eq!((alice.status, bob.status), (StatusCode::OK, StatusCode::OK));
+    assert!(!bob.replayed(), "bob got alice's answer");
+}

@@ -240,8 +240,17 @@ impl Engine {
         let mut max_body_bytes = usize::MAX;
         for (method, route) in named.chain(own).chain(guessed) {
             max_body_bytes = max_body_bytes.min(route.max_body_bytes());
-            if required.is_none() && route.policy().required {
-                required = Some((method.clone(), route));
+            if route.policy().required {
+                match &required {
+                    None => required = Some((method.clone(), route)),
+                    // Two required routes a backend may dispatch it to,
+                    // scoped differently: refused, as for two readings of
+                    // its path ([`prefer`](crate::policy::prefer)).
+                    Some((_, chosen)) if !chosen.scoped_alike(route) => {
+                        required = Some((method.clone(), crate::policy::ambiguous()));
+                    }
+                    Some(_) => {}
+                }
             }
             first.get_or_insert((method, route));
         }

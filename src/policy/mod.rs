@@ -18,7 +18,7 @@ mod status;
 mod tests;
 
 pub use paths::{normalize_path, scope_host, RequestTarget};
-pub(crate) use routes::prefer;
+pub(crate) use routes::{ambiguous, prefer};
 pub use routes::{PathPattern, Route, Routes};
 pub use status::StatusSet;
 

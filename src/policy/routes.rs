@@ -607,7 +607,7 @@ pub(crate) fn prefer<'a>(
 
 /// The route standing for two `required` routes that scope differently
 /// (see [`prefer`]): covered, required, for every method, and refused.
-fn ambiguous() -> &'static Arc<RoutePolicy> {
+pub(crate) fn ambiguous() -> &'static Arc<RoutePolicy> {
     static AMBIGUOUS: std::sync::LazyLock<Arc<RoutePolicy>> = std::sync::LazyLock::new(|| {
         let policy = Policy {
             required: true,
