@@ -3160,3 +3160,81 @@ async fn a_method_override_between_routes_scoped_differently_is_refused() {
     assert_eq!((alice.status, bob.status), (StatusCode::OK, StatusCode::OK));
     assert!(!bob.replayed(), "bob got alice's answer");
 }
+
+/// Scenario (review): over HTTP/2 a handler's body ends cleanly at 60 of
+/// the 100 bytes it declared (a producer that died). The layer stored
+/// "incomplete" and declared 61 bytes, but ended the body cleanly: hyper
+/// sent the 60 bytes and `END_STREAM`, and neither hyper nor h2 checks a
+/// length they send, so only a client that checks lengths itself saw the
+/// cut; any other took 60 bytes for the whole answer. Now the body fails
+/// after its bytes, and the server resets the stream: the reset comes
+/// from the server (`is_remote`), whatever the client checks.
+#[tokio::test]
+async fn a_cut_response_is_reset_by_the_server_over_http2() {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let engine = Engine::new(MemoryStore::new(), Routes::all(Policy::default()).unwrap());
+    let app = layered(&engine, |_, request| async move {
+        let _ = request.into_body().collect().await;
+        let chunks = vec![Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 60]))];
+        let mut response = Response::new(Body::from_stream(futures::stream::iter(chunks)));
+        *response.status_mut() = StatusCode::CREATED;
+        response.headers_mut().insert(
+            header::CONTENT_LENGTH,
+            http::HeaderValue::from_static("100"),
+        );
+        response
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let service =
+                hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let app = app.clone();
+                    async move {
+                        Ok::<_, std::convert::Infallible>(app.call(request.map(Body::new)).await)
+                    }
+                });
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        }
+    });
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let request = Request::post(format!("http://{addr}/orders"))
+        .header("idempotency-key", "h2-cut")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    // The reset may come before the client has read the head.
+    let mut received = 0;
+    let error = match sender.send_request(request).await {
+        Err(error) => error,
+        Ok(response) => {
+            assert_eq!(response.status(), StatusCode::CREATED);
+            let mut body = response.into_body();
+            loop {
+                match body.frame().await {
+                    Some(Ok(frame)) => received += frame.data_ref().map_or(0, Bytes::len),
+                    Some(Err(error)) => break error,
+                    None => panic!("the stream ended cleanly after {received} bytes"),
+                }
+            }
+        }
+    };
+    let h2 = std::error::Error::source(&error)
+        .and_then(|source| source.downcast_ref::<h2::Error>())
+        .unwrap_or_else(|| panic!("not a stream error: {error:?}"));
+    assert!(
+        h2.is_remote() && h2.is_reset(),
+        "only the client's own length check saw the cut ({received} bytes): {h2:?}"
+    );
+    server.abort();
+}

@@ -100,9 +100,10 @@ pin_project! {
         Failed { prefix: Option<Bytes>, error: Option<E> },
         /// What was received of a body that ended off its declared
         /// `Content-Length`, claiming no length of its own (nor its end,
-        /// before it is polled): the server frames it by the header, which
-        /// the layer sets one byte past it, so the caller's connection ends
-        /// short of it and the cut shows.
+        /// before it is polled), then [`ResponseBodyError::Cut`]: the
+        /// server resets the stream (HTTP/2) or ends the connection
+        /// (HTTP/1), which the layer's header, one byte past the bytes,
+        /// frames short of it too, so the caller sees the cut.
         Cut { bytes: Option<Bytes>, ended: bool },
     }
 }
@@ -156,33 +157,67 @@ impl<B, E> ResponseBody<B, E> {
     }
 }
 
+/// Why a [`ResponseBody`] failed: its inner body's error, or the cut the
+/// layer makes an error of.
+#[derive(Debug)]
+pub enum ResponseBodyError<E> {
+    /// The inner service's body failed with this error.
+    Inner(E),
+    /// The inner service's body ended off the `Content-Length` its head
+    /// declared (a producer that stopped early, or ran long): after the
+    /// bytes it did send, the body fails, so a server resets the caller's
+    /// stream or closes its connection and no caller takes the bytes for a
+    /// whole answer, on HTTP/2 as on HTTP/1. Retries get 409
+    /// `response-incomplete`.
+    Cut,
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for ResponseBodyError<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResponseBodyError::Inner(error) => error.fmt(f),
+            ResponseBodyError::Cut => {
+                f.write_str("the response body ended off its declared Content-Length")
+            }
+        }
+    }
+}
+
+/// An error whatever the inner error is (a boxed error too, which is no
+/// `Error` itself), so the body serves where a boxed error is asked for.
+impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for ResponseBodyError<E> {}
+
+type Polled<E> = Poll<Option<Result<Frame<Bytes>, ResponseBodyError<E>>>>;
+
+fn inner<E>(polled: Poll<Option<Result<Frame<Bytes>, E>>>) -> Polled<E> {
+    polled.map(|frame| frame.map(|frame| frame.map_err(ResponseBodyError::Inner)))
+}
+
 impl<B: Body<Data = Bytes>> Body for ResponseBody<B, B::Error> {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = ResponseBodyError<B::Error>;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled<B::Error> {
         match self.project().inner.project() {
             ResponseBodyProj::Full { bytes } => {
                 Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b))))
             }
-            ResponseBodyProj::Streaming { body } => body.poll_frame(cx),
+            ResponseBodyProj::Streaming { body } => inner(body.poll_frame(cx)),
             ResponseBodyProj::Prefixed { prefix, rest } => match prefix.take() {
                 Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-                None => rest.poll_frame(cx),
+                None => inner(rest.poll_frame(cx)),
             },
             ResponseBodyProj::Failed { prefix, error } => match prefix.take() {
                 Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-                None => Poll::Ready(error.take().map(Err)),
+                None => Poll::Ready(error.take().map(|e| Err(ResponseBodyError::Inner(e)))),
             },
-            ResponseBodyProj::Cut { bytes, ended } => match bytes.take() {
-                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-                None => {
+            ResponseBodyProj::Cut { bytes, ended } => match (bytes.take(), *ended) {
+                (Some(bytes), _) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                (None, false) => {
                     *ended = true;
-                    Poll::Ready(None)
+                    Poll::Ready(Some(Err(ResponseBodyError::Cut)))
                 }
+                (None, true) => Poll::Ready(None),
             },
         }
     }

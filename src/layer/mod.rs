@@ -72,7 +72,7 @@ mod future;
 mod layer;
 mod service;
 
-pub use body::{RequestBody, ResponseBody};
+pub use body::{RequestBody, ResponseBody, ResponseBodyError};
 pub use future::ResponseFuture;
 pub use layer::IdempotencyLayer;
 pub use service::{ExecutionScope, Idempotency, Principal};
