@@ -78,23 +78,28 @@ fn fails(kind: FaultKind) -> bool {
 /// on them in force with no fault-free stretch longer than `gap` (the
 /// renewer sends another attempt within it, without waiting for a hanging
 /// one). A brief renewal fault no longer excuses a lease that ran out: a
-/// heartbeat that gave up after it would have hidden behind it.
+/// heartbeat that gave up after it would have hidden behind it. Nor does a
+/// storing fault that never hit the owner's own storing (`own_storing`: a
+/// completion or release of its own sent under a fault hitting it):
+/// another request's failed completion says nothing of this one's lease.
 fn excused(
     switches: &[Switch],
     instance: usize,
     (from, to): (u64, u64),
     renewals: (Duration, Duration),
     gap: Duration,
+    own_storing: bool,
     t: &dyn Fn(&Stamp) -> Duration,
 ) -> bool {
     // A release that fails at once but commits a moment later
     // (`ErrorThenCommit`) stops the renewals at once too, and the lease may
     // run out before its commit frees the key.
     let storing = |f: Option<Fault>| {
-        f.is_some_and(|f| {
-            (fails(f.kind) && (f.hits(Op::Complete) || f.hits(Op::Release)))
-                || (f.kind == FaultKind::ErrorThenCommit && f.hits(Op::Release))
-        })
+        own_storing
+            && f.is_some_and(|f| {
+                (fails(f.kind) && (f.hits(Op::Complete) || f.hits(Op::Release)))
+                    || (f.kind == FaultKind::ErrorThenCommit && f.hits(Op::Release))
+            })
     };
     let blocks = |f: Option<Fault>| f.is_some_and(|f| fails(f.kind) && f.hits(Op::Renew));
     let mine: Vec<&Switch> = switches.iter().filter(|s| s.instance == instance).collect();
@@ -451,6 +456,10 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                 // stores keep real time, which passes while the schedule's
                 // clock stands still: there the lease alone decides.)
                 let retry = (config.lease / 10).min(Duration::from_secs(1));
+                let own_storing = match acquired[&ei.request].answer {
+                    Answer::Acquired(owner) => history.storing_faulted.contains(&owner),
+                    _ => false,
+                };
                 let reason = real
                     || excused(
                         &history.switches,
@@ -458,6 +467,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                         (acq_i_start(&acquired, ei), acq_j.end.seq),
                         (refreshed + config.lease / 3, refreshed + config.lease),
                         retry + config.store_timeout,
+                        own_storing,
                         &t,
                     );
                 if t(&acq_j.end) + margin >= refreshed + config.lease && !reason {

@@ -207,6 +207,9 @@ pub struct Mutant {
     /// Requests to which a reserve or a get answered, as the engine saw it
     /// (through any fault), that the key's record is there.
     saw_held: Mutex<std::collections::HashSet<usize>>,
+    /// Owners one of whose completions or releases was sent while a fault
+    /// hit that call (a fault that fails it may leave the key to its lease).
+    storing_faulted: Mutex<std::collections::HashSet<OwnerToken>>,
     /// Reservations made, for [`Mutation::SpuriousUnavailable`].
     reserves: AtomicU64,
     /// Keys released since their last reservation, for
@@ -248,6 +251,7 @@ impl Mutant {
             answered: Mutex::default(),
             gave_up: Mutex::default(),
             saw_held: Mutex::default(),
+            storing_faulted: Mutex::default(),
             reserves: AtomicU64::new(0),
             released: Mutex::default(),
             substituted: Mutex::default(),
@@ -286,6 +290,11 @@ impl Mutant {
     /// The requests the engine was told their key's record is there.
     pub fn saw_held(&self) -> std::collections::HashSet<usize> {
         lock(&self.saw_held).clone()
+    }
+
+    /// See [`Mutant::storing_faulted`]'s field.
+    pub fn storing_faulted(&self) -> std::collections::HashSet<OwnerToken> {
+        lock(&self.storing_faulted).clone()
     }
 
     /// Requests a lying store answered with another key's record.
@@ -715,6 +724,14 @@ impl Faulty {
         (self.instance, current_request())
     }
 
+    /// Notes `owner`'s completion or release (`op`) sent under a fault
+    /// that hits it.
+    fn note_storing(&self, op: Op, owner: &OwnerToken) {
+        if (*lock(&self.fault)).is_some_and(|f| f.hits(op)) {
+            lock(&self.mutant.storing_faulted).insert(*owner);
+        }
+    }
+
     async fn run<T: Send + 'static>(&self, op: Op, call: Call<T>) -> Result<T, StoreError> {
         if self.is_dead() {
             return std::future::pending().await;
@@ -806,11 +823,13 @@ impl Store for Faulty {
             .mutant
             .clone()
             .complete(self.id(), *key, *owner, outcome.clone(), ttl);
+        self.note_storing(Op::Complete, owner);
         self.run(Op::Complete, Box::pin(call)).await
     }
 
     async fn release(&self, key: &ScopeKey, owner: &OwnerToken) -> Result<bool, StoreError> {
         let call = self.mutant.clone().release(self.id(), *key, *owner);
+        self.note_storing(Op::Release, owner);
         self.run(Op::Release, Box::pin(call)).await
     }
 

@@ -452,6 +452,9 @@ pub struct History {
     /// The requests the engine was told (by a reserve or a get that
     /// reached it) their key's record is there.
     pub saw_held: std::collections::HashSet<usize>,
+    /// Owners a completion or release of which was sent under a fault
+    /// hitting it.
+    pub storing_faulted: std::collections::HashSet<tower_idempotency::store::OwnerToken>,
     /// Requests the store answered with another key's record (a mutation).
     pub substituted: std::collections::HashSet<usize>,
     /// The owners whose reservation answered `Acquired` through the fault
@@ -768,6 +771,7 @@ async fn play(schedule: &Schedule, backend: Backend) -> History {
         switches: mutant.switches(),
         reserve_ends: mutant.reserve_ends(),
         saw_held: mutant.saw_held(),
+        storing_faulted: mutant.storing_faulted(),
         substituted: mutant.substituted(),
         answered: mutant.answered(),
     }
