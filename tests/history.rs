@@ -449,6 +449,13 @@ fn finds_a_redirect_replayed_without_its_location() {
     finds(Mutation::LocationDropped, "replay");
 }
 
+/// A whole response stored as "response not stored" with no fault in the
+/// way: every retry's 409 is unearned.
+#[test]
+fn finds_a_response_stored_as_the_not_stored_marker() {
+    finds(Mutation::StoredAsMarker, "conflict-earned");
+}
+
 /// The first caller's own answer relayed with another status than its
 /// upstream's: its body and headers alone would not show it.
 #[test]

@@ -1037,6 +1037,16 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
                         a.key == key && done_by(owner(a), Op::Complete, answered.at.seq)
                     })
             }),
+            // Histories send no answer too large to store, nor a coded one:
+            // the marker is earned only by its owner's storing having met a
+            // fault (the engine falls back to it after about a lease).
+            "urn:tower-idempotency:response-not-stored" => history.execs.iter().any(|e| {
+                acquired.get(&e.request).is_some_and(|a| {
+                    a.key == key
+                        && done_by(owner(a), Op::Complete, answered.at.seq)
+                        && history.storing_faulted.contains(&owner(a))
+                })
+            }),
             _ => true,
         };
         if !earned {

@@ -111,6 +111,10 @@ pub enum Mutation {
     /// A reservation of a key its holder released answers, once, that the
     /// key is still in flight (a store that kept a stale row).
     ReleasedKeyInFlight,
+    /// A completion stores the marker "executed, response not stored" in
+    /// place of a whole response, with no fault in the way (an engine that
+    /// gave up on storing too soon, or took a small answer for a large one).
+    StoredAsMarker,
     /// The first caller's own `201` reaches it as `200` (modelled in the
     /// harness, past the layer: an engine that relayed the status it
     /// stored in another form, or a default in place of the upstream's).
@@ -482,6 +486,13 @@ impl Mutant {
                 kept.push((name, value));
             }
             response.headers = kept;
+        }
+        if let (Some(Mutation::StoredAsMarker), Outcome::Stored(response)) =
+            (self.mutation, &outcome)
+        {
+            outcome = Outcome::TooLarge {
+                status: response.status,
+            };
         }
         if let Outcome::Stored(response) = &mut outcome {
             match self.mutation {
