@@ -50,14 +50,11 @@ pub enum Event {
     /// 401: the route's principal is missing where required, or its
     /// credential failed verification; nothing reserved.
     PrincipalRefused,
-    /// 400: the path reads as two `required` routes that scope their keys
-    /// differently; nothing reserved.
-    PathRefused,
 }
 
 impl Event {
     /// Every event, in a stable order.
-    pub const ALL: [Event; 13] = [
+    pub const ALL: [Event; 12] = [
         Event::Passthrough,
         Event::Executed,
         Event::Replayed,
@@ -70,7 +67,6 @@ impl Event {
         Event::Released,
         Event::Stored,
         Event::PrincipalRefused,
-        Event::PathRefused,
     ];
 
     /// When the counter moves, in a few words (the metric's help text).
@@ -88,7 +84,6 @@ impl Event {
             Event::Released => "reservation ended without storing; key free again",
             Event::Stored => "upstream answer (or too-large marker) stored",
             Event::PrincipalRefused => "401, principal missing where required or not verified",
-            Event::PathRefused => "400, path read as two required routes scoped differently",
         }
     }
 
@@ -107,7 +102,6 @@ impl Event {
             Event::Released => "released",
             Event::Stored => "stored",
             Event::PrincipalRefused => "principal_refused",
-            Event::PathRefused => "path_refused",
         }
     }
 }

@@ -68,12 +68,6 @@ pub enum ProblemKind {
     /// repeated or empty gateway header). 401; nothing reserved, and it
     /// never picks a scope.
     PrincipalInvalid,
-    /// The request's path reads, to different backends, as two `required`
-    /// routes that scope their keys differently (another principal, other
-    /// scope headers or host scoping): whichever scope the engine took, a
-    /// backend reading it the other way would run it under a scope not its
-    /// own. 400; nothing reserved.
-    PathAmbiguous,
 }
 
 impl ProblemKind {
@@ -100,7 +94,6 @@ impl ProblemKind {
             }
             ProblemKind::PrincipalMissing => "urn:tower-idempotency:principal-missing",
             ProblemKind::PrincipalInvalid => "urn:tower-idempotency:principal-invalid",
-            ProblemKind::PathAmbiguous => "urn:tower-idempotency:path-ambiguous",
         }
     }
 
@@ -122,16 +115,14 @@ impl ProblemKind {
             ProblemKind::ContentEncodingUnsupported => "Content encoding not supported",
             ProblemKind::PrincipalMissing => "Principal missing",
             ProblemKind::PrincipalInvalid => "Principal invalid",
-            ProblemKind::PathAmbiguous => "Request path ambiguous",
         }
     }
 
     fn default_status(self) -> StatusCode {
         match self {
-            ProblemKind::KeyMissing
-            | ProblemKind::KeyInvalid
-            | ProblemKind::BodyUnreadable
-            | ProblemKind::PathAmbiguous => StatusCode::BAD_REQUEST,
+            ProblemKind::KeyMissing | ProblemKind::KeyInvalid | ProblemKind::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
             ProblemKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::InFlight

@@ -3021,146 +3021,6 @@ async fn a_handler_failing_for_a_task_local_after_its_caller_left_never_runs_twi
     );
 }
 
-/// Scenario (review): `/orders` scopes its keys by the gateway's
-/// `x-user-id`, `/api` by none; both are `required`. The target
-/// `/orders;/../api` is `/api` once normalised, but find-my-way before 8
-/// (Fastify, Restify) cuts the path at `;` and runs `/orders`. Scoped as
-/// `/api`, two users who send it with one key shared a scope: the second
-/// got the first one's stored order, marked replayed. Such a path is
-/// refused now, nothing run; a route's own spellings, and a path that only
-/// one required route reaches (`/orders;jsessionid=1` beside an optional
-/// catch-all), are decided as before.
-#[tokio::test]
-async fn a_path_read_as_two_routes_scoped_differently_is_refused() {
-    use tower_idempotency::PrincipalPolicy;
-    let orders = Policy {
-        required: true,
-        principal: Some(PrincipalPolicy::header("x-user-id")),
-        ..Policy::default()
-    };
-    let api = Policy {
-        required: true,
-        ..Policy::default()
-    };
-    let routes = Routes::new()
-        .route("/orders", orders)
-        .unwrap()
-        .route("/api", api)
-        .unwrap()
-        .route("/", Policy::default())
-        .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let app = layered(&engine, |n, request| async move {
-        let user = request.headers().get("x-user-id").cloned();
-        let _ = request.into_body().collect().await.unwrap();
-        let user = user.map(|u| String::from_utf8_lossy(u.as_bytes()).into_owned());
-        Response::builder()
-            .status(StatusCode::CREATED)
-            .body(Body::from(format!("order {n} for {user:?}")))
-            .unwrap()
-    });
-    let order = |path: &str, user: &str| {
-        Request::post(path)
-            .header("idempotency-key", "K-1")
-            .header("x-user-id", user)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from_static(b"{\"a\":1}")))
-            .unwrap()
-    };
-
-    for path in ["/orders;/../api", "/orders/%2e%2e/api"] {
-        let alice = app.send(order(path, "alice")).await;
-        let bob = app.send(order(path, "bob")).await;
-        for reply in [&alice, &bob] {
-            assert_eq!(
-                reply.status,
-                StatusCode::BAD_REQUEST,
-                "{path}: {:?}",
-                reply.text()
-            );
-            assert_eq!(
-                reply.headers.get("problem-type").unwrap(),
-                "urn:tower-idempotency:path-ambiguous"
-            );
-        }
-    }
-    assert_eq!(app.calls(), 0, "nothing ran for an ambiguous path");
-
-    // One required route among the readings decides, as before.
-    let first = app.send(order("/orders;jsessionid=1", "alice")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    let other_user = app.send(order("/orders;jsessionid=1", "bob")).await;
-    assert_eq!(other_user.status, StatusCode::CREATED);
-    assert!(!other_user.replayed(), "bob got alice's order");
-    let retry = app.send(order("/orders;jsessionid=1", "alice")).await;
-    assert!(retry.replayed());
-    assert_eq!(retry.body, first.body);
-    assert_eq!(app.calls(), 2);
-}
-
-/// The same for a method override: `POST /items/5` with `_method=DELETE`
-/// is a `DELETE` to Laravel and Rails, a `POST` to a backend that reads no
-/// override. `DELETE /items` is `required` unscoped, `POST /items`
-/// `required` per user: scoped as the `DELETE`, two users sending it with
-/// one key shared a record, the second one replayed the first one's
-/// answer. Refused now (400 `path-ambiguous`), nothing run; an override
-/// between routes scoped alike is decided as before.
-#[tokio::test]
-async fn a_method_override_between_routes_scoped_differently_is_refused() {
-    use tower_idempotency::PrincipalPolicy;
-    let deletes = Policy {
-        methods: vec!["DELETE".into()],
-        required: true,
-        ..Policy::default()
-    };
-    let posts = Policy {
-        methods: vec!["POST".into()],
-        required: true,
-        principal: Some(PrincipalPolicy::header("x-user-id")),
-        ..Policy::default()
-    };
-    let routes = Routes::new()
-        .route("/items", deletes)
-        .unwrap()
-        .route("/items", posts)
-        .unwrap();
-    let engine = Engine::new(MemoryStore::new(), routes);
-    let app = layered(&engine, |n, request| async move {
-        let _ = request.into_body().collect().await.unwrap();
-        Response::builder()
-            .status(StatusCode::OK)
-            .body(Body::from(format!("deleted {n}")))
-            .unwrap()
-    });
-    let delete = |user: &str, body: &'static [u8]| {
-        Request::post("/items/5")
-            .header("idempotency-key", "K-del")
-            .header("x-user-id", user)
-            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
-            .body(Full::new(Bytes::from_static(body)))
-            .unwrap()
-    };
-    for user in ["alice", "bob"] {
-        let reply = app.send(delete(user, b"_method=DELETE")).await;
-        assert_eq!(
-            reply.status,
-            StatusCode::BAD_REQUEST,
-            "{user}: {:?}",
-            reply.text()
-        );
-        assert_eq!(
-            reply.headers.get("problem-type").unwrap(),
-            "urn:tower-idempotency:path-ambiguous"
-        );
-    }
-    assert_eq!(app.calls(), 0);
-    // Without an override, the POST route decides, per user.
-    let alice = app.send(delete("alice", b"x=1")).await;
-    let bob = app.send(delete("bob", b"x=1")).await;
-    assert_eq!((alice.status, bob.status), (StatusCode::OK, StatusCode::OK));
-    assert!(!bob.replayed(), "bob got alice's answer");
-}
-
 /// Scenario (review): over HTTP/2 a handler's body ends cleanly at 60 of
 /// the 100 bytes it declared (a producer that died). The layer stored
 /// "incomplete" and declared 61 bytes, but ended the body cleanly: hyper
@@ -3237,4 +3097,194 @@ async fn a_cut_response_is_reset_by_the_server_over_http2() {
         "only the client's own length check saw the cut ({received} bytes): {h2:?}"
     );
     server.abort();
+}
+
+/// Scenario (reviews): `/orders` scopes its keys by the gateway's
+/// `x-user-id`; another route, a catch-all or `/api`, by none (or by
+/// `Authorization`). A path that reads as both — `/orders;/../api` is
+/// `/api` normalised but `/orders` to find-my-way before 8, which cuts at
+/// `;`; `/orders.json` is `/` to the table but `/orders` to Rails;
+/// `/index.php/orders` is `/orders` to Symfony — was scoped by the route
+/// that decided alone: two users sending it with one key shared a record,
+/// and the second got the first one's order, replayed. The scope now holds
+/// what every route a reading reaches scopes by; each user's retry still
+/// replays their own, and nothing is refused.
+#[tokio::test]
+async fn a_path_read_as_routes_scoped_differently_keeps_callers_apart() {
+    use tower_idempotency::PrincipalPolicy;
+    let per_user = || Policy {
+        required: true,
+        principal: Some(PrincipalPolicy::header("x-user-id")),
+        ..Policy::default()
+    };
+    let tables: Vec<(&str, Routes)> = vec![
+        (
+            "required /orders by user, required /api",
+            Routes::new()
+                .route("/orders", per_user())
+                .unwrap()
+                .route(
+                    "/api",
+                    Policy {
+                        required: true,
+                        ..Policy::default()
+                    },
+                )
+                .unwrap(),
+        ),
+        (
+            "optional /orders by user, required /api",
+            Routes::new()
+                .route(
+                    "/orders",
+                    Policy {
+                        required: false,
+                        ..per_user()
+                    },
+                )
+                .unwrap()
+                .route(
+                    "/api",
+                    Policy {
+                        required: true,
+                        ..Policy::default()
+                    },
+                )
+                .unwrap(),
+        ),
+        (
+            "required /orders by user, required catch-all by Authorization",
+            Routes::new()
+                .route("/orders", per_user())
+                .unwrap()
+                .route(
+                    "/",
+                    Policy {
+                        required: true,
+                        scope_headers: vec!["authorization".into()],
+                        ..Policy::default()
+                    },
+                )
+                .unwrap(),
+        ),
+    ];
+    let spellings: [(&str, Option<(&str, &str)>); 7] = [
+        ("/orders;/../api", None),
+        ("/orders/%2e%2e/api", None),
+        ("/api/..;/orders/%2e%2e/api", None),
+        ("/api", Some(("x-original-url", "/orders;/../api"))),
+        ("/orders.json", None),
+        ("/index.php/orders.json", None),
+        ("/orders;jsessionid=ABC123", None),
+    ];
+    for (table, routes) in tables {
+        let engine = Engine::new(MemoryStore::new(), routes);
+        let app = layered(&engine, |n, request| async move {
+            let user = request.headers().get("x-user-id").cloned();
+            let _ = request.into_body().collect().await.unwrap();
+            let user = user.map(|u| String::from_utf8_lossy(u.as_bytes()).into_owned());
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Body::from(format!("order {n} for {user:?}")))
+                .unwrap()
+        });
+        for (i, (path, header)) in spellings.iter().enumerate() {
+            let key = format!("K-{i}");
+            let order = |user: &str| {
+                let mut request = Request::post(*path)
+                    .header("idempotency-key", key.as_str())
+                    .header("x-user-id", user)
+                    .header(header::AUTHORIZATION, "Bearer shared-service-token")
+                    .header(header::CONTENT_TYPE, "application/json");
+                if let Some((name, value)) = header {
+                    request = request.header(*name, *value);
+                }
+                request
+                    .body(Full::new(Bytes::from_static(b"{\"a\":1}")))
+                    .unwrap()
+            };
+            let alice = app.send(order("alice")).await;
+            let bob = app.send(order("bob")).await;
+            let again = app.send(order("alice")).await;
+            let case = format!("{table}, {path} {header:?}");
+            assert!(
+                !(bob.replayed() && bob.text().contains("alice")),
+                "{case}: bob got alice's order: {:?}",
+                bob.text()
+            );
+            if alice.status == StatusCode::CREATED && !alice.replayed() {
+                assert!(again.replayed(), "{case}: alice's retry ran again");
+                assert_eq!(again.body, alice.body, "{case}");
+            }
+            assert_ne!(
+                alice.status,
+                StatusCode::BAD_REQUEST,
+                "{case}: {:?}",
+                alice.text()
+            );
+        }
+    }
+}
+
+/// The same for a method override (review): `POST /items/5` with
+/// `_method=DELETE` is a `DELETE` to Laravel and Rails, a `POST` to a
+/// backend that reads no override. `DELETE /items` is `required`
+/// unscoped, `POST /items` `required` per user: scoped as the `DELETE`
+/// alone, two users sending it with one key shared a record, and the
+/// second replayed the first one's answer. The scope holds what both
+/// routes scope by now.
+#[tokio::test]
+async fn a_method_override_between_routes_scoped_differently_keeps_callers_apart() {
+    use tower_idempotency::PrincipalPolicy;
+    let deletes = Policy {
+        methods: vec!["DELETE".into()],
+        required: true,
+        ..Policy::default()
+    };
+    let posts = Policy {
+        methods: vec!["POST".into()],
+        required: true,
+        principal: Some(PrincipalPolicy::header("x-user-id")),
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route("/items", deletes)
+        .unwrap()
+        .route("/items", posts)
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::OK)
+            .body(Body::from(format!("deleted {n}")))
+            .unwrap()
+    });
+    let delete = |user: &str, body: &'static [u8]| {
+        Request::post("/items/5")
+            .header("idempotency-key", "K-del")
+            .header("x-user-id", user)
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .body(Full::new(Bytes::from_static(body)))
+            .unwrap()
+    };
+    let alice = app.send(delete("alice", b"_method=DELETE")).await;
+    let bob = app.send(delete("bob", b"_method=DELETE")).await;
+    assert!(!bob.replayed(), "bob got alice's answer");
+    let again = app.send(delete("alice", b"_method=DELETE")).await;
+    assert!(again.replayed(), "alice's retry ran again");
+    assert_eq!(again.body, alice.body);
+    assert_eq!(app.calls(), 2);
+    // Without an override, the POST route decides, per user.
+    let delete = |user: &str, body: &'static [u8]| {
+        let mut request = delete(user, body);
+        request
+            .headers_mut()
+            .insert("idempotency-key", http::HeaderValue::from_static("K-post"));
+        request
+    };
+    let alice = app.send(delete("alice", b"x=1")).await;
+    let bob = app.send(delete("bob", b"x=1")).await;
+    assert_eq!((alice.status, bob.status), (StatusCode::OK, StatusCode::OK));
+    assert!(!bob.replayed(), "bob got alice's answer");
 }

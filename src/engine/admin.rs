@@ -102,9 +102,7 @@ impl Engine {
         head: &RequestHead<'_>,
         raw_key: &[u8],
     ) -> Result<(ScopeKey, Arc<str>), AdminError> {
-        // A path read as two routes scoped differently is refused: no
-        // record is ever stored for it.
-        let Some(policy) = self.route_of(head).filter(|policy| !policy.ambiguous) else {
+        let Some(policy) = self.route_of(head) else {
             return Err(AdminError::NotCovered {
                 method: head.method.to_string(),
                 path: head.uri.path().to_owned(),
@@ -132,7 +130,11 @@ impl Engine {
             ..*head
         };
         let label = self.inner.labels.get(policy);
-        Ok((scope_key(&self.inner.hasher, policy, &head, raw_key), label))
+        // As for the live request; a principal given here stands for the
+        // route's own source only (the others read theirs from `headers`).
+        let also = self.also_reached(policy, &head);
+        let key = scope_key(&self.inner.hasher, policy, &head, raw_key, (&also, false));
+        Ok((key, label))
     }
 
     /// Looks up the record a request with this head and raw key would

@@ -10,7 +10,7 @@ use super::{headers, Engine};
 use crate::formats::{self, View};
 use crate::key;
 use crate::metrics::Event;
-use crate::policy::{KeySource, PathPattern, RoutePolicy, Routes};
+use crate::policy::{KeySource, PathPattern, Reached, RoutePolicy, Routes};
 
 /// What a front end needs to know of a request, borrowed from its own
 /// request type.
@@ -163,12 +163,81 @@ impl Engine {
         head: &RequestHead<'_>,
         readings: &[String],
     ) -> Option<&Arc<RoutePolicy>> {
+        self.find_reaching(method, head, readings, None)
+    }
+
+    /// [`Engine::find`], noting in `reached` (when given) every covered
+    /// route a reading of the target or of a header reaches.
+    fn find_reaching(
+        &self,
+        method: &Method,
+        head: &RequestHead<'_>,
+        readings: &[String],
+        reached: Option<&Reached>,
+    ) -> Option<&Arc<RoutePolicy>> {
         let routes = &self.inner.routes;
-        let mut found = routes.find(method, head.route_path());
+        let mut found = routes.find_reaching(method, head.route_path(), reached);
         for path in readings {
-            found = crate::policy::prefer(found, || routes.find(method, path));
+            let other = || routes.find_reaching(method, path, reached);
+            found = crate::policy::prefer(found, other, reached);
         }
         found
+    }
+
+    /// Every covered route other than `chosen`, and scoped otherwise,
+    /// that a reading of `head`'s path (or of a header naming one) reaches
+    /// for its method: routes a backend reading the path another way runs
+    /// it under. Empty for a path with one reading, almost every path.
+    pub(super) fn also_reached(
+        &self,
+        chosen: &Arc<RoutePolicy>,
+        head: &RequestHead<'_>,
+    ) -> Vec<Arc<RoutePolicy>> {
+        self.also_reached_as(chosen, head, &[])
+    }
+
+    /// [`Engine::also_reached`] for each of `candidates`, the methods (and
+    /// their routes) a backend may dispatch the request as
+    /// ([`Dispatched::candidates`]): their routes too, and what their
+    /// readings reach.
+    pub(super) fn also_reached_as(
+        &self,
+        chosen: &Arc<RoutePolicy>,
+        head: &RequestHead<'_>,
+        candidates: &[(Method, &Arc<RoutePolicy>)],
+    ) -> Vec<Arc<RoutePolicy>> {
+        let readings = headers::path_readings(head.headers, head.route_path());
+        let path = head.route_path();
+        let one_reading = readings.is_empty() && !path.contains([';', '%', '\\', '.']);
+        // Almost every request: its own route alone, one reading.
+        if one_reading
+            && candidates
+                .iter()
+                .all(|(_, route)| route.scoped_alike(chosen))
+        {
+            return Vec::new();
+        }
+        let reached = Reached::default();
+        let mut methods: Vec<&Method> = vec![head.method];
+        for (method, route) in candidates {
+            reached.borrow_mut().push(Arc::clone(route));
+            if !methods.contains(&method) {
+                methods.push(method);
+            }
+        }
+        if !one_reading {
+            for method in methods {
+                self.find_reaching(method, head, &readings, Some(&reached));
+            }
+        }
+        let mut others: Vec<Arc<RoutePolicy>> = Vec::new();
+        for route in reached.into_inner() {
+            let known = std::iter::once(chosen).chain(others.iter());
+            if !known.into_iter().any(|known| known.scoped_alike(&route)) {
+                others.push(route);
+            }
+        }
+        others
     }
 
     /// Every route a request may be dispatched under, read before its
@@ -238,19 +307,12 @@ impl Engine {
         let mut first = None;
         let mut required = None;
         let mut max_body_bytes = usize::MAX;
+        let mut candidates = Vec::new();
         for (method, route) in named.chain(own).chain(guessed) {
             max_body_bytes = max_body_bytes.min(route.max_body_bytes());
-            if route.policy().required {
-                match &required {
-                    None => required = Some((method.clone(), route)),
-                    // Two required routes a backend may dispatch it to,
-                    // scoped differently: refused, as for two readings of
-                    // its path ([`prefer`](crate::policy::prefer)).
-                    Some((_, chosen)) if !chosen.scoped_alike(route) => {
-                        required = Some((method.clone(), crate::policy::ambiguous()));
-                    }
-                    Some(_) => {}
-                }
+            candidates.push((method.clone().unwrap_or_else(|| head.method.clone()), route));
+            if required.is_none() && route.policy().required {
+                required = Some((method.clone(), route));
             }
             first.get_or_insert((method, route));
         }
@@ -259,6 +321,7 @@ impl Engine {
             method,
             policy,
             max_body_bytes,
+            candidates,
         })
     }
 }
@@ -274,6 +337,10 @@ pub(super) struct Dispatched<'r> {
     /// under: whichever way a backend reads the method, the body keeps
     /// that route's limit.
     pub max_body_bytes: usize,
+    /// Every route it may be dispatched under, with the method it would be
+    /// dispatched as there (the deciding one among them): whichever way
+    /// a backend reads the method, the scope holds what each scopes by.
+    pub candidates: Vec<(Method, &'r Arc<RoutePolicy>)>,
 }
 
 /// The `_method` field (form or JSON body, or query) and the header by

@@ -134,9 +134,6 @@ impl Engine {
             return Decision::Forward;
         };
         let (method, policy) = (dispatched.method, dispatched.policy);
-        if covered.policy().ambiguous || policy.ambiguous {
-            return Decision::Respond(self.path_ambiguous(head.headers));
-        }
         let head = RequestHead {
             method: method.as_ref().unwrap_or(head.method),
             ..head
@@ -162,11 +159,14 @@ impl Engine {
             PrincipalRead::Scope(principal) => principal,
             PrincipalRead::Refused(refused) => return Decision::Respond(refused),
         };
+        // The layer's `Principal` extension stands for every route.
+        let given = head.principal.is_some();
         let head = RequestHead {
             principal: principal.as_deref().or(head.principal),
             ..head
         };
-        let key = scope_key(&self.inner.hasher, policy, &head, &raw_key);
+        let also = self.also_reached_as(policy, &head, &dispatched.candidates);
+        let key = scope_key(&self.inner.hasher, policy, &head, &raw_key, (&also, given));
         // Renewed with the outer route's lease (an early heartbeat of its
         // own): this route's, if shorter, would cut the outer's lease short,
         // and a retry take the key over from the running execution.

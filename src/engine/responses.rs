@@ -160,21 +160,6 @@ impl Engine {
         response
     }
 
-    /// 400 `path-ambiguous`: the path reads as two `required` routes that
-    /// scope their keys differently; nothing reserved.
-    pub(super) fn path_ambiguous(&self, request: &HeaderMap) -> Response<Bytes> {
-        self.reject(
-            request,
-            Event::PathRefused,
-            Problem::new(
-                ProblemKind::PathAmbiguous,
-                "This path reads as two routes that scope idempotency keys differently (by \
-                 another principal or other headers); the request was not executed. Send it \
-                 spelled as the route it is meant for.",
-            ),
-        )
-    }
-
     /// 400: a required key is missing.
     pub(super) fn key_missing(&self, source: &KeySource, request: &HeaderMap) -> Response<Bytes> {
         let place = match source {

@@ -2,17 +2,27 @@
 //! only when every part of it is equal.
 
 use super::{IdentityHasher, RequestHead};
+use crate::policy::principal::Resolved;
 use crate::policy::RoutePolicy;
 use crate::store::{PrincipalHash, ScopeKey};
 
 /// SHA-256 (or HMAC-SHA-256 under the engine's key secret) over (principal
 /// or its absence, scope headers, method, authority, normalised path, key),
-/// each length-prefixed.
+/// each length-prefixed; then, for each route of `also` (other routes a
+/// reading of the path reaches, scoped otherwise: see
+/// [`Engine::also_reached`](super::Engine::also_reached)), what that route
+/// scopes by: its principal as its own source reads it (unless the
+/// principal was `given`, the layer's extension, which stands for every
+/// route), its scope headers, the host. A backend reading the path as one
+/// of those routes runs the request as that route's caller, so two callers
+/// that route keeps apart never share this scope either. Nothing is added
+/// for a request without such routes: its hash is the one it always had.
 pub(super) fn scope_key(
     hasher: &IdentityHasher,
     policy: &RoutePolicy,
     head: &RequestHead<'_>,
     raw_key: &[u8],
+    (also, given): (&[std::sync::Arc<RoutePolicy>], bool),
 ) -> ScopeKey {
     let mut hasher = hasher.start();
     let mut put = |bytes: &[u8]| {
@@ -27,8 +37,37 @@ pub(super) fn scope_key(
             put(principal);
         }
     }
-    for name in &policy.scope_headers {
-        let lines = head.headers.get_all(name);
+    put_scope_headers(&policy.scope_headers, head.headers, &mut put);
+    put(crate::policy::method_name(head.method).as_bytes());
+    policy.scope_target(head.uri, head.headers, &mut put);
+    put(raw_key);
+    for route in also {
+        put(b"also");
+        match (&route.principal, given) {
+            (Some(source), false) => match source.resolve(head.headers) {
+                Resolved::Found(principal) => {
+                    put(b"+");
+                    put(&principal);
+                }
+                Resolved::Missing => put(b"-"),
+                Resolved::Invalid(_) => put(b"!"),
+            },
+            _ => put(b"="),
+        }
+        put_scope_headers(&route.scope_headers, head.headers, &mut put);
+        route.scope_target(head.uri, head.headers, &mut put);
+    }
+    ScopeKey(hasher.finalize())
+}
+
+/// Every line of each of `names`, with its name.
+fn put_scope_headers(
+    names: &[http::HeaderName],
+    headers: &http::HeaderMap,
+    put: &mut impl FnMut(&[u8]),
+) {
+    for name in names {
+        let lines = headers.get_all(name);
         if name == http::header::COOKIE && lines.iter().nth(1).is_some() {
             // HTTP/2 may split one `Cookie` into a line per cookie (RFC
             // 9113, 8.2.3), which an HTTP/1.1 retry sends as one: scoped
@@ -43,10 +82,6 @@ pub(super) fn scope_key(
             put(value.as_bytes());
         }
     }
-    put(crate::policy::method_name(head.method).as_bytes());
-    policy.scope_target(head.uri, head.headers, &mut put);
-    put(raw_key);
-    ScopeKey(hasher.finalize())
 }
 
 /// The hash a record keeps of the principal its key is scoped by, so an

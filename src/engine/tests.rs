@@ -400,7 +400,7 @@ fn every_part_of_the_scope_changes_the_key() {
             principal,
             routed: None,
         };
-        scope_key(hasher, &policy, &head, raw)
+        scope_key(hasher, &policy, &head, raw, (&[], false))
     };
     let key = |principal: Option<&[u8]>, auth: &str, method: Method, path: &str, raw: &[u8]| {
         key_with(&plain, principal, auth, method, path, raw)

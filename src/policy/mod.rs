@@ -18,7 +18,7 @@ mod status;
 mod tests;
 
 pub use paths::{normalize_path, scope_host, RequestTarget};
-pub(crate) use routes::{ambiguous, prefer};
+pub(crate) use routes::{prefer, Reached};
 pub use routes::{PathPattern, Route, Routes};
 pub use status::StatusSet;
 
@@ -469,7 +469,6 @@ impl Policy {
             case_insensitive_paths: false,
             principal,
             policy: self.clone(),
-            ambiguous: false,
         }))
     }
 }
@@ -497,10 +496,6 @@ pub struct RoutePolicy {
     /// `Policy::principal`, its keys loaded.
     pub(crate) principal: Option<Arc<PrincipalSource>>,
     pub(crate) policy: Policy,
-    /// Stands for two `required` routes that scope differently, which one
-    /// request's path readings reach ([`prefer`](routes::prefer)): the
-    /// request is refused (400 `path-ambiguous`).
-    pub(crate) ambiguous: bool,
 }
 
 impl RoutePolicy {
@@ -534,18 +529,23 @@ impl RoutePolicy {
     /// the method before dispatching, so `post` must not get around a
     /// `POST` route.
     pub fn applies_to(&self, method: &Method) -> bool {
-        self.ambiguous
-            || self
-                .methods
-                .iter()
-                .any(|covered| covered.as_str().eq_ignore_ascii_case(method.as_str()))
+        self.methods
+            .iter()
+            .any(|covered| covered.as_str().eq_ignore_ascii_case(method.as_str()))
     }
 
-    /// Whether requests under `other` are scoped as under this route: the
-    /// same principal, scope headers and host scoping.
+    /// Whether a request's scope under this route holds every part of its
+    /// scope under `other`: the same principal source, the same scope
+    /// headers (in any order), the host where `other` scopes by it.
     pub(crate) fn scoped_alike(&self, other: &RoutePolicy) -> bool {
-        self.scope_headers == other.scope_headers
-            && self.policy.scope_authority == other.policy.scope_authority
+        let headers = |a: &RoutePolicy, b: &RoutePolicy| {
+            a.scope_headers
+                .iter()
+                .all(|name| b.scope_headers.contains(name))
+        };
+        headers(self, other)
+            && headers(other, self)
+            && (self.policy.scope_authority || !other.policy.scope_authority)
             && self.policy.principal == other.policy.principal
     }
 

@@ -412,7 +412,19 @@ impl Routes {
     /// matches one reading never hides the `required` route another
     /// reading reaches, whichever reading the backend takes.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
-        let mut found = self.find_spelled(method, path);
+        self.find_reaching(method, path, None)
+    }
+
+    /// [`Routes::find`], noting in `reached` (when given) every covered
+    /// route any reading reaches, each once, every reading read: the
+    /// routes a backend may run the request under.
+    pub(crate) fn find_reaching(
+        &self,
+        method: &Method,
+        path: &str,
+        reached: Option<&Reached>,
+    ) -> Option<&Arc<RoutePolicy>> {
+        let mut found = self.find_spelled(method, path, reached);
         if let Some(at) = path.find(';') {
             // Without the parameters, read every other way too (Tomcat and
             // Spring strip them before they decode the rest:
@@ -420,14 +432,18 @@ impl Routes {
             // the first `;`, as find-my-way before 8 (Fastify, Restify)
             // reads it, a query (`/orders;/..` is `/orders`).
             let stripped = strip_segment_parameters(path);
-            found = prefer(found, || self.find(method, &stripped));
+            found = prefer(
+                found,
+                || self.find_reaching(method, &stripped, reached),
+                reached,
+            );
             let cut = match &path[..at] {
                 "" => "/",
                 cut => cut,
             };
             // Most often the same path (`/orders;jsessionid=1`): read once.
             if cut != stripped {
-                found = prefer(found, || self.find(method, cut));
+                found = prefer(found, || self.find_reaching(method, cut, reached), reached);
             }
         }
         if path.contains('%') {
@@ -436,22 +452,35 @@ impl Routes {
             // every reading, which a target of nested escapes would make
             // exponential. Under case-insensitive routing a decoded `%5C`
             // is also read as `/`, as IIS reads a `\`.
-            found = prefer(found, || {
+            let decoded = || {
                 let decoded = decode_escapes(path)?;
                 let slashed = || {
                     let backslash = self.case_insensitive && decoded.contains('\\');
                     backslash
-                        .then(|| self.find_spelled(method, &decoded.replace('\\', "/")))
+                        .then(|| self.find_spelled(method, &decoded.replace('\\', "/"), reached))
                         .flatten()
                 };
-                prefer(self.find_spelled(method, &decoded), slashed)
-            });
+                prefer(
+                    self.find_spelled(method, &decoded, reached),
+                    slashed,
+                    reached,
+                )
+            };
+            found = prefer(found, decoded, reached);
         }
         if self.case_insensitive && path.contains('\\') {
-            found = prefer(found, || self.find(method, &path.replace('\\', "/")));
+            found = prefer(
+                found,
+                || self.find_reaching(method, &path.replace('\\', "/"), reached),
+                reached,
+            );
         }
         if has_encoded_slash(path) {
-            found = prefer(found, || self.find(method, &decode_slashes(path)));
+            found = prefer(
+                found,
+                || self.find_reaching(method, &decode_slashes(path), reached),
+                reached,
+            );
         }
         found
     }
@@ -474,15 +503,19 @@ impl Routes {
     /// through the first ones and then as the rest after its last, as nginx
     /// splits it: the work per request stays linear in the path, and a
     /// target of thousands of such segments cannot exhaust the stack.
-    fn find_spelled(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+    fn find_spelled(
+        &self,
+        method: &Method,
+        path: &str,
+        reached: Option<&Reached>,
+    ) -> Option<&Arc<RoutePolicy>> {
         let normal = self.matched_form(path, true);
-        let mut found = self.decide_formatted(method, &normal);
+        let mut found = self.decide_formatted(method, &normal, reached);
         if has_encoded_dot(path) {
-            found = prefer(found, || {
-                self.decide_formatted(method, &self.matched_form(path, false))
-            });
+            let kept = || self.decide_formatted(method, &self.matched_form(path, false), reached);
+            found = prefer(found, kept, reached);
         }
-        self.through_front_controllers(method, &normal, found)
+        self.through_front_controllers(method, &normal, found, reached)
     }
 
     /// `found` for `normal` (in [`Routes::matched_form`] already), and the
@@ -496,6 +529,7 @@ impl Routes {
         method: &Method,
         normal: &str,
         mut found: Option<&'r Arc<RoutePolicy>>,
+        reached: Option<&Reached>,
     ) -> Option<&'r Arc<RoutePolicy>> {
         let mut current = normal;
         for hop in 1..=FRONT_CONTROLLER_HOPS {
@@ -516,7 +550,11 @@ impl Routes {
                     return found;
                 }
             }
-            found = prefer(found, || self.decide_formatted(method, routed));
+            found = prefer(
+                found,
+                || self.decide_formatted(method, routed, reached),
+                reached,
+            );
             current = routed;
         }
         found
@@ -537,10 +575,15 @@ impl Routes {
     /// Rails routes as `/contacts`). A route that leaves the full path
     /// alone (`exclude`, `enabled = false`) decides for it: that is how a
     /// path such as `/upload.php` beside a covered `/upload` is left alone.
-    fn decide_formatted(&self, method: &Method, path: &str) -> Option<&Arc<RoutePolicy>> {
+    fn decide_formatted(
+        &self,
+        method: &Method,
+        path: &str,
+        reached: Option<&Reached>,
+    ) -> Option<&Arc<RoutePolicy>> {
         let stripped = || self.decide(method, strip_format_suffix(path)?).covered();
         match self.decide(method, path) {
-            Decision::Covered(policy) => prefer(Some(policy), stripped),
+            Decision::Covered(policy) => prefer(Some(policy), stripped, reached),
             // A route leaving the suffixed path alone but also matching it
             // without the suffix (`/v1` beside `/v1/charges`) is broader
             // than the route that matches first without it.
@@ -580,44 +623,41 @@ impl Routes {
     }
 }
 
+/// The covered routes a request's readings reach, each once
+/// ([`Routes::find_reaching`]).
+pub(crate) type Reached = std::cell::RefCell<Vec<Arc<RoutePolicy>>>;
+
 /// Of two readings' routes, `found` unless it is not `required` and
-/// `other` is; else whichever is covered, `found` first. Two `required`
-/// routes that scope differently ([`RoutePolicy::scoped_alike`]) give
-/// [`ambiguous`]: whichever scope were taken, a backend reading the path
-/// the other way would run the request under a scope not its own (a
-/// caller's principal left out), so it is refused.
+/// `other` is; else whichever is covered, `found` first. `other` is asked
+/// only then, unless every reached route is wanted (`reached`, where both
+/// are noted).
 pub(crate) fn prefer<'a>(
     found: Option<&'a Arc<RoutePolicy>>,
     other: impl FnOnce() -> Option<&'a Arc<RoutePolicy>>,
+    reached: Option<&Reached>,
 ) -> Option<&'a Arc<RoutePolicy>> {
-    match (found, other()) {
-        (Some(found), Some(other))
-            if found.policy().required
-                && other.policy().required
-                && !Arc::ptr_eq(found, other)
-                && !found.scoped_alike(other) =>
-        {
-            Some(ambiguous())
+    let required = |policy: &&Arc<RoutePolicy>| policy.policy().required;
+    let Some(reached) = reached else {
+        if found.is_some_and(|policy| required(&policy)) {
+            return found;
         }
-        (Some(found), _) if found.policy().required => Some(found),
-        (_, Some(other)) if other.policy().required => Some(other),
+        return match other() {
+            Some(other) if required(&other) => Some(other),
+            other => found.or(other),
+        };
+    };
+    let other = other();
+    for route in [found, other].into_iter().flatten() {
+        let mut reached = reached.borrow_mut();
+        if !reached.iter().any(|known| Arc::ptr_eq(known, route)) {
+            reached.push(route.clone());
+        }
+    }
+    match (found, other) {
+        (Some(found), _) if required(&found) => Some(found),
+        (_, Some(other)) if required(&other) => Some(other),
         (found, other) => found.or(other),
     }
-}
-
-/// The route standing for two `required` routes that scope differently
-/// (see [`prefer`]): covered, required, for every method, and refused.
-pub(crate) fn ambiguous() -> &'static Arc<RoutePolicy> {
-    static AMBIGUOUS: std::sync::LazyLock<Arc<RoutePolicy>> = std::sync::LazyLock::new(|| {
-        let policy = Policy {
-            required: true,
-            ..Policy::default()
-        };
-        let mut compiled = policy.validate().expect("the default policy is valid");
-        Arc::make_mut(&mut compiled).ambiguous = true;
-        compiled
-    });
-    &AMBIGUOUS
 }
 
 /// What the route table says about one normalised path and method.
