@@ -454,3 +454,61 @@ async fn a_jwt_caller_is_named_by_sub_and_iss() {
     assert_eq!(engine.inspect(&found.scope).await.unwrap(), None);
     std::fs::remove_file(secret).ok();
 }
+
+/// Scenario (review): a request whose scope holds other routes' parts — a
+/// `POST` naming `PUT` in `X-HTTP-Method-Override` between a per-user
+/// `PUT` route and an unscoped `POST` route, and `/orders.json` beside a
+/// catch-all — is found by a lookup of what the client sent, as for any
+/// other request: the lookup dispatches and reads the path as the live
+/// request was.
+#[tokio::test]
+async fn lookup_finds_a_request_scoped_by_several_routes() {
+    let user = || Policy {
+        methods: vec!["PUT".into(), "POST".into()],
+        principal: Some(PrincipalPolicy::header("x-user-id")),
+        ..Policy::default()
+    };
+    let routes = Routes::new()
+        .route(
+            "/y",
+            Policy {
+                methods: vec!["PUT".into()],
+                ..user()
+            },
+        )
+        .unwrap()
+        .route("/y", Policy::default())
+        .unwrap()
+        .route("/orders", user())
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    let engine = Engine::with_config(
+        Arc::new(MemoryStore::new()),
+        routes,
+        EngineConfig::default(),
+    );
+    let mut overridden = sent("/y", "k-override", Some("alice"));
+    overridden
+        .headers
+        .insert("x-http-method-override", HeaderValue::from_static("PUT"));
+    let suffixed = sent("/orders.json", "k-suffix", Some("alice"));
+    for (request, key) in [(&overridden, "k-override"), (&suffixed, "k-suffix")] {
+        answer(begin(&engine, request, "{}").await, "created").await;
+        let found = engine
+            .lookup(&request.head(), key.as_bytes())
+            .await
+            .unwrap();
+        let record = found.record.unwrap_or_else(|| panic!("{key}: not found"));
+        assert_eq!(record.state, KeyState::Completed, "{key}");
+        // Another caller's is another scope.
+        let mut other = sent(&request.uri.to_string(), key, Some("bob"));
+        if let Some(value) = request.headers.get("x-http-method-override") {
+            other
+                .headers
+                .insert("x-http-method-override", value.clone());
+        }
+        let theirs = engine.lookup(&other.head(), key.as_bytes()).await.unwrap();
+        assert_ne!(theirs.scope, found.scope, "{key}");
+    }
+}

@@ -3288,3 +3288,50 @@ async fn a_method_override_between_routes_scoped_differently_keeps_callers_apart
     assert_eq!((alice.status, bob.status), (StatusCode::OK, StatusCode::OK));
     assert!(!bob.replayed(), "bob got alice's answer");
 }
+
+/// Scenario (review of the scope fix): `PUT /x` is `required` and not
+/// scoped by host, `POST /x` is (the default). `POST /x` naming `PUT` in
+/// `X-HTTP-Method-Override` from two hosts was scoped as the `PUT` alone:
+/// the quick path compared the routes the wrong way round, and host b got
+/// host a's answer, though a backend ignoring the override runs it as the
+/// `POST`, per host.
+#[tokio::test]
+async fn a_method_override_into_a_route_without_host_scoping_keeps_hosts_apart() {
+    let routes = Routes::new()
+        .route(
+            "/x",
+            Policy {
+                methods: vec!["PUT".into()],
+                required: true,
+                scope_authority: false,
+                ..Policy::default()
+            },
+        )
+        .unwrap()
+        .route("/x", Policy::default())
+        .unwrap();
+    let engine = Engine::new(MemoryStore::new(), routes);
+    let app = layered(&engine, |n, request| async move {
+        let host = request.headers().get(header::HOST).cloned();
+        let _ = request.into_body().collect().await.unwrap();
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Body::from(format!("{n} for {host:?}")))
+            .unwrap()
+    });
+    let put = |host: &'static str| {
+        Request::post("/x")
+            .header(header::HOST, host)
+            .header("x-http-method-override", "PUT")
+            .header("idempotency-key", "ka1")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .body(Full::new(Bytes::from_static(b"v=1")))
+            .unwrap()
+    };
+    let a = app.send(put("a.example")).await;
+    let b = app.send(put("b.example")).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert!(!b.replayed(), "host b got host a's answer: {:?}", b.text());
+    let again = app.send(put("a.example")).await;
+    assert!(again.replayed());
+}

@@ -490,3 +490,66 @@ async fn a_principal_extension_never_reaches_a_jwt_callers_scope() {
         .unwrap();
     assert_executed(&harness.send(spelled).await, 2);
 }
+
+/// Scenario (review): `/orders` scopes by a verified JWT, a catch-all `/`
+/// by nothing; `POST /orders.json` is the catch-all's to the table and
+/// `/orders` to Rails, so its scope holds what `/orders` scopes by too.
+/// Read by verifying the token there, every caller whose token failed
+/// (expired: a backend with a longer leeway still runs it as them) was
+/// alike, and one got another's answer; and a caller's own retry, once its
+/// token expired, changed scope and ran again. The other route's part is
+/// the credential as sent.
+#[tokio::test]
+async fn a_jwt_route_reached_by_another_reading_scopes_by_the_token_as_sent() {
+    let orders = jwt_policy(JwtPolicy {
+        hs256_secret_file: vec![temp_file("secret", SECRET)],
+        leeway: Duration::ZERO,
+        ..JwtPolicy::default()
+    });
+    let routes = Routes::new()
+        .route("/orders", orders)
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap();
+    let engine = tower_idempotency::Engine::new(tower_idempotency::MemoryStore::new(), routes);
+    let app = support::layered(&engine, |n, request| async move {
+        let _ = http_body_util::BodyExt::collect(request.into_body()).await;
+        http::Response::builder()
+            .status(StatusCode::CREATED)
+            .body(axum::body::Body::from(format!("order {n}")))
+            .unwrap()
+    });
+    let order = |key: &str, token: &str| {
+        Request::post("/orders.json")
+            .header("idempotency-key", key)
+            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let expired = |sub: &str| {
+        token(
+            Algorithm::HS256,
+            &EncodingKey::from_secret(SECRET),
+            sub,
+            serde_json::json!({"exp": now() - 60}),
+        )
+    };
+    let alice = app.send(order("k-expired", &expired("alice"))).await;
+    let bob = app.send(order("k-expired", &expired("bob"))).await;
+    assert_eq!(alice.status, StatusCode::CREATED);
+    assert!(!bob.replayed(), "bob got alice's answer: {:?}", bob.text());
+
+    // Valid now, expired by the retry.
+    let soon = token(
+        Algorithm::HS256,
+        &EncodingKey::from_secret(SECRET),
+        "carol",
+        serde_json::json!({"exp": now() + 1}),
+    );
+    let first = app.send(order("k-soon", &soon)).await;
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let retry = app.send(order("k-soon", &soon)).await;
+    assert!(retry.replayed(), "the retry ran again: {:?}", retry.text());
+    assert_eq!(retry.body, first.body);
+}

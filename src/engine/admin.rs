@@ -102,11 +102,24 @@ impl Engine {
         head: &RequestHead<'_>,
         raw_key: &[u8],
     ) -> Result<(ScopeKey, Arc<str>), AdminError> {
-        let Some(policy) = self.route_of(head) else {
+        let Some(route) = self.route_of(head) else {
             return Err(AdminError::NotCovered {
                 method: head.method.to_string(),
                 path: head.uri.path().to_owned(),
             });
+        };
+        // Dispatched as the live request is, without a body: a method its
+        // header or query names decides, and each candidate's route adds
+        // its scope parts, as for the request itself.
+        let no_body = crate::formats::View::parse("", &[]);
+        let dispatched = self.dispatched(route, head, &no_body);
+        let (policy, method, candidates) = match dispatched {
+            Some(dispatched) => (dispatched.policy, dispatched.method, dispatched.candidates),
+            None => (route, None, Vec::new()),
+        };
+        let head = &RequestHead {
+            method: method.as_ref().unwrap_or(head.method),
+            ..*head
         };
         key::validate(raw_key, policy.policy().uuid_only)?;
         let principal = match principal_of(policy, head) {
@@ -132,7 +145,7 @@ impl Engine {
         let label = self.inner.labels.get(policy);
         // As for the live request; a principal given here stands for the
         // route's own source only (the others read theirs from `headers`).
-        let also = self.also_reached(policy, &head);
+        let also = self.also_reached(policy, &head, &candidates);
         let key = scope_key(&self.inner.hasher, policy, &head, raw_key, (&also, false));
         Ok((key, label))
     }

@@ -188,19 +188,10 @@ impl Engine {
     /// that a reading of `head`'s path (or of a header naming one) reaches
     /// for its method: routes a backend reading the path another way runs
     /// it under. Empty for a path with one reading, almost every path.
+    /// With `candidates`, the methods (and their routes) a backend may
+    /// dispatch the request as ([`Dispatched::candidates`]): their routes
+    /// too, and what their readings reach.
     pub(super) fn also_reached(
-        &self,
-        chosen: &Arc<RoutePolicy>,
-        head: &RequestHead<'_>,
-    ) -> Vec<Arc<RoutePolicy>> {
-        self.also_reached_as(chosen, head, &[])
-    }
-
-    /// [`Engine::also_reached`] for each of `candidates`, the methods (and
-    /// their routes) a backend may dispatch the request as
-    /// ([`Dispatched::candidates`]): their routes too, and what their
-    /// readings reach.
-    pub(super) fn also_reached_as(
         &self,
         chosen: &Arc<RoutePolicy>,
         head: &RequestHead<'_>,
@@ -213,7 +204,7 @@ impl Engine {
         if one_reading
             && candidates
                 .iter()
-                .all(|(_, route)| route.scoped_alike(chosen))
+                .all(|(_, route)| chosen.scoped_alike(route))
         {
             return Vec::new();
         }
