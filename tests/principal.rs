@@ -497,10 +497,12 @@ async fn a_principal_extension_never_reaches_a_jwt_callers_scope() {
 /// Read by verifying the token there, every caller whose token failed
 /// (expired: a backend with a longer leeway still runs it as them) was
 /// alike, and one got another's answer; and a caller's own retry, once its
-/// token expired, changed scope and ran again. The other route's part is
-/// the credential as sent.
+/// token expired, changed scope and ran again; read as the raw credential
+/// (a second review), a retry with a refreshed token ran again. The other
+/// route's part is who the token names, its signature checked, its expiry
+/// not; a token that fails is its own.
 #[tokio::test]
-async fn a_jwt_route_reached_by_another_reading_scopes_by_the_token_as_sent() {
+async fn a_jwt_route_reached_by_another_reading_scopes_by_who_the_token_names() {
     let orders = jwt_policy(JwtPolicy {
         hs256_secret_file: vec![temp_file("secret", SECRET)],
         leeway: Duration::ZERO,
@@ -552,4 +554,23 @@ async fn a_jwt_route_reached_by_another_reading_scopes_by_the_token_as_sent() {
     let retry = app.send(order("k-soon", &soon)).await;
     assert!(retry.replayed(), "the retry ran again: {:?}", retry.text());
     assert_eq!(retry.body, first.body);
+
+    // A refreshed token of the same caller: the same scope.
+    let first = app.send(order("k-refresh", &hs256("dave"))).await;
+    let refreshed = app.send(order("k-refresh", &hs256("dave"))).await;
+    assert!(
+        refreshed.replayed(),
+        "the retry with a refreshed token ran again"
+    );
+    assert_eq!(refreshed.body, first.body);
+    // A token for dave signed with a key the route does not trust is not
+    // dave's.
+    let forged = token(
+        Algorithm::HS256,
+        &EncodingKey::from_secret(OTHER_SECRET),
+        "dave",
+        serde_json::json!({}),
+    );
+    let mallory = app.send(order("k-refresh", &forged)).await;
+    assert!(!mallory.replayed(), "a forged token got dave's answer");
 }

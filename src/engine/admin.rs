@@ -113,9 +113,14 @@ impl Engine {
         // its scope parts, as for the request itself.
         let no_body = crate::formats::View::parse("", &[]);
         let dispatched = self.dispatched(route, head, &no_body);
-        let (policy, method, candidates) = match dispatched {
-            Some(dispatched) => (dispatched.policy, dispatched.method, dispatched.candidates),
-            None => (route, None, Vec::new()),
+        let (policy, method, candidates, readings) = match dispatched {
+            Some(dispatched) => (
+                dispatched.policy,
+                dispatched.method,
+                dispatched.candidates,
+                dispatched.readings,
+            ),
+            None => (route, None, Vec::new(), Vec::new()),
         };
         let head = &RequestHead {
             method: method.as_ref().unwrap_or(head.method),
@@ -145,7 +150,7 @@ impl Engine {
         let label = self.inner.labels.get(policy);
         // As for the live request; a principal given here stands for the
         // route's own source only (the others read theirs from `headers`).
-        let also = self.also_reached(policy, &head, &candidates);
+        let also = self.also_reached(policy, &head, (&candidates, &readings));
         let key = scope_key(&self.inner.hasher, policy, &head, raw_key, (&also, false));
         Ok((key, label))
     }

@@ -191,13 +191,13 @@ impl Engine {
     /// With `candidates`, the methods (and their routes) a backend may
     /// dispatch the request as ([`Dispatched::candidates`]): their routes
     /// too, and what their readings reach.
+    /// `readings` are the header readings ([`Dispatched::readings`]).
     pub(super) fn also_reached(
         &self,
         chosen: &Arc<RoutePolicy>,
         head: &RequestHead<'_>,
-        candidates: &[(Method, &Arc<RoutePolicy>)],
+        (candidates, readings): (&[(Method, &Arc<RoutePolicy>)], &[String]),
     ) -> Vec<Arc<RoutePolicy>> {
-        let readings = headers::path_readings(head.headers, head.route_path());
         let path = head.route_path();
         let one_reading = readings.is_empty() && !path.contains([';', '%', '\\', '.']);
         // Almost every request: its own route alone, one reading.
@@ -218,7 +218,7 @@ impl Engine {
         }
         if !one_reading {
             for method in methods {
-                self.find_reaching(method, head, &readings, Some(&reached));
+                self.find_reaching(method, head, readings, Some(&reached));
             }
         }
         let mut others: Vec<Arc<RoutePolicy>> = Vec::new();
@@ -313,6 +313,7 @@ impl Engine {
             policy,
             max_body_bytes,
             candidates,
+            readings,
         })
     }
 }
@@ -332,6 +333,9 @@ pub(super) struct Dispatched<'r> {
     /// dispatched as there (the deciding one among them): whichever way
     /// a backend reads the method, the scope holds what each scopes by.
     pub candidates: Vec<(Method, &'r Arc<RoutePolicy>)>,
+    /// The paths its headers name for the backend
+    /// ([`headers::path_readings`]).
+    pub readings: Vec<String>,
 }
 
 /// The `_method` field (form or JSON body, or query) and the header by

@@ -165,7 +165,11 @@ impl Engine {
             principal: principal.as_deref().or(head.principal),
             ..head
         };
-        let also = self.also_reached(policy, &head, &dispatched.candidates);
+        let also = self.also_reached(
+            policy,
+            &head,
+            (&dispatched.candidates, &dispatched.readings),
+        );
         let key = scope_key(&self.inner.hasher, policy, &head, &raw_key, (&also, given));
         // Renewed with the outer route's lease (an early heartbeat of its
         // own): this route's, if shorter, would cut the outer's lease short,

@@ -2,6 +2,7 @@
 //! only when every part of it is equal.
 
 use super::{IdentityHasher, RequestHead};
+use crate::policy::principal::Resolved;
 use crate::policy::RoutePolicy;
 use crate::store::{PrincipalHash, ScopeKey};
 
@@ -10,12 +11,12 @@ use crate::store::{PrincipalHash, ScopeKey};
 /// each length-prefixed; then, for each route of `also` (other routes a
 /// reading of the path reaches, scoped otherwise: see
 /// [`Engine::also_reached`](super::Engine::also_reached)), what that route
-/// scopes by: the header its principal source reads, every line as sent
-/// (unless the principal was `given`, the layer's extension, which stands
-/// for every route) — the raw credential, never its verification, which a
-/// token's expiry would change between a caller's retries and which
-/// would make every caller with an invalid one alike —, its scope headers,
-/// the host. A backend reading the path as one of those routes runs the
+/// scopes by: its principal as its source reads it, a token's `exp` and
+/// `nbf` unchecked, so a retry sent as the token expires, or with a
+/// refreshed one, stays in its scope (a credential that fails, by its lines
+/// as sent: never alike another caller's), unless the principal was
+/// `given`, the layer's extension, which stands for every route; its scope
+/// headers; the host. A backend reading the path as one of those routes runs the
 /// request as that route's caller, so two callers that route keeps apart
 /// never share this scope either. Nothing is added for a request without
 /// such routes: its hash is the one it always had.
@@ -46,14 +47,19 @@ pub(super) fn scope_key(
     for route in also {
         put(b"also");
         match (&route.principal, given) {
-            (Some(source), false) => {
-                put(b"+");
-                put_scope_headers(
-                    std::slice::from_ref(source.header()),
-                    head.headers,
-                    &mut put,
-                );
-            }
+            (Some(source), false) => match source.resolve_timeless(head.headers) {
+                Resolved::Found(principal) => {
+                    put(b"+");
+                    put(&principal);
+                }
+                Resolved::Missing => put(b"-"),
+                // Each invalid credential its own: never alike.
+                Resolved::Invalid(_) => {
+                    put(b"!");
+                    let header = std::slice::from_ref(source.header());
+                    put_scope_headers(header, head.headers, &mut put);
+                }
+            },
             _ => put(b"="),
         }
         put_scope_headers(&route.scope_headers, head.headers, &mut put);
