@@ -3117,19 +3117,17 @@ async fn a_path_read_as_routes_scoped_differently_keeps_callers_apart() {
         principal: Some(PrincipalPolicy::header("x-user-id")),
         ..Policy::default()
     };
+    let required = || Policy {
+        required: true,
+        ..Policy::default()
+    };
     let tables: Vec<(&str, Routes)> = vec![
         (
             "required /orders by user, required /api",
             Routes::new()
                 .route("/orders", per_user())
                 .unwrap()
-                .route(
-                    "/api",
-                    Policy {
-                        required: true,
-                        ..Policy::default()
-                    },
-                )
+                .route("/api", required())
                 .unwrap(),
         ),
         (
@@ -3143,13 +3141,7 @@ async fn a_path_read_as_routes_scoped_differently_keeps_callers_apart() {
                     },
                 )
                 .unwrap()
-                .route(
-                    "/api",
-                    Policy {
-                        required: true,
-                        ..Policy::default()
-                    },
-                )
+                .route("/api", required())
                 .unwrap(),
         ),
         (
