@@ -574,3 +574,99 @@ async fn a_jwt_route_reached_by_another_reading_scopes_by_who_the_token_names() 
     let mallory = app.send(order("k-refresh", &forged)).await;
     assert!(!mallory.replayed(), "a forged token got dave's answer");
 }
+
+/// From a third review of the same: (1) read with no time check at all, a
+/// token of alice's that expired days ago (an old capture) named alice
+/// there, and with her key it met her record; the window is the record's
+/// retention now. (2) Where the deciding route verified the very header
+/// another route refuses (another `aud`), the refused credential was
+/// hashed by its bytes: a refreshed token moved the retry to another
+/// scope, and it ran again.
+#[tokio::test]
+async fn another_routes_token_check_is_bounded_and_never_moves_a_verified_retry() {
+    let secret = temp_file("secret", SECRET);
+    let audience = |aud: &str| {
+        jwt_policy(JwtPolicy {
+            hs256_secret_file: vec![secret.clone()],
+            audience: vec![aud.into()],
+            leeway: Duration::ZERO,
+            ..JwtPolicy::default()
+        })
+    };
+    let signed = |sub: &str, extra: serde_json::Value| {
+        token(
+            Algorithm::HS256,
+            &EncodingKey::from_secret(SECRET),
+            sub,
+            extra,
+        )
+    };
+    let app = |routes: Routes| {
+        let engine = tower_idempotency::Engine::new(tower_idempotency::MemoryStore::new(), routes);
+        support::layered(&engine, |n, request| async move {
+            let _ = http_body_util::BodyExt::collect(request.into_body()).await;
+            http::Response::builder()
+                .status(StatusCode::CREATED)
+                .body(axum::body::Body::from(format!("order {n}")))
+                .unwrap()
+        })
+    };
+    let order = |key: &str, token: &str| {
+        Request::post("/orders.json")
+            .header("idempotency-key", key)
+            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+
+    // (1) `/orders` by token, an unscoped catch-all decides `/orders.json`.
+    let shop = app(Routes::new()
+        .route("/orders", audience("orders"))
+        .unwrap()
+        .route("/", Policy::default())
+        .unwrap());
+    let fresh = signed("alice", serde_json::json!({"aud": "orders"}));
+    let old = signed(
+        "alice",
+        serde_json::json!({"aud": "orders", "exp": now() - 3 * 86_400}),
+    );
+    let alice = shop.send(order("k-old", &fresh)).await;
+    assert_eq!(alice.status, StatusCode::CREATED);
+    let captured = shop.send(order("k-old", &old)).await;
+    assert!(
+        !captured.replayed(),
+        "a token expired days ago met alice's record"
+    );
+
+    // (2) The catch-all verifies the header for `aud = api`; `/orders`
+    // refuses those tokens.
+    let api = app(Routes::new()
+        .route("/orders", audience("orders"))
+        .unwrap()
+        .route(
+            "/",
+            Policy {
+                required: true,
+                ..audience("api")
+            },
+        )
+        .unwrap());
+    let first = api
+        .send(order(
+            "k-aud",
+            &signed("bob", serde_json::json!({"aud": "api"})),
+        ))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.text());
+    let refreshed = api
+        .send(order(
+            "k-aud",
+            &signed("bob", serde_json::json!({"aud": "api"})),
+        ))
+        .await;
+    assert!(
+        refreshed.replayed(),
+        "the retry with a refreshed token ran again"
+    );
+}

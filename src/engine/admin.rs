@@ -91,12 +91,15 @@ impl Engine {
     }
 
     /// The scope hash a request with this head and raw key is stored
-    /// under, and its route's label: the route is found as
-    /// [`Engine::classify`] finds it, the principal resolved as for a live
-    /// request (the head's own `principal` first, else the route's
-    /// configured source read from the head's headers), and the hash is the
-    /// one [`Engine::begin`] computes. The key is checked against the
-    /// route's rules (a key that fails them was never stored).
+    /// under, and its route's label: the route is found and the method
+    /// dispatched as for a live request without a body (a method named in
+    /// the headers or the query counts; one named in a body cannot), the
+    /// principal resolved as for a live request (the head's own
+    /// `principal` first, else the route's configured source read from the
+    /// head's headers; the other routes a reading reaches read theirs from
+    /// the headers only), and the hash is the one [`Engine::begin`]
+    /// computes for such a request. The key is checked against the route's
+    /// rules (a key that fails them was never stored).
     pub fn scope_of(
         &self,
         head: &RequestHead<'_>,

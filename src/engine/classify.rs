@@ -147,8 +147,9 @@ impl Engine {
 
 impl Engine {
     /// The policy of the route that covers `head`'s own method and path,
-    /// if any: the rule the operator's lookups ([`Engine::scope_of`])
-    /// use, which name the method the backend dispatched.
+    /// if any, its header readings included; an operator's lookup
+    /// ([`Engine::scope_of`]) starts from it and dispatches as the live
+    /// request does.
     pub(super) fn route_of(&self, head: &RequestHead<'_>) -> Option<&Arc<RoutePolicy>> {
         let readings = headers::path_readings(head.headers, head.route_path());
         self.find(head.method, head, &readings)
@@ -187,7 +188,8 @@ impl Engine {
     /// Every covered route other than `chosen`, and scoped otherwise,
     /// that a reading of `head`'s path (or of a header naming one) reaches
     /// for its method: routes a backend reading the path another way runs
-    /// it under. Empty for a path with one reading, almost every path.
+    /// it under. Empty for a path with one reading (almost every path)
+    /// whose candidate methods' routes are scoped alike.
     /// With `candidates`, the methods (and their routes) a backend may
     /// dispatch the request as ([`Dispatched::candidates`]): their routes
     /// too, and what their readings reach.
@@ -199,7 +201,7 @@ impl Engine {
         (candidates, readings): (&[(Method, &Arc<RoutePolicy>)], &[String]),
     ) -> Vec<Arc<RoutePolicy>> {
         let path = head.route_path();
-        let one_reading = readings.is_empty() && !path.contains([';', '%', '\\', '.']);
+        let one_reading = readings.is_empty() && !crate::policy::has_other_readings(path);
         // Almost every request: its own route alone, one reading.
         if one_reading
             && candidates

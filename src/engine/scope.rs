@@ -12,11 +12,11 @@ use crate::store::{PrincipalHash, ScopeKey};
 /// reading of the path reaches, scoped otherwise: see
 /// [`Engine::also_reached`](super::Engine::also_reached)), what that route
 /// scopes by: its principal as its source reads it, a token's `exp` and
-/// `nbf` unchecked, so a retry sent as the token expires, or with a
-/// refreshed one, stays in its scope (a credential that fails, by its lines
-/// as sent: never alike another caller's), unless the principal was
-/// `given`, the layer's extension, which stands for every route; its scope
-/// headers; the host. A backend reading the path as one of those routes runs the
+/// `nbf` checked only within the record's `ttl` beyond their leeway, so a
+/// retry sent as the token expires, or with a refreshed one, stays in its
+/// scope (a credential that fails, by its lines as sent: never alike
+/// another caller's), unless the principal was `given`, the layer's
+/// extension, which stands for every route; its scope headers; the host. A backend reading the path as one of those routes runs the
 /// request as that route's caller, so two callers that route keeps apart
 /// never share this scope either. Nothing is added for a request without
 /// such routes: its hash is the one it always had.
@@ -47,17 +47,27 @@ pub(super) fn scope_key(
     for route in also {
         put(b"also");
         match (&route.principal, given) {
-            (Some(source), false) => match source.resolve_timeless(head.headers) {
+            (Some(source), false) => match source.resolve_within(head.headers, policy.policy.ttl) {
                 Resolved::Found(principal) => {
                     put(b"+");
                     put(&principal);
                 }
                 Resolved::Missing => put(b"-"),
-                // Each invalid credential its own: never alike.
                 Resolved::Invalid(_) => {
                     put(b"!");
-                    let header = std::slice::from_ref(source.header());
-                    put_scope_headers(header, head.headers, &mut put);
+                    // Each invalid credential its own, never alike, unless
+                    // the deciding route verified that very header: its
+                    // principal keeps callers apart already, and a
+                    // refreshed token must not move the retry.
+                    let verified = head.principal.is_some()
+                        && policy
+                            .principal
+                            .as_ref()
+                            .is_some_and(|own| own.header() == source.header());
+                    if !verified {
+                        let header = std::slice::from_ref(source.header());
+                        put_scope_headers(header, head.headers, &mut put);
+                    }
                 }
             },
             _ => put(b"="),

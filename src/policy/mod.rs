@@ -17,6 +17,7 @@ mod status;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use paths::has_other_readings;
 pub use paths::{normalize_path, scope_host, RequestTarget};
 pub(crate) use routes::{prefer, Reached};
 pub use routes::{PathPattern, Route, Routes};

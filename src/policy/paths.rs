@@ -139,6 +139,16 @@ pub(super) fn strip_segment_parameters(path: &str) -> std::borrow::Cow<'_, str> 
     std::borrow::Cow::Owned(stripped.join("/"))
 }
 
+/// Whether `path` may be read more than one way ([`Routes::find`](super::Routes::find)):
+/// it holds `;`, `%` or `\`, a dot segment, a format suffix or a PHP
+/// front controller. False for almost every path.
+pub(crate) fn has_other_readings(path: &str) -> bool {
+    path.contains([';', '%', '\\'])
+        || path.contains("/.")
+        || strip_format_suffix(path).is_some()
+        || front_controller_path(path).is_some()
+}
+
 /// `path` without the format suffix of its last segment (`/contacts.json`
 /// is `/contacts`), which Rails routes as the same action
 /// (`/contacts(.:format)`); `None` when the last segment has none. A

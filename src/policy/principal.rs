@@ -491,18 +491,20 @@ impl PrincipalSource {
 
     /// The principal a request names, checked.
     pub(crate) fn resolve(&self, headers: &HeaderMap) -> Resolved {
-        self.resolve_as(headers, false)
+        self.resolve_as(headers, None)
     }
 
-    /// [`PrincipalSource::resolve`], a token's `exp` and `nbf` unchecked
-    /// (its signature, `iss` and `aud` still are): who a token names,
-    /// whether or not it is valid now, so a retry sent as it expires, or
-    /// with a refreshed token, names the same caller.
-    pub(crate) fn resolve_timeless(&self, headers: &HeaderMap) -> Resolved {
-        self.resolve_as(headers, true)
+    /// [`PrincipalSource::resolve`], a token's `exp` and `nbf` checked
+    /// only within `window` beyond its leeway (its signature, `iss` and
+    /// `aud` as ever): who a token names while a record made under it may
+    /// still be met (`window`: the route's `ttl`), so a retry sent as it
+    /// expires, or with a refreshed token, names the same caller, and a
+    /// token long expired names nobody.
+    pub(crate) fn resolve_within(&self, headers: &HeaderMap, window: Duration) -> Resolved {
+        self.resolve_as(headers, Some(window))
     }
 
-    fn resolve_as(&self, headers: &HeaderMap, timeless: bool) -> Resolved {
+    fn resolve_as(&self, headers: &HeaderMap, window: Option<Duration>) -> Resolved {
         let name = match &self.kind {
             SourceKind::Header(name) => name,
             SourceKind::Jwt(jwt) => &jwt.header,
@@ -517,13 +519,13 @@ impl PrincipalSource {
         match &self.kind {
             SourceKind::Header(_) if value.is_empty() => Resolved::Invalid("empty header"),
             SourceKind::Header(_) => Resolved::Found(value.as_bytes().to_vec()),
-            SourceKind::Jwt(jwt) => jwt.verify(value.as_bytes(), timeless),
+            SourceKind::Jwt(jwt) => jwt.verify(value.as_bytes(), window),
         }
     }
 }
 
 impl JwtVerifier {
-    fn verify(&self, value: &[u8], timeless: bool) -> Resolved {
+    fn verify(&self, value: &[u8], window: Option<Duration>) -> Resolved {
         let Ok(value) = std::str::from_utf8(value) else {
             return Resolved::Invalid("not text");
         };
@@ -545,16 +547,14 @@ impl JwtVerifier {
         else {
             return Resolved::Invalid("algorithm not configured");
         };
-        let untimed;
-        let validation = match timeless {
-            false => validation,
-            true => {
+        let widened;
+        let validation = match window {
+            None => validation,
+            Some(window) => {
                 let mut relaxed = validation.clone();
-                relaxed.validate_exp = false;
-                relaxed.validate_nbf = false;
-                relaxed.required_spec_claims.remove("exp");
-                untimed = relaxed;
-                &untimed
+                relaxed.leeway = relaxed.leeway.saturating_add(window.as_secs());
+                widened = relaxed;
+                &widened
             }
         };
         let mut reason = "signature";
