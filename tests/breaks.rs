@@ -3160,7 +3160,9 @@ async fn a_path_read_as_routes_scoped_differently_keeps_callers_apart() {
                 .unwrap(),
         ),
     ];
-    let spellings: [(&str, Option<(&str, &str)>); 7] = [
+    let spellings: [(&str, Option<(&str, &str)>); 9] = [
+        ("/orders.json/", None),
+        ("/orders.json//", None),
         ("/orders;/../api", None),
         ("/orders/%2e%2e/api", None),
         ("/api/..;/orders/%2e%2e/api", None),

@@ -172,6 +172,16 @@ pub enum ResponseBodyError<E> {
     Cut,
 }
 
+impl<E> ResponseBodyError<E> {
+    /// The inner body's error; `None` for a [`ResponseBodyError::Cut`].
+    pub fn into_inner(self) -> Option<E> {
+        match self {
+            ResponseBodyError::Inner(error) => Some(error),
+            ResponseBodyError::Cut => None,
+        }
+    }
+}
+
 impl<E: std::fmt::Display> std::fmt::Display for ResponseBodyError<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -145,7 +145,8 @@ pub(super) fn strip_segment_parameters(path: &str) -> std::borrow::Cow<'_, str> 
 pub(crate) fn has_other_readings(path: &str) -> bool {
     path.contains([';', '%', '\\'])
         || path.contains("/.")
-        || strip_format_suffix(path).is_some()
+        // Normalised, `/orders.json/` routes as `/orders.json`.
+        || strip_format_suffix(path.trim_end_matches('/')).is_some()
         || front_controller_path(path).is_some()
 }
 
