@@ -63,11 +63,16 @@ fn token(alg: Algorithm, key: &EncodingKey, sub: &str, extra: serde_json::Value)
 }
 
 fn hs256(sub: &str) -> String {
+    hs256_with(sub, serde_json::json!({}))
+}
+
+/// [`hs256`] with claims `extra` on top.
+fn hs256_with(sub: &str, extra: serde_json::Value) -> String {
     token(
         Algorithm::HS256,
         &EncodingKey::from_secret(SECRET),
         sub,
-        serde_json::json!({}),
+        extra,
     )
 }
 
@@ -96,6 +101,30 @@ fn bearer(key: &str, token: &str) -> Request<Full<Bytes>> {
         .header("authorization", format!("Bearer {token}"))
         .body(Full::new(Bytes::from_static(b"pay 10 EUR")))
         .unwrap()
+}
+
+/// `POST /orders.json` with `key` and `Authorization: Bearer <token>`:
+/// `/orders` to Rails, a catch-all's to a table that matches it whole.
+fn suffixed_order(key: &str, token: &str) -> Request<Full<Bytes>> {
+    Request::post("/orders.json")
+        .header("idempotency-key", key)
+        .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap()
+}
+
+/// The layer over `routes` (a memory store) in front of a handler that
+/// answers `201 order N` for its `N`th execution.
+fn orders_behind(routes: Routes) -> support::Upstream {
+    let engine = tower_idempotency::Engine::new(tower_idempotency::MemoryStore::new(), routes);
+    support::layered(&engine, |n, request| async move {
+        let _ = http_body_util::BodyExt::collect(request.into_body()).await;
+        http::Response::builder()
+            .status(StatusCode::CREATED)
+            .body(axum::body::Body::from(format!("order {n}")))
+            .unwrap()
+    })
 }
 
 fn assert_executed(reply: &Reply, n: usize) {
@@ -513,42 +542,16 @@ async fn a_jwt_route_reached_by_another_reading_scopes_by_who_the_token_names() 
         .unwrap()
         .route("/", Policy::default())
         .unwrap();
-    let engine = tower_idempotency::Engine::new(tower_idempotency::MemoryStore::new(), routes);
-    let app = support::layered(&engine, |n, request| async move {
-        let _ = http_body_util::BodyExt::collect(request.into_body()).await;
-        http::Response::builder()
-            .status(StatusCode::CREATED)
-            .body(axum::body::Body::from(format!("order {n}")))
-            .unwrap()
-    });
-    let order = |key: &str, token: &str| {
-        Request::post("/orders.json")
-            .header("idempotency-key", key)
-            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap()
-    };
-    let expired = |sub: &str| {
-        token(
-            Algorithm::HS256,
-            &EncodingKey::from_secret(SECRET),
-            sub,
-            serde_json::json!({"exp": now() - 60}),
-        )
-    };
+    let app = orders_behind(routes);
+    let order = suffixed_order;
+    let expired = |sub: &str| hs256_with(sub, serde_json::json!({"exp": now() - 60}));
     let alice = app.send(order("k-expired", &expired("alice"))).await;
     let bob = app.send(order("k-expired", &expired("bob"))).await;
     assert_eq!(alice.status, StatusCode::CREATED);
     assert!(!bob.replayed(), "bob got alice's answer: {:?}", bob.text());
 
     // Valid now, expired by the retry.
-    let soon = token(
-        Algorithm::HS256,
-        &EncodingKey::from_secret(SECRET),
-        "carol",
-        serde_json::json!({"exp": now() + 1}),
-    );
+    let soon = hs256_with("carol", serde_json::json!({"exp": now() + 1}));
     let first = app.send(order("k-soon", &soon)).await;
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let retry = app.send(order("k-soon", &soon)).await;
@@ -593,32 +596,7 @@ async fn another_routes_token_check_is_bounded_and_never_moves_a_verified_retry(
             ..JwtPolicy::default()
         })
     };
-    let signed = |sub: &str, extra: serde_json::Value| {
-        token(
-            Algorithm::HS256,
-            &EncodingKey::from_secret(SECRET),
-            sub,
-            extra,
-        )
-    };
-    let app = |routes: Routes| {
-        let engine = tower_idempotency::Engine::new(tower_idempotency::MemoryStore::new(), routes);
-        support::layered(&engine, |n, request| async move {
-            let _ = http_body_util::BodyExt::collect(request.into_body()).await;
-            http::Response::builder()
-                .status(StatusCode::CREATED)
-                .body(axum::body::Body::from(format!("order {n}")))
-                .unwrap()
-        })
-    };
-    let order = |key: &str, token: &str| {
-        Request::post("/orders.json")
-            .header("idempotency-key", key)
-            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap()
-    };
+    let (signed, app, order) = (hs256_with, orders_behind, suffixed_order);
 
     // (1) `/orders` by token, an unscoped catch-all decides `/orders.json`.
     let shop = app(Routes::new()

@@ -16,9 +16,10 @@ use crate::store::{PrincipalHash, ScopeKey};
 /// retry sent as the token expires, or with a refreshed one, stays in its
 /// scope (a credential that fails, by its lines as sent: never alike
 /// another caller's), unless the principal was `given`, the layer's
-/// extension, which stands for every route; its scope headers; the host. A backend reading the path as one of those routes runs the
-/// request as that route's caller, so two callers that route keeps apart
-/// never share this scope either. Nothing is added for a request without
+/// extension, which stands for every route; its scope headers; the host.
+/// A backend reading the path as one of those routes runs the request as
+/// that route's caller, so two callers that route keeps apart never share
+/// this scope either. Nothing is added for a request without
 /// such routes: its hash is the one it always had.
 pub(super) fn scope_key(
     hasher: &IdentityHasher,

@@ -505,11 +505,7 @@ impl PrincipalSource {
     }
 
     fn resolve_as(&self, headers: &HeaderMap, window: Option<Duration>) -> Resolved {
-        let name = match &self.kind {
-            SourceKind::Header(name) => name,
-            SourceKind::Jwt(jwt) => &jwt.header,
-        };
-        let mut values = headers.get_all(name).iter();
+        let mut values = headers.get_all(self.header()).iter();
         let Some(value) = values.next() else {
             return Resolved::Missing;
         };

@@ -637,20 +637,16 @@ pub(crate) fn prefer<'a>(
     reached: Option<&Reached>,
 ) -> Option<&'a Arc<RoutePolicy>> {
     let required = |policy: &&Arc<RoutePolicy>| policy.policy().required;
-    let Some(reached) = reached else {
-        if found.is_some_and(|policy| required(&policy)) {
-            return found;
-        }
-        return match other() {
-            Some(other) if required(&other) => Some(other),
-            other => found.or(other),
-        };
-    };
+    if reached.is_none() && found.is_some_and(|policy| required(&policy)) {
+        return found;
+    }
     let other = other();
-    for route in [found, other].into_iter().flatten() {
+    if let Some(reached) = reached {
         let mut reached = reached.borrow_mut();
-        if !reached.iter().any(|known| Arc::ptr_eq(known, route)) {
-            reached.push(route.clone());
+        for route in [found, other].into_iter().flatten() {
+            if !reached.iter().any(|known| Arc::ptr_eq(known, route)) {
+                reached.push(route.clone());
+            }
         }
     }
     match (found, other) {
