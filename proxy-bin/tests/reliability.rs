@@ -1238,6 +1238,72 @@ async fn sigint_with_a_request_at_the_upstream_leaves_no_key_to_run_again() {
     assert_eq!(backend.hits("/slow"), 1, "the retry ran the request again");
 }
 
+/// Attack (from a review of the shutdown): SIGINT a moment after the
+/// upstream answered, while the answer's first attempt at the store waits
+/// (SQLite's write lock held elsewhere for a moment). The drain marked
+/// only executions still running and answers whose first attempt had
+/// failed: this one was neither, the process exited with the attempt cut,
+/// and once the lease ran out the retry on the restarted proxy ran the
+/// request again. The attempt now gets the markers' half second to land.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigint_while_an_answer_is_first_stored_leaves_no_key_to_run_again() {
+    use sqlx::Connection;
+    let backend = Backend::start().await;
+    let dir = temp_dir("sigint-storing");
+    let config = config("1s");
+    let start = || {
+        let mut args = ProxyArgs::new(backend.url(), &config, &dir);
+        args.store = "sqlite://idempotency.db".into();
+        Proxy::start(args)
+    };
+    let first = start().await;
+    let client = client();
+    let key = "interrupted-while-stored";
+    let request = post(first.addr, "/slow?ms=gate", key, "{}");
+    let running = tokio::spawn({
+        let client = client.clone();
+        async move { try_request(&client, request).await }
+    });
+    backend.held().await;
+    // Another process takes the database's write lock: the answer's first
+    // attempt waits for it (within the store's busy timeout).
+    let file = dir.join("idempotency.db");
+    let mut lock = sqlx::SqliteConnection::connect(&format!("sqlite://{}", file.display()))
+        .await
+        .unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut lock)
+        .await
+        .unwrap();
+    backend.open_gate();
+    // The upstream has answered and the proxy is storing it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &first.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
+    drop(lock);
+    let mut first = first;
+    assert_eq!(first.exit_code().await, Some(130));
+    let _ = running.await;
+    // Past the lease the first proxy no longer renews.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = start().await;
+    let retry = try_request(&client, post(second.addr, "/slow?ms=gate", key, "{}"))
+        .await
+        .expect("the retry is answered");
+    assert_eq!(backend.hits("/slow"), 1, "the retry ran the request again");
+    assert!(
+        matches!(retry.status, 201 | 409),
+        "{}: {}",
+        retry.status,
+        retry.text()
+    );
+}
+
 /// Attack (from an audit of the shutdown guarantee): SIGTERM while the
 /// upstream is still sending a covered answer's body (its head and the
 /// first KiB of 100 KB out, then a KiB every 100 ms), past

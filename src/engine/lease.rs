@@ -94,8 +94,8 @@ struct Held {
     /// Its outcome, of this status, is being stored: the store may
     /// already say "not in flight", which is then no lost lease.
     settling: Option<http::StatusCode>,
-    /// A drain may store "response not stored" for it in its outcome's
-    /// place ([`Lease::markable`]).
+    /// Its outcome's first attempt at the store ended ([`Lease::markable`]):
+    /// a drain marks it without waiting for it.
     markable: bool,
     /// Its request reached (or is reaching) the upstream: it may act.
     acting: bool,
@@ -203,22 +203,34 @@ impl Leases {
         running
     }
 
-    /// The leases held now whose outcome is being stored and may be
-    /// replaced by a marker ([`Lease::markable`]: a failed completion
-    /// retried, an heir's marker), with each route's `ttl` and the
-    /// outcome's status.
+    /// The leases held now whose outcome is being stored, with each
+    /// route's `ttl` and the outcome's status: a drain at its end replaces
+    /// each by a marker, owner-checked (the first of the two to reach the
+    /// store wins).
     pub(super) fn settling(&self) -> Vec<(ScopeKey, OwnerToken, Duration, http::StatusCode)> {
         let runtimes = lock(&self.runtimes);
         let mut settling = Vec::new();
         for renewer in runtimes.iter() {
             let state = lock(&renewer.state);
-            for held in state.held.values().filter(|held| held.markable) {
+            for held in state.held.values() {
                 if let Some(status) = held.settling {
                     settling.push((held.key, held.owner, held.ttl, status));
                 }
             }
         }
         settling
+    }
+
+    /// How many outcomes held now are on their first attempt at the store
+    /// (settling, not yet [`Lease::markable`]): a drain lets them land
+    /// before it marks.
+    pub(super) fn first_saves(&self) -> usize {
+        let runtimes = lock(&self.runtimes);
+        let first = |held: &&Held| held.settling.is_some() && !held.markable;
+        runtimes
+            .iter()
+            .map(|renewer| lock(&renewer.state).held.values().filter(first).count())
+            .sum()
     }
 
     /// The keys of the leases held now (the shutdown's log).
@@ -289,10 +301,12 @@ impl Lease {
     }
 
     /// Lets a drain store "executed, response not stored" in place of the
-    /// outcome being stored: its first attempt failed (its client has the
-    /// answer; the store may take a small marker where it refused the
-    /// answer), or the outcome is a marker itself (an heir's). Not before:
-    /// a marker would race an answer a working store is still taking.
+    /// outcome being stored without waiting for it: its first attempt
+    /// failed (its client has the answer; the store may take a small
+    /// marker where it refused the answer), or the outcome is a marker
+    /// itself (an heir's). Before, a drain first gives the attempt the
+    /// markers' budget to land: a marker overtaking it would cost a working
+    /// store's replay.
     pub(super) fn markable(&self) {
         if let Some(held) = lock(&self.renewer.state).held.get_mut(&self.id) {
             held.markable = true;

@@ -11,6 +11,10 @@ use tokio::sync::Notify;
 use super::Engine;
 use crate::store::{OwnerToken, ScopeKey, StoreError};
 
+/// How long a drain's end gives the store: first for answers on their
+/// first attempt to land, then for its markers.
+const MARK_BUDGET: Duration = Duration::from_millis(500);
+
 /// The engine's work that outlives its request: an outcome whose storing
 /// failed and is retried, a release of an abandoned reservation. Each is a
 /// promise made to a client (its answer is stored, its key freed), so a
@@ -118,6 +122,12 @@ impl Engine {
                 reservations = held,
                 "idempotency shutdown abandoned executions still running"
             );
+            // An answer on its first attempt at the store is most often
+            // stored within milliseconds, and a marker overtaking it would
+            // cost its replay: it is given the markers' budget to land.
+            // One still on its way then is marked like the rest, since the
+            // process is going away and would leave its key in flight.
+            self.await_first_saves().await;
             let settling = self.inner.leases.settling();
             let settling_keys: Vec<ScopeKey> = settling.iter().map(|s| s.0).collect();
             marked_keys = self.mark_abandoned(settling).await;
@@ -125,15 +135,27 @@ impl Engine {
             let mut keys: Vec<ScopeKey> = self.inner.leases.keys();
             keys.sort_by_key(ScopeKey::short);
             keys.dedup();
-            // An answer being stored is background work, logged below.
-            keys.retain(|key| !settling_keys.contains(key));
+            // An answer whose storing is retried is background work,
+            // logged below.
+            let retried: Vec<ScopeKey> = {
+                let pending = background.pending.lock().unwrap();
+                pending.tasks.values().map(|(key, _)| *key).collect()
+            };
+            keys.retain(|key| !retried.contains(key));
             for key in keys {
-                match marked_keys.contains(&key) {
-                    true => {
+                let settling = settling_keys.contains(&key);
+                match (marked_keys.contains(&key), settling) {
+                    (true, false) => {
                         tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; stored \"outcome unknown\" (504), so no retry executes it again")
                     }
-                    false => {
+                    (true, true) => {
+                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an answer still being stored; stored \"response not stored\", so no retry executes it again")
+                    }
+                    (false, false) => {
                         tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; its key frees when its lease expires")
+                    }
+                    (false, true) => {
+                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an answer still being stored; its key frees when its lease expires")
                     }
                 }
             }
@@ -169,7 +191,7 @@ impl Engine {
     /// drain's end whose request reached the upstream (the proxy wrote it,
     /// the layer called the inner service), and "executed, response not
     /// stored" for each whose answer is still being stored, as its owner,
-    /// within half a second: the process is going away, and the upstream
+    /// within [`MARK_BUDGET`]: the process is going away, and the upstream
     /// may have acted or may still, so no retry may run it again once the
     /// lease runs out. `settling` is [`Leases::settling`](super::lease::Leases::settling),
     /// taken once by the caller. Returns the keys a marker was stored for.
@@ -177,7 +199,6 @@ impl Engine {
         &self,
         settling: Vec<(ScopeKey, OwnerToken, Duration, http::StatusCode)>,
     ) -> Vec<ScopeKey> {
-        const BUDGET: Duration = Duration::from_millis(500);
         let detail = "The server shut down while the request was being executed; it may or may \
                       not have taken effect, and it will not be executed again with this key.";
         let kind = crate::problem::ProblemKind::UpstreamTimeout;
@@ -204,7 +225,7 @@ impl Engine {
             calls.spawn(async move {
                 let store = &engine.inner.store;
                 let call = store.complete(&key, &owner, &outcome, ttl);
-                let stored = tokio::time::timeout(BUDGET, call).await;
+                let stored = tokio::time::timeout(MARK_BUDGET, call).await;
                 matches!(stored, Ok(Ok(true))).then_some(key)
             });
         }
@@ -215,6 +236,24 @@ impl Engine {
             }
         }
         marked
+    }
+
+    /// Waits, for up to [`MARK_BUDGET`], until no answer is on its first
+    /// attempt at the store ([`Leases::first_saves`](super::lease::Leases::first_saves)).
+    async fn await_first_saves(&self) {
+        let deadline = tokio::time::Instant::now() + MARK_BUDGET;
+        loop {
+            let ended = self.inner.background.ended.notified();
+            let mut ended = std::pin::pin!(ended);
+            // Registered before looking, so an end in between is not missed.
+            ended.as_mut().enable();
+            if self.inner.leases.first_saves() == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Wakes [`Engine::drain`]: some work in flight ended.

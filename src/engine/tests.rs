@@ -1180,6 +1180,34 @@ async fn a_drain_never_races_an_answer_on_its_first_attempt() {
     assert_eq!(response.headers()[REPLAYED_HEADER], "true");
 }
 
+/// From a review of the shutdown: that rule left an answer whose first
+/// attempt was still under way at the drain's end (SIGINT a moment after
+/// the upstream answered; a store slow for a second) unmarked, and the
+/// process exiting cut the attempt: the key stayed in flight, and the
+/// first retry after its lease ran the request again. The attempt gets
+/// the markers' budget to land; one still on its way is marked.
+#[tokio::test(start_paused = true)]
+async fn a_drain_marks_an_answer_whose_first_attempt_outlasts_it() {
+    let (engine, faults, policy, reservation) = reserved_over_faulty().await;
+    faults.set_next(Op::Complete, Fault::Stall(Duration::from_secs(3)), 1);
+    let storing = tokio::spawn(async move { created(reservation).await });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let report = engine.drain(Duration::ZERO).await;
+    assert_eq!(report.marked, 1, "{report:?}");
+    // The process exits: the attempt never ends.
+    storing.abort();
+    let _ = storing.await;
+    // Past the lease (60 s), a retry finds the marker, not a key to take.
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    assert_eq!(
+        problem_type(begin(&engine, &policy, "k").await),
+        (
+            StatusCode::CONFLICT,
+            "urn:tower-idempotency:response-not-stored".to_owned()
+        )
+    );
+}
+
 /// From a review: a recorder dropped mid-body hands its key to an heir
 /// that stores "response incomplete" from a task of its own; until that
 /// task first ran the heir was neither running nor settling, so a drain

@@ -817,3 +817,35 @@ fn the_rest_after_a_front_controller_is_not_normalised_again() {
     target.push_str("/x%2F;");
     assert!(routes.find(&Method::POST, &target).is_none());
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(3000))]
+
+    /// The engine's quick path ([`has_other_readings`]) skips the search
+    /// for other routes a path's readings reach; it restates the triggers
+    /// of [`Routes::find_reaching`], so the two must never drift apart. A
+    /// path it calls single-read reaches, over a table where every other
+    /// reading lands on a different route (the catch-all `/` behind a route
+    /// of the path itself), that one route alone.
+    #[test]
+    fn a_path_the_quick_path_reads_once_reaches_one_route(
+        // `;`, `%` and `\` are always called other readings: the delicate
+        // part is dots, format suffixes and front controllers.
+        path in "(/([a-c]|\\.|=|php|json|index\\.php|X\\.PHP){0,4}){1,4}/?",
+    ) {
+        if has_other_readings(&path) {
+            return Ok(());
+        }
+        let Ok(routes) = Routes::new()
+            .route(&path, Policy::default().required(true))
+            .and_then(|routes| routes.route("/", Policy::default()))
+        else {
+            return Ok(());
+        };
+        let reached = Reached::default();
+        routes.find_reaching(&Method::POST, &path, Some(&reached));
+        let reached = reached.into_inner();
+        proptest::prop_assert_eq!(reached.len(), 1, "{:?} reached {} routes", path, reached.len());
+        proptest::prop_assert!(reached[0].policy().required, "{:?} missed its own route", path);
+    }
+}
