@@ -231,6 +231,71 @@ async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
     store.close().await;
 }
 
+/// A write that makes SQLite roll back the whole transaction by itself
+/// (here a trigger's `RAISE(ROLLBACK)`; in production an I/O error) ends
+/// the group commit's transaction under it: its commit and its rollback
+/// both fail, and the writer replaces its connection, so no later write
+/// runs inside a transaction nobody commits. Whatever happened in that
+/// batch, no caller is told of a reservation that is not on disk, and the
+/// writes after it work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_sqlite_rolled_back_itself_tells_no_caller_of_a_lost_write() {
+    use sqlx::Connection;
+    use tower_idempotency::store::{Claim, OwnerToken};
+    use tower_idempotency::Store;
+
+    let path = fixtures::sqlite_path();
+    let path = path.to_str().unwrap();
+    let store = std::sync::Arc::new(SqliteStore::connect(path).await.unwrap());
+    let mut sabotage = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
+        .await
+        .unwrap();
+    let trigger = format!(
+        "CREATE TRIGGER undo BEFORE INSERT ON idempotency_records
+         WHEN NEW.fingerprint = X'{}' BEGIN SELECT RAISE(ROLLBACK, 'undone'); END",
+        "09".repeat(32)
+    );
+    sqlx::query(&trigger).execute(&mut sabotage).await.unwrap();
+    sabotage.close().await.unwrap();
+
+    let lease = std::time::Duration::from_secs(60);
+    let mut acquired = 0;
+    for round in 0..6 {
+        let tasks: Vec<_> = (0..40)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    // The last rounds carry no sabotage: the writer works on.
+                    let undone = round < 4 && i % 13 == 5;
+                    let fingerprint = fixtures::fingerprint(if undone { 9 } else { 1 });
+                    let key = fixtures::random_key();
+                    let claim = store
+                        .reserve(&key, &fingerprint, &OwnerToken::random(), lease, lease)
+                        .await;
+                    (key, claim)
+                })
+            })
+            .collect();
+        for task in tasks {
+            let (key, claim) = task.await.unwrap();
+            match claim {
+                Ok(Claim::Acquired { .. }) => {
+                    acquired += 1;
+                    let record = store.get(&key).await.unwrap();
+                    assert!(
+                        record.is_some(),
+                        "round {round}: told acquired, nothing on disk"
+                    );
+                }
+                Ok(other) => panic!("round {round}: a new key answered {other:?}"),
+                Err(error) => assert!(round < 4, "round {round}: {error}"),
+            }
+        }
+    }
+    assert!(acquired >= 80, "the writes after the sabotage: {acquired}");
+    store.close().await;
+}
+
 /// A completed record the store cannot decode (bytes altered on disk, or
 /// written by a newer version in a form this one does not know) proves the
 /// request ran: a fail-open route answers 503 for it, as for a record that

@@ -25,7 +25,9 @@
 //!   the others go on; if any other statement error or the commit fails,
 //!   the whole transaction is rolled back and **every** job of it is
 //!   answered with an error: no caller is ever told of a write that is not
-//!   on disk;
+//!   on disk; a rollback that fails too (the transaction may still be open,
+//!   or SQLite undid it itself) replaces the connection, so no later
+//!   statement runs inside a transaction nobody commits;
 //! * the writer runs on a thread of its own, so a caller that goes away
 //!   mid-call (a timeout) never leaves a transaction half done, and the
 //!   store works from any Tokio runtime.
@@ -121,9 +123,10 @@ impl Writer {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .map_err(sqlx::Error::Io)?;
+        let options = options.clone();
         std::thread::Builder::new()
             .name("sqlite-writer".into())
-            .spawn(move || runtime.block_on(run(connection, queue)))
+            .spawn(move || runtime.block_on(run(options, connection, queue)))
             .map_err(sqlx::Error::Io)?;
         Ok(Writer { jobs })
     }
@@ -158,8 +161,16 @@ impl Writer {
     }
 }
 
-/// The writer's loop: one batch per turn.
-async fn run(mut connection: SqliteConnection, mut queue: mpsc::UnboundedReceiver<Job>) {
+/// The writer's loop: one batch per turn. A connection whose transaction
+/// could not be rolled back is replaced (closing it rolls back whatever it
+/// left open), and until a new one opens every job fails: no statement
+/// ever runs inside a transaction nobody will commit.
+async fn run(
+    options: SqliteConnectOptions,
+    connection: SqliteConnection,
+    mut queue: mpsc::UnboundedReceiver<Job>,
+) {
+    let mut connection = Some(connection);
     let mut waiting = VecDeque::new();
     let mut closing = None;
     while closing.is_none() {
@@ -173,24 +184,68 @@ async fn run(mut connection: SqliteConnection, mut queue: mpsc::UnboundedReceive
                 Err(_) => break,
             }
         }
+        if connection.is_none() {
+            match SqliteConnection::connect_with(&options).await {
+                Ok(reopened) => connection = Some(reopened),
+                Err(error) => {
+                    let why = format!("the writer's connection could not be reopened: {error}");
+                    closing = fail_all(&mut waiting, &why);
+                    continue;
+                }
+            }
+        }
+        let open = connection.as_mut().expect("a connection");
         if waiting.len() == 1 {
             // Alone: the statement is its own transaction.
             let job = waiting.pop_front().expect("one job");
-            match run_one(job, &mut connection).await {
+            match run_one(job, open).await {
                 Ok(Some(answer)) => answer.send(),
                 Ok(None) => {}
                 Err(to) => closing = Some(to),
             }
             continue;
         }
-        closing = batch(&mut connection, &mut waiting, &mut queue).await;
+        let ended = batch(open, &mut waiting, &mut queue).await;
+        closing = ended.closing;
+        if ended.left_open {
+            tracing::error!("idempotency SQLite writer could not roll back a failed transaction; its connection is replaced");
+            if let Some(stale) = connection.take() {
+                let _ = stale.close().await;
+            }
+        }
     }
     // Jobs queued behind a close are refused (their senders see `closed`).
     drop(queue);
-    let _ = connection.close().await;
+    if let Some(connection) = connection {
+        let _ = connection.close().await;
+    }
     if let Some(to) = closing {
         let _ = to.send(());
     }
+}
+
+/// Answers every job in `waiting` with `why`; returns a close request
+/// among them.
+fn fail_all(waiting: &mut VecDeque<Job>, why: &str) -> Option<oneshot::Sender<()>> {
+    let mut closing = None;
+    for job in waiting.drain(..) {
+        match job {
+            Job::Scalar(_, to) => drop(to.send(Err(batch_failed(why)))),
+            Job::Execute(_, to) => drop(to.send(Err(batch_failed(why)))),
+            Job::Close(to) => closing = closing.or(Some(to)),
+        }
+    }
+    closing
+}
+
+/// How a [`batch`] ended.
+struct Ended {
+    /// A close request met on the way (the jobs before it are committed
+    /// first).
+    closing: Option<oneshot::Sender<()>>,
+    /// Its transaction failed and `ROLLBACK` failed too: the connection
+    /// may still be inside it.
+    left_open: bool,
 }
 
 /// The first row of `query`, stepped to its end. `fetch_optional` stops
@@ -221,13 +276,12 @@ async fn run_one(
 }
 
 /// One group commit of the jobs waiting (and those that arrive while it
-/// runs, up to [`MAX_BATCH`]). Returns a close request met on the way
-/// (the jobs before it are committed first).
+/// runs, up to [`MAX_BATCH`]).
 async fn batch(
     connection: &mut SqliteConnection,
     waiting: &mut VecDeque<Job>,
     queue: &mut mpsc::UnboundedReceiver<Job>,
-) -> Option<oneshot::Sender<()>> {
+) -> Ended {
     let mut answers = Vec::with_capacity(waiting.len());
     let mut closing = None;
     let mut failure = sqlx::query("BEGIN IMMEDIATE")
@@ -269,23 +323,23 @@ async fn batch(
     if failure.is_none() {
         failure = sqlx::query("COMMIT").execute(&mut *connection).await.err();
     }
+    let mut left_open = false;
     match failure {
         None => answers.into_iter().for_each(Answer::send),
         Some(error) => {
             // Whatever SQLite already undid, nothing of this batch stays.
-            let _ = sqlx::query("ROLLBACK").execute(&mut *connection).await;
+            // A rollback that fails may leave the transaction open (an I/O
+            // error), or find none (SQLite undid it itself): either way
+            // the connection is replaced, so no later statement runs in it.
+            let rollback = sqlx::query("ROLLBACK").execute(&mut *connection).await;
+            left_open = rollback.is_err();
             let why = error.to_string();
             answers.into_iter().for_each(|answer| answer.fail(&why));
             // Jobs not yet run (a failed BEGIN) are answered with the same
             // failure, never run outside a transaction.
-            for job in waiting.drain(..) {
-                match job {
-                    Job::Scalar(_, to) => drop(to.send(Err(batch_failed(&why)))),
-                    Job::Execute(_, to) => drop(to.send(Err(batch_failed(&why)))),
-                    Job::Close(to) => closing = closing.or(Some(to)),
-                }
-            }
+            let queued = fail_all(waiting, &why);
+            closing = closing.or(queued);
         }
     }
-    closing
+    Ended { closing, left_open }
 }
