@@ -251,7 +251,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let mut conf = ServerConf::new().ok_or("Pingora configuration")?;
     conf.threads = settings.threads;
     // The shutdown thread (`shutdown.rs`) exits at `shutdown_timeout`, and
-    // up to half a second later once it stored what it abandons; Pingora's
+    // up to a second later once it stored what it abandons; Pingora's
     // own grace period is the backstop, in whole seconds: rounded up, with
     // two to spare, so that it never ends the process (status 0, nothing
     // stored) before that thread does.

@@ -212,9 +212,11 @@ impl Signals {
 
 /// SIGINT, in a drain or not: exits at once with status 130, what is in
 /// flight (`in_flight` requests) abandoned, the log written first. The
-/// engine's drain is given no time to wait, only its marking: each
-/// execution that reached its upstream gets "executed, outcome unknown"
-/// (504) stored within half a second, and no reservation acts after it, so
+/// engine's drain is given no time to wait, only its marking: an answer
+/// being stored is given half a second to land, then
+/// each execution that reached its upstream gets "executed, outcome
+/// unknown" (504) stored within half a second more, and no reservation
+/// acts after it, so
 /// an interrupted proxy never leaves a retry a request to run again (it
 /// did: the key stayed in flight, unmarked, until its lease ran out). The
 /// drain runs on the engine's runtime (`engine.1`), whose connections the

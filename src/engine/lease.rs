@@ -94,9 +94,6 @@ struct Held {
     /// Its outcome, of this status, is being stored: the store may
     /// already say "not in flight", which is then no lost lease.
     settling: Option<http::StatusCode>,
-    /// Its outcome's first attempt at the store ended ([`Lease::markable`]):
-    /// a drain marks it without waiting for it.
-    markable: bool,
     /// Its request reached (or is reaching) the upstream: it may act.
     acting: bool,
     /// Until when the store holds the lease for certain: the lease's
@@ -221,15 +218,14 @@ impl Leases {
         settling
     }
 
-    /// How many outcomes held now are on their first attempt at the store
-    /// (settling, not yet [`Lease::markable`]): a drain lets them land
-    /// before it marks.
-    pub(super) fn first_saves(&self) -> usize {
+    /// How many outcomes held now are being stored (settling): a drain
+    /// lets them land before it marks.
+    pub(super) fn storing(&self) -> usize {
         let runtimes = lock(&self.runtimes);
-        let first = |held: &&Held| held.settling.is_some() && !held.markable;
+        let storing = |held: &&Held| held.settling.is_some();
         runtimes
             .iter()
-            .map(|renewer| lock(&renewer.state).held.values().filter(first).count())
+            .map(|renewer| lock(&renewer.state).held.values().filter(storing).count())
             .sum()
     }
 
@@ -299,19 +295,6 @@ impl Lease {
             held.settling = Some(status);
         }
     }
-
-    /// Lets a drain store "executed, response not stored" in place of the
-    /// outcome being stored without waiting for it: its first attempt
-    /// failed (its client has the answer; the store may take a small
-    /// marker where it refused the answer), or the outcome is a marker
-    /// itself (an heir's). Before, a drain first gives the attempt the
-    /// markers' budget to land: a marker overtaking it would cost a working
-    /// store's replay.
-    pub(super) fn markable(&self) {
-        if let Some(held) = lock(&self.renewer.state).held.get_mut(&self.id) {
-            held.markable = true;
-        }
-    }
 }
 
 impl Renewer {
@@ -339,7 +322,6 @@ impl Renewer {
                 renew_at,
                 attempts: 0,
                 settling: None,
-                markable: false,
                 acting: false,
                 certain_until,
             },

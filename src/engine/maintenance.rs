@@ -11,8 +11,8 @@ use tokio::sync::Notify;
 use super::Engine;
 use crate::store::{OwnerToken, ScopeKey, StoreError};
 
-/// How long a drain's end gives the store: first for answers on their
-/// first attempt to land, then for its markers.
+/// How long a drain's end gives the store: first for the answers being
+/// stored to land, then for its markers.
 const MARK_BUDGET: Duration = Duration::from_millis(500);
 
 /// The engine's work that outlives its request: an outcome whose storing
@@ -71,13 +71,16 @@ impl Engine {
     /// accepting and its requests ended (they may leave such work behind).
     /// Work started while it waits is waited for too.
     ///
-    /// What is still pending at the timeout is abandoned: each background
-    /// task is logged (its scope's short hash only) and listed in the
-    /// report; each execution still running whose request reached the
-    /// upstream gets "executed, outcome unknown" (504) stored as its key's
-    /// outcome, within half a second more, so no retry runs it again (an
-    /// answer it finishes at that very moment may lose to that 504), and
-    /// every execution still running is logged by its scope's short hash.
+    /// What is still pending at the timeout is abandoned: an answer being
+    /// stored is given half a second to land; then each
+    /// background task is logged (its scope's short hash only) and listed
+    /// in the report; each execution still running whose request reached
+    /// the upstream gets "executed, outcome unknown" (504) stored as its
+    /// key's outcome, and each answer still being stored "executed,
+    /// response not stored", within half a second more, so no retry runs
+    /// it again (an answer it finishes at that very moment may lose to
+    /// that marker), and every execution still running is logged by its
+    /// scope's short hash.
     /// The work itself goes on as long as its runtime does. Call it only
     /// once the process stops serving: what it marks is given up. From its
     /// end on (and from the moment it found nothing left to wait for), no
@@ -114,7 +117,17 @@ impl Engine {
         // that reserved its key now never reaches its upstream (503,
         // released), since it would not be marked.
         self.inner.leases.close();
-        let held = held();
+        let mut held = held();
+        if held > 0 {
+            // An answer being stored (on its first attempt, or retried
+            // after a failure) most often lands within milliseconds, and a
+            // marker overtaking it would cost its replay: it is given the
+            // markers' budget to land. One still on its way then is marked
+            // like the rest, since the process is going away and would
+            // leave its key in flight.
+            self.await_stored().await;
+            held = self.inner.metrics.in_flight().max(0) as usize;
+        }
         let mut marked = 0;
         let mut marked_keys = Vec::new();
         if held > 0 {
@@ -122,15 +135,13 @@ impl Engine {
                 reservations = held,
                 "idempotency shutdown abandoned executions still running"
             );
-            // An answer on its first attempt at the store is most often
-            // stored within milliseconds, and a marker overtaking it would
-            // cost its replay: it is given the markers' budget to land.
-            // One still on its way then is marked like the rest, since the
-            // process is going away and would leave its key in flight.
-            self.await_first_saves().await;
+            // Running first, then settling: a lease only moves from the
+            // one to the other, so each is in one list at least (in both,
+            // the second marker is refused).
+            let running = self.inner.leases.running();
             let settling = self.inner.leases.settling();
             let settling_keys: Vec<ScopeKey> = settling.iter().map(|s| s.0).collect();
-            marked_keys = self.mark_abandoned(settling).await;
+            marked_keys = self.mark_abandoned(running, settling).await;
             marked = marked_keys.len();
             let mut keys: Vec<ScopeKey> = self.inner.leases.keys();
             keys.sort_by_key(ScopeKey::short);
@@ -155,7 +166,7 @@ impl Engine {
                         tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; its key frees when its lease expires")
                     }
                     (false, true) => {
-                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an answer still being stored; its key frees when its lease expires")
+                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an answer still being stored; unless it lands, its key frees when its lease expires")
                     }
                 }
             }
@@ -193,25 +204,23 @@ impl Engine {
     /// stored" for each whose answer is still being stored, as its owner,
     /// within [`MARK_BUDGET`]: the process is going away, and the upstream
     /// may have acted or may still, so no retry may run it again once the
-    /// lease runs out. `settling` is [`Leases::settling`](super::lease::Leases::settling),
-    /// taken once by the caller. Returns the keys a marker was stored for.
+    /// lease runs out. `running` and `settling` are
+    /// [`Leases::running`](super::lease::Leases::running) and
+    /// [`Leases::settling`](super::lease::Leases::settling), taken by the
+    /// caller in that order. Returns the keys a marker was stored for.
     async fn mark_abandoned(
         &self,
+        running: Vec<(ScopeKey, OwnerToken, Duration)>,
         settling: Vec<(ScopeKey, OwnerToken, Duration, http::StatusCode)>,
     ) -> Vec<ScopeKey> {
         let detail = "The server shut down while the request was being executed; it may or may \
                       not have taken effect, and it will not be executed again with this key.";
         let kind = crate::problem::ProblemKind::UpstreamTimeout;
         let mut calls = tokio::task::JoinSet::new();
-        let running = self
-            .inner
-            .leases
-            .running()
-            .into_iter()
-            .map(|(key, owner, ttl)| {
-                let outcome = self.seal(&key, super::execution::unknown(kind, detail));
-                (key, owner, ttl, outcome)
-            });
+        let running = running.into_iter().map(|(key, owner, ttl)| {
+            let outcome = self.seal(&key, super::execution::unknown(kind, detail));
+            (key, owner, ttl, outcome)
+        });
         // An answer still being stored (its client has it; the store kept
         // refusing it) gets the small "executed, response not stored"
         // marker instead, which a store that takes fresh calls may still
@@ -238,16 +247,17 @@ impl Engine {
         marked
     }
 
-    /// Waits, for up to [`MARK_BUDGET`], until no answer is on its first
-    /// attempt at the store ([`Leases::first_saves`](super::lease::Leases::first_saves)).
-    async fn await_first_saves(&self) {
+    /// Waits, for up to [`MARK_BUDGET`], until no answer is being stored
+    /// ([`Leases::storing`](super::lease::Leases::storing)): each that lands
+    /// ends its reservation or its background task, which wakes it.
+    async fn await_stored(&self) {
         let deadline = tokio::time::Instant::now() + MARK_BUDGET;
         loop {
             let ended = self.inner.background.ended.notified();
             let mut ended = std::pin::pin!(ended);
             // Registered before looking, so an end in between is not missed.
             ended.as_mut().enable();
-            if self.inner.leases.first_saves() == 0 {
+            if self.inner.leases.storing() == 0 {
                 return;
             }
             if tokio::time::timeout_at(deadline, ended).await.is_err() {
@@ -287,12 +297,16 @@ pub struct DrainReport {
     /// timeout (empty: all ended). Such a key stays in flight until its
     /// lease runs out; a retry after that executes again.
     pub abandoned: Vec<String>,
-    /// Reservations still held at the timeout (executions still running).
+    /// Reservations still held at the timeout (executions still running,
+    /// answers still being stored), once the answers being stored were
+    /// given their half second to land.
     pub held: usize,
-    /// Of those, how many the drain stored as "executed, outcome unknown"
-    /// (504 `upstream-timeout`): no retry runs them again. The others (the
-    /// store did not answer in time) free their keys when their leases
-    /// run out, and a retry after that executes again.
+    /// Of those, how many the drain stored a marker for: "executed, outcome
+    /// unknown" (504 `upstream-timeout`) for an execution still running,
+    /// "executed, response not stored" for an answer still being stored.
+    /// No retry runs them again. The others (the store did not answer in
+    /// time) free their keys when their leases run out, and a retry after
+    /// that executes again.
     pub marked: usize,
 }
 

@@ -304,7 +304,6 @@ impl Reservation {
                 // makes a late success harmless. A graceful shutdown waits
                 // for it (`Engine::drain`).
                 let task = self.engine.background_task(self.key, "storing an outcome");
-                self.lease.markable();
                 tokio::spawn(async move {
                     let _task = task;
                     let lease = self.policy.policy().lease;
@@ -480,7 +479,6 @@ impl Drop for Reservation {
             // Seen by a drain from here on, before its task first runs: it
             // stands for an execution that reached its upstream.
             heir.lease.settling(status);
-            heir.lease.markable();
             // Only now is this one's lease forgotten: at every instant a
             // drain finds the key in its lists, under this lease or the
             // heir's (marking it twice is harmless: the second is refused).

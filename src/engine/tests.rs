@@ -1142,11 +1142,14 @@ async fn a_drain_marks_an_answer_still_being_stored() {
     faults.set(Op::Complete, Fault::Down);
     created(reservation).await;
     assert_eq!(engine.pending_background(), 1, "the completion is pending");
-    // The store answers again just before the drain's deadline, between
-    // two of the background attempts (10, 20, 40, … 200 ms apart).
+    // The background attempts go at 10, 30, 70, 150, 310, 510 ms, then
+    // every 200 ms (1,110, 1,310, 1,510 ms). The drain's deadline is 1 s,
+    // and its wait for the answer to land ends at 1.5 s: the store
+    // answers again just before, and the drain's marker, sent then, is
+    // the first call it takes.
     let healed = faults.clone();
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(950)).await;
+        tokio::time::sleep(Duration::from_millis(1450)).await;
         healed.clear(Op::Complete);
     });
     let report = engine.drain(Duration::from_secs(1)).await;
@@ -1162,8 +1165,9 @@ async fn a_drain_marks_an_answer_still_being_stored() {
 /// From a review of that marker: it was stored for every answer being
 /// stored, the first attempt too, so on a slow but working store (or at
 /// SIGINT, which drains at once) the small marker overtook the answer and
-/// retries got 409 where they should replay. Only an answer whose first
-/// attempt failed is marked; one still on its way lands and replays.
+/// retries got 409 where they should replay. An answer on its first
+/// attempt is given half a second to land before it is marked: this one
+/// lands, and replays.
 #[tokio::test(start_paused = true)]
 async fn a_drain_never_races_an_answer_on_its_first_attempt() {
     let (engine, faults, policy, reservation) = reserved_over_faulty().await;
@@ -1171,8 +1175,28 @@ async fn a_drain_never_races_an_answer_on_its_first_attempt() {
     let storing = tokio::spawn(async move { created(reservation).await });
     tokio::time::sleep(Duration::from_millis(10)).await;
     let report = engine.drain(Duration::ZERO).await;
-    assert_eq!(report.marked, 0, "{report:?}");
+    // Landed within the drain: nothing abandoned (a proxy exits 0).
+    assert_eq!((report.held, report.marked), (0, 0), "{report:?}");
     let _ = storing.await;
+    let Decision::Respond(response) = begin(&engine, &policy, "k").await else {
+        panic!("the retry executed again");
+    };
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(response.headers()[REPLAYED_HEADER], "true");
+}
+
+/// From the review of that wait: it covered first attempts only, so an
+/// answer whose first attempt failed (the store down a moment) was marked
+/// at once, racing the retry about to store it, and retries got 409 where
+/// they could replay. Every answer being stored is given the wait.
+#[tokio::test(start_paused = true)]
+async fn a_drain_gives_an_answer_being_retried_time_to_land() {
+    let (engine, faults, policy, reservation) = reserved_over_faulty().await;
+    faults.set_next(Op::Complete, Fault::Down, 1);
+    created(reservation).await;
+    assert_eq!(engine.pending_background(), 1, "the completion is retried");
+    let report = engine.drain(Duration::ZERO).await;
+    assert_eq!((report.held, report.marked), (0, 0), "{report:?}");
     let Decision::Respond(response) = begin(&engine, &policy, "k").await else {
         panic!("the retry executed again");
     };
@@ -1225,9 +1249,9 @@ async fn a_drain_marks_an_heir_before_its_task_runs() {
         recorder.chunk(&Bytes::from_static(b"order 1")).await,
         Flow::Record
     );
-    // The heir's own first attempt fails (the process is going away),
-    // so only the drain's marker can keep the key.
-    faults.set_next(Op::Complete, Fault::Down, 1);
+    // The heir's own first attempt hangs past the drain's wait (the
+    // process is going away), so only the drain's marker can keep the key.
+    faults.set_next(Op::Complete, Fault::Stall(Duration::from_secs(10)), 1);
     drop(recorder);
     let report = engine.drain(Duration::ZERO).await;
     assert_eq!(report.marked, 1, "{report:?}");
