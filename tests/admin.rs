@@ -250,6 +250,72 @@ async fn purge_principal_removes_one_callers_records(store: Arc<dyn Store>) {
     }
 }
 
+/// From a review of the operator's side: a release named the key alone,
+/// so one sent for a holder the operator saw stuck (its lease run out)
+/// deleted the record of the retry that had taken the key over since,
+/// and the next retry ran beside it. Released by the holder it names, the
+/// key stays the taker's.
+async fn a_release_for_a_holder_spares_the_one_that_took_over(store: Arc<dyn Store>) {
+    use std::time::Duration;
+    use tower_idempotency::store::{Claim, Holder, OwnerToken};
+
+    let engine = engine(store.clone());
+    let scope = fixtures::random_key();
+    let fingerprint = fixtures::fingerprint(1);
+    let (stuck, taker) = (OwnerToken::random(), OwnerToken::random());
+    let long = Duration::from_secs(60);
+    let claim = store
+        .reserve(
+            &scope,
+            &fingerprint,
+            &stuck,
+            Duration::from_millis(100),
+            long,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+    let listed = engine
+        .in_flight_older_than(Duration::ZERO, 10)
+        .await
+        .unwrap();
+    let seen = listed
+        .iter()
+        .find(|info| info.key == scope)
+        .and_then(|info| info.holder())
+        .expect("the stuck holder listed");
+    assert_eq!(seen, Holder::of(&stuck));
+    // The stuck holder's lease runs out; a retry takes the key over.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let claim = store
+        .reserve(&scope, &fingerprint, &taker, long, long)
+        .await
+        .unwrap();
+    assert!(
+        matches!(claim, Claim::Acquired { takeover: true }),
+        "{claim:?}"
+    );
+    assert!(!engine.force_release_held_by(&scope, seen).await.unwrap());
+    let record = engine.inspect(&scope).await.unwrap().expect("kept");
+    assert_eq!(
+        (record.state, record.holder()),
+        (KeyState::InFlight, Some(Holder::of(&taker)))
+    );
+    assert!(engine
+        .force_release_held_by(&scope, Holder::of(&taker))
+        .await
+        .unwrap());
+    assert!(engine.inspect(&scope).await.unwrap().is_none());
+    // The taker is fenced off: its answer is not stored.
+    let outcome = tower_idempotency::store::Outcome::TooLarge {
+        status: StatusCode::CREATED,
+    };
+    assert!(!store
+        .complete(&scope, &taker, &outcome, long)
+        .await
+        .unwrap());
+}
+
 macro_rules! on_every_store {
     ($($test:ident),*) => {
         mod memory {
@@ -284,6 +350,7 @@ macro_rules! on_every_store {
 on_every_store!(
     lookup_finds_what_a_live_request_stored,
     force_release_fences_the_first_execution,
+    a_release_for_a_holder_spares_the_one_that_took_over,
     purge_principal_removes_one_callers_records
 );
 

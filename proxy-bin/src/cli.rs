@@ -85,9 +85,18 @@ enum KeysCommand {
     Purge(TargetArgs),
     /// Delete every record stored for one caller.
     PurgePrincipal(PrincipalArgs),
-    /// Release an in-flight key whoever holds it; its holder's response
-    /// will not be stored, and the next request with the key runs.
-    Release(TargetArgs),
+    /// Release an in-flight key whoever holds it (or, with --holder, only
+    /// while that holder still does); its holder's response will not be
+    /// stored, and the next request with the key runs.
+    Release {
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Release only while this holder (16 hex characters, as `lookup`
+        /// and `in-flight` print it) still holds the key: a retry that took
+        /// it over since keeps it.
+        #[arg(long, value_name = "HEX")]
+        holder: Option<String>,
+    },
     /// List keys in flight for at least some time, oldest first.
     InFlight {
         /// The least age, such as 30s or 5m.
@@ -242,7 +251,12 @@ impl KeysCommand {
                 body: *body,
             },
             KeysCommand::Purge(target) => Op::Purge(target.target()?),
-            KeysCommand::Release(target) => Op::Release(target.target()?),
+            KeysCommand::Release { target, holder } => Op::Release {
+                target: target.target()?,
+                holder: holder.as_deref().map(str::parse).transpose().map_err(
+                    |error: keys::HolderError| Failure::Input(format!("--holder: {error}")),
+                )?,
+            },
             KeysCommand::PurgePrincipal(principal) => {
                 Op::PurgePrincipal(principal.input()?.ok_or_else(|| {
                     Failure::Input(

@@ -12,7 +12,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tower_idempotency::engine::{AdminError, RequestHead};
 use tower_idempotency::policy::principal::jwt_principal_in;
-use tower_idempotency::store::{Outcome, RecordInfo, ScopeKey};
+pub use tower_idempotency::store::HolderError;
+use tower_idempotency::store::{Holder, Outcome, RecordInfo, ScopeKey};
 use tower_idempotency::Engine;
 
 /// What a client sent, as far as its key's scope goes.
@@ -125,7 +126,7 @@ impl Op {
     /// records, or none.
     pub fn computes_scopes(&self) -> bool {
         match self {
-            Op::Lookup { target, .. } | Op::Purge(target) | Op::Release(target) => {
+            Op::Lookup { target, .. } | Op::Purge(target) | Op::Release { target, .. } => {
                 matches!(target, Target::Query(_))
             }
             Op::PurgePrincipal(_) => true,
@@ -150,7 +151,13 @@ pub enum Op {
     /// Delete every record of one principal.
     PurgePrincipal(PrincipalInput),
     /// Release an in-flight key, fencing its holder off.
-    Release(Target),
+    Release {
+        /// Which record.
+        target: Target,
+        /// Only while this holder (as a lookup or the in-flight list
+        /// showed it) still holds it.
+        holder: Option<Holder>,
+    },
     /// In-flight records at least this old.
     InFlight {
         /// The least age.
@@ -271,14 +278,22 @@ pub async fn run(engine: &Engine, op: Op) -> Result<Value, Failure> {
             let purged = engine.purge_principal(&principal.bytes()).await?;
             Ok(json!({ "purged": purged }))
         }
-        Op::Release(target) => {
+        Op::Release { target, holder } => {
             let (scope, _) = scope(engine, &target)?;
-            let released = engine.force_release(&scope).await?;
+            let released = match holder {
+                Some(holder) => engine.force_release_held_by(&scope, holder).await?,
+                None => engine.force_release(&scope).await?,
+            };
             let mut answer = json!({ "scope": scope.to_hex(), "released": released });
             if !released {
-                // Say why: absent, or completed (purge it instead).
+                // Say why: absent, completed (purge it instead), or held by
+                // another holder now (a retry took it over).
                 let record = engine.inspect(&scope).await?;
-                answer["state"] = json!(record.map_or("absent", |info| info.state.as_str()));
+                answer["state"] =
+                    json!(record.as_ref().map_or("absent", |info| info.state.as_str()));
+                if let Some(now) = record.as_ref().and_then(RecordInfo::holder) {
+                    answer["holder"] = json!(now.to_string());
+                }
             }
             Ok(answer)
         }
@@ -442,6 +457,7 @@ fn describe(scope: ScopeKey, record: Option<&RecordInfo>) -> Value {
     answer["body_bytes"] = json!(info.body_bytes);
     answer["header_bytes"] = json!(info.header_bytes);
     answer["principal_kept"] = json!(info.has_principal);
+    answer["holder"] = json!(info.holder().map(|holder| holder.to_string()));
     answer
 }
 

@@ -275,10 +275,36 @@ async fn an_operator_frees_a_stuck_key_and_the_first_answer_is_not_stored() {
     assert_eq!(found["state"], "in_flight");
     assert!(found["lease_remaining_seconds"].as_f64().unwrap() > 0.0);
     assert_eq!(found["scope"], records[0]["scope"]);
-    let released = operator(&proxy, "POST", "/keys/release", query.clone())
+    // Released only while the holder the operator saw still holds it (a
+    // retry taking it over since keeps it): another holder is refused.
+    let holder = records[0]["holder"].as_str().expect("a holder").to_owned();
+    assert_eq!(holder.len(), 16, "{listed}");
+    assert_eq!(found["holder"], holder.as_str());
+    let mut fenced = query.clone();
+    let other = if holder == "0000000000000000" {
+        "1"
+    } else {
+        "0"
+    }
+    .repeat(16);
+    fenced["holder"] = json!(other);
+    let refused = operator(&proxy, "POST", "/keys/release", fenced.clone())
         .await
         .json();
-    assert_eq!(released["released"], true);
+    assert_eq!(
+        (&refused["released"], &refused["state"], &refused["holder"]),
+        (&json!(false), &json!("in_flight"), &json!(holder)),
+        "{refused}"
+    );
+    fenced["holder"] = json!("not hex");
+    let bad = operator(&proxy, "POST", "/keys/release", fenced.clone()).await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    assert!(bad.text().contains("holder"), "{}", bad.text());
+    fenced["holder"] = json!(holder);
+    let released = operator(&proxy, "POST", "/keys/release", fenced)
+        .await
+        .json();
+    assert_eq!(released["released"], true, "{released}");
 
     let rerun = proxy.send("POST", "/hold-first", &headers, "x").await;
     assert_eq!(
@@ -392,6 +418,10 @@ async fn the_command_line_works_on_a_store(name: &str, store: &str) {
     );
     let (_, listed, _) = run(&["in-flight", "--older-than", "0s"]);
     assert_eq!(listed["records"].as_array().unwrap().len(), 1, "{listed}");
+    let holder = listed["records"][0]["holder"]
+        .as_str()
+        .expect("a holder")
+        .to_owned();
 
     let alice = [
         "--key",
@@ -429,7 +459,22 @@ async fn the_command_line_works_on_a_store(name: &str, store: &str) {
         "--host",
         "127.0.0.1",
     ];
-    let (code, released, log) = run(&[&["release"][..], &stuck].concat());
+    let other = if holder == "0000000000000000" {
+        "1"
+    } else {
+        "0"
+    }
+    .repeat(16);
+    let (code, refused, log) = run(&[&["release", "--holder", &other][..], &stuck].concat());
+    assert_eq!(
+        (code, &refused["released"], &refused["holder"]),
+        (0, &json!(false), &json!(holder)),
+        "{log}"
+    );
+    let (code, _, log) = run(&[&["release", "--holder", "xyz"][..], &stuck].concat());
+    assert_ne!(code, 0, "{log}");
+    assert!(log.contains("--holder"), "{log}");
+    let (code, released, log) = run(&[&["release", "--holder", &holder][..], &stuck].concat());
     assert_eq!((code, &released["released"]), (0, &json!(true)), "{log}");
     let scope = found["scope"].as_str().unwrap();
     let (_, purged, _) = run(&["purge", "--scope", scope]);

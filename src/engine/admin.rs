@@ -18,7 +18,7 @@ use crate::key;
 use crate::policy::principal::Resolved;
 use crate::policy::Policy;
 use crate::store::{
-    Admin, KeyState, Outcome, RecordInfo, RecordState, ScopeKey, StateCounts, StoreError,
+    Admin, Holder, KeyState, Outcome, RecordInfo, RecordState, ScopeKey, StateCounts, StoreError,
 };
 
 /// How many records one purge statement deletes at most (a principal's
@@ -263,6 +263,33 @@ impl Engine {
         let admin = self.admin()?;
         let released = self.store_call(admin.force_release(scope)).await?;
         tracing::warn!(target: "tower_idempotency::admin", key = %scope.short(), released, "idempotency key force-released");
+        Ok(released)
+    }
+
+    /// [`force_release`](Engine::force_release), only while `holder` (as
+    /// [`inspect`](Engine::inspect) or [`in_flight_older_than`](Engine::in_flight_older_than)
+    /// showed it) still holds the key: the release is the store's
+    /// owner-checked one, so a retry that took the key over since the
+    /// operator looked (its holder's lease had run out) keeps it, and
+    /// never runs beside a third execution. Returns whether it was released:
+    /// not when the key is absent, completed, or held by another holder
+    /// now (or the store does not report holders).
+    pub async fn force_release_held_by(
+        &self,
+        scope: &ScopeKey,
+        holder: Holder,
+    ) -> Result<bool, AdminError> {
+        let admin = self.admin()?;
+        let record = self.store_call(admin.inspect(scope)).await?;
+        let owner = record.as_ref().and_then(RecordInfo::owner);
+        let released = match owner {
+            Some(owner) if Holder::of(owner) == holder => {
+                self.store_call(self.inner.store.release(scope, owner))
+                    .await?
+            }
+            _ => false,
+        };
+        tracing::warn!(target: "tower_idempotency::admin", key = %scope.short(), %holder, released, "idempotency key force-released");
         Ok(released)
     }
 

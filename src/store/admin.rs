@@ -138,6 +138,9 @@ pub struct RecordInfo {
     /// Whether it was stored with a principal's hash (so
     /// [`Admin::purge_principal`] reaches it).
     pub has_principal: bool,
+    /// In flight: the holder's owner token ([`RecordInfo::held_by`]); shown
+    /// to operators only as its [`Holder`].
+    owner: Option<OwnerToken>,
 }
 
 impl RecordInfo {
@@ -155,9 +158,79 @@ impl RecordInfo {
             body_bytes: None,
             header_bytes: None,
             has_principal: false,
+            owner: None,
         }
     }
+
+    /// The record held by `owner` (an in-flight record's current holder):
+    /// stores that report it let an operator release the key only while
+    /// the holder they saw still holds it
+    /// ([`Engine::force_release_held_by`](crate::Engine::force_release_held_by)).
+    pub fn held_by(mut self, owner: OwnerToken) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// Who holds it, in flight (`None` once completed, or from a store that
+    /// does not report holders). A takeover changes it.
+    pub fn holder(&self) -> Option<Holder> {
+        self.owner.as_ref().map(Holder::of)
+    }
+
+    /// The holder's owner token (the engine's owner-checked release).
+    pub(crate) fn owner(&self) -> Option<&OwnerToken> {
+        self.owner.as_ref()
+    }
 }
+
+/// Who holds an in-flight record, as an operator names it: the first 8
+/// bytes of a SHA-256 of the holder's owner token, never the token itself
+/// (which fences the holder's writes). Each reservation and each takeover
+/// draws a new token, so a holder seen in a listing names that execution
+/// only. Printed and parsed as 16 hex characters.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Holder(pub [u8; 8]);
+
+impl Holder {
+    /// The holder of `owner`.
+    pub fn of(owner: &OwnerToken) -> Self {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::new()
+            .chain_update(b"tower-idempotency holder\0")
+            .chain_update(owner.as_bytes())
+            .finalize();
+        let mut holder = [0u8; 8];
+        holder.copy_from_slice(&digest[..8]);
+        Holder(holder)
+    }
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
+}
+
+impl fmt::Debug for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Holder({self})")
+    }
+}
+
+impl FromStr for Holder {
+    type Err = HolderError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let mut holder = [0u8; 8];
+        hex::decode_to_slice(text, &mut holder).map_err(|_| HolderError)?;
+        Ok(Holder(holder))
+    }
+}
+
+/// A holder that is not 16 hex characters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("a holder is 16 hex characters, as a lookup or the in-flight list prints it")]
+pub struct HolderError;
 
 /// How many records a store holds, by state. Counting reads every record:
 /// an operator's question, not a request path's.

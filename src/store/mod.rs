@@ -20,7 +20,9 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
 mod admin;
-pub use admin::{Admin, KeyState, PrincipalHash, RecordInfo, ScopeKeyError, StateCounts};
+pub use admin::{
+    Admin, Holder, HolderError, KeyState, PrincipalHash, RecordInfo, ScopeKeyError, StateCounts,
+};
 #[cfg(feature = "test-util")]
 pub mod conformance;
 #[cfg(any(test, feature = "test-util"))]

@@ -140,7 +140,8 @@ macro_rules! info_columns {
            AS expires_in_us,
        (extract(epoch FROM greatest(lease_expires_at - now(), interval '0')) * 1000000)::bigint
            AS lease_remaining_us,
-       principal IS NOT NULL AS has_principal
+       principal IS NOT NULL AS has_principal,
+       owner
 FROM idempotency_records"
     };
 }

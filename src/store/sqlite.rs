@@ -96,7 +96,8 @@ macro_rules! info_columns {
        CAST(max(expires_at - unixepoch('subsec'), 0) * 1e6 AS INTEGER) AS expires_in_us,
        CAST(max(lease_expires_at - unixepoch('subsec'), 0) * 1e6 AS INTEGER)
            AS lease_remaining_us,
-       principal IS NOT NULL AS has_principal
+       principal IS NOT NULL AS has_principal,
+       owner
 FROM idempotency_records"
     };
 }

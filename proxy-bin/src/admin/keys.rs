@@ -5,7 +5,7 @@
 //! | `POST /keys/lookup` | `{key, path, method?, host?, headers?, principal?, body?}` or `{scope, body?}` | the record: state, times, status, sizes (the stored response only with `"body": true`) |
 //! | `POST /keys/purge` | as lookup | `{scope, purged}` |
 //! | `POST /keys/purge-principal` | `{principal}` | `{purged: n}` |
-//! | `POST /keys/release` | as lookup | `{scope, released}` (and `state` when not released) |
+//! | `POST /keys/release` | as lookup, and optional `holder` | `{scope, released}` (and `state`, `holder` when not released) |
 //! | `GET /keys/in-flight` | `?older_than=30s&limit=100` | `{records: [...]}` |
 //! | `GET /keys/counts` | | records by state |
 //!
@@ -135,6 +135,21 @@ async fn parse(session: &mut ServerSession, path: &str, query: &str) -> Result<O
             ))
         }
     };
+    let holder = match body
+        .as_object_mut()
+        .and_then(|fields| fields.remove("holder"))
+    {
+        None | Some(Value::Null) => None,
+        Some(Value::String(text)) if path == "release" => Some(
+            text.parse()
+                .map_err(|error: keys::HolderError| Failure::Input(format!("holder: {error}")))?,
+        ),
+        Some(_) => {
+            return Err(Failure::Input(
+                "holder: expected 16 hex characters (release only)".into(),
+            ))
+        }
+    };
     let target = Target::from_json(body)?;
     Ok(match path {
         "lookup" => Op::Lookup {
@@ -142,7 +157,7 @@ async fn parse(session: &mut ServerSession, path: &str, query: &str) -> Result<O
             body: with_body,
         },
         "purge" => Op::Purge(target),
-        _ => Op::Release(target),
+        _ => Op::Release { target, holder },
     })
 }
 

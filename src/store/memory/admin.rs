@@ -31,6 +31,9 @@ impl Entry {
         info.expires_in = self.expires_at.saturating_duration_since(now);
         info.lease_remaining = lease_remaining;
         info.has_principal = self.principal.is_some();
+        if let State::InFlight { owner, .. } = &self.state {
+            info = info.held_by(*owner);
+        }
         if let State::Completed(outcome) = &self.state {
             info.status = outcome.status();
             if let Outcome::Stored(response) = outcome {

@@ -7,7 +7,9 @@ use std::time::Duration;
 use http::StatusCode;
 
 use super::INCOMPLETE_MARKER;
-use crate::store::{Fingerprint, KeyState, RecordInfo, ScopeKey, StateCounts, StoreError};
+use crate::store::{
+    Fingerprint, KeyState, OwnerToken, RecordInfo, ScopeKey, StateCounts, StoreError,
+};
 
 /// The operator's statements of one SQL dialect. Every field must be
 /// given, so a dialect that lacks one is a compile error naming it.
@@ -52,6 +54,8 @@ pub(in crate::store) struct InfoRow {
     expires_in_us: i64,
     lease_remaining_us: Option<i64>,
     has_principal: bool,
+    /// An in-flight row's owner token.
+    owner: Option<Vec<u8>>,
 }
 
 fn micros(us: i64) -> Duration {
@@ -91,6 +95,9 @@ impl InfoRow {
             info.header_bytes = self.header_bytes.map(|n| n.max(0) as u64);
         }
         info.has_principal = self.has_principal;
+        if let (KeyState::InFlight, Some(owner)) = (state, &self.owner) {
+            info = info.held_by(OwnerToken::from_slice(owner)?);
+        }
         Ok(info)
     }
 }
