@@ -282,6 +282,76 @@ mod tests {
     use super::*;
     use http::HeaderValue;
 
+    /// A fingerprint is a stored format: a change to its bytes would make
+    /// every retry after an upgrade a mismatch (422). Built here by hand
+    /// from the module's description (each part length-prefixed,
+    /// big-endian u64; the body tagged `R`, `F` or `J`), with SHA-256
+    /// directly, not by the code under test.
+    #[test]
+    fn the_fingerprint_is_the_documented_hash_of_its_parts() {
+        let part = |bytes: &[u8]| {
+            let mut out = (bytes.len() as u64).to_be_bytes().to_vec();
+            out.extend_from_slice(bytes);
+            out
+        };
+        let digest = |pieces: &[Vec<u8>]| -> [u8; 32] { Sha256::digest(pieces.concat()).into() };
+        let typed = |content_type: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+            headers
+        };
+        let of = |headers: &HeaderMap, names: &[HeaderName], path: &'static str, body: &str| {
+            fingerprint(
+                &Method::POST,
+                &Uri::from_static(path),
+                headers,
+                names,
+                body.as_bytes(),
+                Exclusions::default(),
+            )
+            .0
+        };
+        // Raw bytes, the path normalised, the query kept.
+        let raw = typed("application/octet-stream");
+        assert_eq!(
+            of(&raw, &[], "/upload//x/?v=2", "abc"),
+            digest(&[
+                part(b"POST"),
+                part(b"/upload/x?v=2"),
+                b"R".to_vec(),
+                part(b"abc")
+            ])
+        );
+        // A form: fields sorted by name; a fingerprinted header first.
+        let form = typed("application/x-www-form-urlencoded");
+        assert_eq!(
+            of(&form, &[header::CONTENT_TYPE], "/contact", "b=2&a=%31"),
+            digest(&[
+                part(b"POST"),
+                part(b"/contact"),
+                part(b"content-type"),
+                part(b"application/x-www-form-urlencoded"),
+                b"F".to_vec(),
+                part(b"a"),
+                part(b"1"),
+                part(b"b"),
+                part(b"2"),
+            ])
+        );
+        // JSON: members sorted, whitespace gone, the canonical text
+        // length-prefixed.
+        let json = typed("application/json");
+        assert_eq!(
+            of(&json, &[], "/orders", r#"{ "b": [1, 2], "a": "x" }"#),
+            digest(&[
+                part(b"POST"),
+                part(b"/orders"),
+                b"J".to_vec(),
+                part(br#"{"a":"x","b":[1,2]}"#),
+            ])
+        );
+    }
+
     fn canonical(input: &str) -> Option<String> {
         canonical_json(input.as_bytes(), &[]).map(|v| String::from_utf8(v).unwrap())
     }

@@ -836,10 +836,22 @@ proptest::proptest! {
         if has_other_readings(&path) {
             return Ok(());
         }
-        let Ok(routes) = Routes::new()
-            .route(&path, Policy::default().required(true))
-            .and_then(|routes| routes.route("/", Policy::default()))
-        else {
+        // The route is written as patterns are (no `//`, no trailing
+        // `/`), by hand rather than by the normaliser under test.
+        let mut pattern = path.clone();
+        while pattern.contains("//") {
+            pattern = pattern.replace("//", "/");
+        }
+        let pattern = match pattern.trim_end_matches('/') {
+            "" => "/",
+            trimmed => trimmed,
+        };
+        let routes = Routes::new()
+            .route(pattern, Policy::default().required(true))
+            .and_then(|routes| routes.route("/", Policy::default()));
+        let Ok(routes) = routes else {
+            // Only a table whose own route hides the catch-all.
+            proptest::prop_assert_eq!(pattern, "/");
             return Ok(());
         };
         let reached = Reached::default();

@@ -1001,10 +1001,15 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             continue;
         };
         let key = lookup.key;
+        // Only a record of the same caller's key could make it so: the
+        // checker's own scope, never the engine's key, is the judge (a key
+        // two callers share would otherwise earn one of them the other's
+        // 409 or 422).
+        let same_scope = |a: &StoreEvent| a.request.is_none_or(|r| scope(reqs[&r]) == scope(req));
         let met: Vec<&StoreEvent> = acquisitions
             .iter()
             .copied()
-            .filter(|a| a.key == key && a.request != Some(req.id))
+            .filter(|a| a.key == key && a.request != Some(req.id) && same_scope(a))
             .filter(|a| a.start.seq < lookup.end.seq)
             .filter(|a| {
                 !acquisitions.iter().any(|b| {
@@ -1034,7 +1039,9 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             "urn:tower-idempotency:response-incomplete" => history.execs.iter().any(|e| {
                 e.upstream == Upstream::MidBody
                     && acquired.get(&e.request).is_some_and(|a| {
-                        a.key == key && done_by(owner(a), Op::Complete, answered.at.seq)
+                        a.key == key
+                            && same_scope(a)
+                            && done_by(owner(a), Op::Complete, answered.at.seq)
                     })
             }),
             // Histories send no answer too large to store, nor a coded one:
@@ -1043,6 +1050,7 @@ pub fn check(schedule: &Schedule, history: &History) -> Vec<Violation> {
             "urn:tower-idempotency:response-not-stored" => history.execs.iter().any(|e| {
                 acquired.get(&e.request).is_some_and(|a| {
                     a.key == key
+                        && same_scope(a)
                         && done_by(owner(a), Op::Complete, answered.at.seq)
                         && history.storing_faulted.contains(&owner(a))
                 })
