@@ -364,7 +364,9 @@ fn finds(mutation: Mutation, rule: &str) {
     );
     // `a|b`: either rule.
     assert!(
-        violations.iter().any(|v| rule.split('|').any(|r| v.rule == r)),
+        violations
+            .iter()
+            .any(|v| rule.split('|').any(|r| v.rule == r)),
         "{mutation:?} was expected to break `{rule}`: {violations:#?}"
     );
 }

@@ -296,10 +296,14 @@ async fn an_operator_frees_a_stuck_key_and_the_first_answer_is_not_stored() {
         (&json!(false), &json!("in_flight"), &json!(holder)),
         "{refused}"
     );
-    fenced["holder"] = json!("not hex");
-    let bad = operator(&proxy, "POST", "/keys/release", fenced.clone()).await;
-    assert_eq!(bad.status, 400, "{}", bad.text());
-    assert!(bad.text().contains("holder"), "{}", bad.text());
+    // Neither a bad holder nor `null` (a lookup's answer for a record no
+    // one holds) is read as "whoever holds it".
+    for bad in [json!("not hex"), Value::Null, json!(7)] {
+        fenced["holder"] = bad;
+        let bad = operator(&proxy, "POST", "/keys/release", fenced.clone()).await;
+        assert_eq!(bad.status, 400, "{}", bad.text());
+        assert!(bad.text().contains("holder"), "{}", bad.text());
+    }
     fenced["holder"] = json!(holder);
     let released = operator(&proxy, "POST", "/keys/release", fenced)
         .await

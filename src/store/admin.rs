@@ -140,7 +140,18 @@ pub struct RecordInfo {
     pub has_principal: bool,
     /// In flight: the holder's owner token ([`RecordInfo::held_by`]); shown
     /// to operators only as its [`Holder`].
-    owner: Option<OwnerToken>,
+    owner: Option<HeldBy>,
+}
+
+/// An owner token that shows as its [`Holder`] (a record's `Debug` never
+/// prints the token).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct HeldBy(OwnerToken);
+
+impl fmt::Debug for HeldBy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        Holder::of(&self.0).fmt(f)
+    }
 }
 
 impl RecordInfo {
@@ -167,19 +178,19 @@ impl RecordInfo {
     /// the holder they saw still holds it
     /// ([`Engine::force_release_held_by`](crate::Engine::force_release_held_by)).
     pub fn held_by(mut self, owner: OwnerToken) -> Self {
-        self.owner = Some(owner);
+        self.owner = Some(HeldBy(owner));
         self
     }
 
     /// Who holds it, in flight (`None` once completed, or from a store that
     /// does not report holders). A takeover changes it.
     pub fn holder(&self) -> Option<Holder> {
-        self.owner.as_ref().map(Holder::of)
+        self.owner.as_ref().map(|held| Holder::of(&held.0))
     }
 
     /// The holder's owner token (the engine's owner-checked release).
     pub(crate) fn owner(&self) -> Option<&OwnerToken> {
-        self.owner.as_ref()
+        self.owner.as_ref().map(|held| &held.0)
     }
 }
 

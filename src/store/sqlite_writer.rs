@@ -94,7 +94,13 @@ fn batch_failed(why: &str) -> sqlx::Error {
 /// and refuses a value over its limits (`TOOBIG`, a response over the
 /// blob limit) or of the wrong type (`MISMATCH`) before writing it. Any
 /// other error (a full disk, I/O, `BUSY`, memory, an interrupt) may have
-/// rolled back the whole transaction, so the batch fails with it.
+/// rolled back the whole transaction, so the batch fails with it. *Limit:*
+/// a trigger's `RAISE(ROLLBACK)` or an `ON CONFLICT ROLLBACK` clause also
+/// answers `CONSTRAINT` but undoes the whole transaction; the statements
+/// after it then run on their own, and the batch's failed commit tells
+/// their callers of a failure although they are on disk (the harmless
+/// direction: the engine releases a reservation it was told failed). The
+/// store's schema has neither; a trigger an operator adds could.
 fn statement_only(error: &sqlx::Error) -> bool {
     let sqlx::Error::Database(database) = error else {
         return false;
@@ -209,7 +215,10 @@ async fn run(
         closing = ended.closing;
         if ended.left_open {
             tracing::error!("idempotency SQLite writer could not roll back a failed transaction; its connection is replaced");
-            if let Some(stale) = connection.take() {
+            // The new one opens first: a shared in-memory database lives
+            // only as long as some connection to it does.
+            let reopened = SqliteConnection::connect_with(&options).await.ok();
+            if let Some(stale) = std::mem::replace(&mut connection, reopened) {
                 let _ = stale.close().await;
             }
         }
@@ -288,6 +297,9 @@ async fn batch(
         .execute(&mut *connection)
         .await
         .err();
+    // A `BEGIN` that failed (the file lock held past the busy timeout)
+    // opened nothing for a rollback to close.
+    let begun = failure.is_none();
     let mut taken = 0;
     while failure.is_none() && closing.is_none() {
         let job = match waiting.pop_front() {
@@ -331,8 +343,10 @@ async fn batch(
             // A rollback that fails may leave the transaction open (an I/O
             // error), or find none (SQLite undid it itself): either way
             // the connection is replaced, so no later statement runs in it.
-            let rollback = sqlx::query("ROLLBACK").execute(&mut *connection).await;
-            left_open = rollback.is_err();
+            if begun {
+                let rollback = sqlx::query("ROLLBACK").execute(&mut *connection).await;
+                left_open = rollback.is_err();
+            }
             let why = error.to_string();
             answers.into_iter().for_each(|answer| answer.fail(&why));
             // Jobs not yet run (a failed BEGIN) are answered with the same

@@ -139,16 +139,22 @@ async fn parse(session: &mut ServerSession, path: &str, query: &str) -> Result<O
         .as_object_mut()
         .and_then(|fields| fields.remove("holder"))
     {
-        None | Some(Value::Null) => None,
+        None => None,
         Some(Value::String(text)) if path == "release" => Some(
             text.parse()
                 .map_err(|error: keys::HolderError| Failure::Input(format!("holder: {error}")))?,
         ),
-        Some(_) => {
+        // `null` (a lookup's answer for a record no one holds) is refused
+        // rather than read as "whoever holds it": a key reserved since would
+        // be released.
+        Some(_) if path == "release" => {
             return Err(Failure::Input(
-                "holder: expected 16 hex characters (release only)".into(),
+                "holder: expected 16 hex characters, as a lookup or the in-flight list \
+                 prints it; leave it out to release whoever holds the key"
+                    .into(),
             ))
         }
+        Some(_) => return Err(Failure::Input("holder: only a release takes it".into())),
     };
     let target = Target::from_json(body)?;
     Ok(match path {
