@@ -171,16 +171,10 @@ async fn a_reservation_whose_commit_fails_is_an_error_not_acquired() {
     store.close().await;
 }
 
-/// One write SQLite refuses inside a group commit (here a trigger's
-/// `RAISE(ABORT)`; in production a response over the blob limit) undoes
-/// only its own statement: it fails alone, and the writes grouped with it
-/// commit. It used to roll the whole batch back, failing every request
-/// that shared it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
+/// A store on a fresh file whose reservations with fingerprint 9 a
+/// trigger answers with `RAISE(action, …)`.
+async fn raising_on_fingerprint_9(action: &str) -> std::sync::Arc<SqliteStore> {
     use sqlx::Connection;
-    use tower_idempotency::store::{Claim, OwnerToken};
-    use tower_idempotency::Store;
 
     let path = fixtures::sqlite_path();
     let path = path.to_str().unwrap();
@@ -188,14 +182,27 @@ async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
     let mut sabotage = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
         .await
         .unwrap();
-    // Reservations with fingerprint 9 are refused.
     let trigger = format!(
-        "CREATE TRIGGER refuse BEFORE INSERT ON idempotency_records
-         WHEN NEW.fingerprint = X'{}' BEGIN SELECT RAISE(ABORT, 'refused'); END",
+        "CREATE TRIGGER sabotage BEFORE INSERT ON idempotency_records
+         WHEN NEW.fingerprint = X'{}' BEGIN SELECT RAISE({action}, 'refused'); END",
         "09".repeat(32)
     );
     sqlx::query(&trigger).execute(&mut sabotage).await.unwrap();
     sabotage.close().await.unwrap();
+    store
+}
+
+/// One write SQLite refuses inside a group commit (here a trigger's
+/// `RAISE(ABORT)`; in production a response over the blob limit) undoes
+/// only its own statement: it fails alone, and the writes grouped with it
+/// commit. It used to roll the whole batch back, failing every request
+/// that shared it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
+    use tower_idempotency::store::{Claim, OwnerToken};
+    use tower_idempotency::Store;
+
+    let store = raising_on_fingerprint_9("ABORT").await;
 
     let lease = std::time::Duration::from_secs(60);
     for round in 0..5 {
@@ -240,23 +247,10 @@ async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
 /// writes after it work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_sqlite_rolled_back_itself_tells_no_caller_of_a_lost_write() {
-    use sqlx::Connection;
     use tower_idempotency::store::{Claim, OwnerToken};
     use tower_idempotency::Store;
 
-    let path = fixtures::sqlite_path();
-    let path = path.to_str().unwrap();
-    let store = std::sync::Arc::new(SqliteStore::connect(path).await.unwrap());
-    let mut sabotage = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
-        .await
-        .unwrap();
-    let trigger = format!(
-        "CREATE TRIGGER undo BEFORE INSERT ON idempotency_records
-         WHEN NEW.fingerprint = X'{}' BEGIN SELECT RAISE(ROLLBACK, 'undone'); END",
-        "09".repeat(32)
-    );
-    sqlx::query(&trigger).execute(&mut sabotage).await.unwrap();
-    sabotage.close().await.unwrap();
+    let store = raising_on_fingerprint_9("ROLLBACK").await;
 
     let lease = std::time::Duration::from_secs(60);
     let mut acquired = 0;
