@@ -51,7 +51,7 @@ pub mod prelude {
         LONG, PAST_SHORT, SHORT,
     };
     pub use crate::store::{
-        Admin, Claim, Fingerprint, KeyState, Outcome, OwnerToken, PrincipalHash, Record,
+        Admin, Claim, Fingerprint, Holder, KeyState, Outcome, OwnerToken, PrincipalHash, Record,
         RecordInfo, RecordState, ScopeKey, SealedOutcome, StateCounts, Store, StoredResponse,
     };
     pub use bytes::Bytes;
@@ -573,7 +573,8 @@ macro_rules! store_conformance {
                 }
             });
         }
-        /// An operator sees state, times, status and sizes, never a body.
+        /// An operator sees state, times, status, sizes and an in-flight
+        /// record's holder, never a body.
         #[test]
         fn admin_inspect_describes_a_record_without_its_body() {
             $crate::store::conformance::run(async { $store.await }, |store| async move {
@@ -594,12 +595,15 @@ macro_rules! store_conformance {
                 assert!(info.age < LONG, "{:?}", info.age);
                 assert!(info.has_principal);
                 assert_eq!((info.status, info.body_bytes), (None, None));
+                // Named by its holder (`RecordInfo::held_by`): an operator's
+                // release fenced by holder needs it.
+                assert_eq!(info.holder(), Some(Holder::of(&owner)));
 
                 assert!(store.complete(&key, &owner, &response(), LONG).await.unwrap());
                 let info = admin.inspect(&key).await.unwrap().expect("completed");
                 assert_eq!(info.state, KeyState::Completed);
                 assert_eq!(info.status, Some(StatusCode::SEE_OTHER));
-                assert_eq!(info.lease_remaining, None);
+                assert_eq!((info.lease_remaining, info.holder()), (None, None));
                 let Outcome::Stored(stored) = response() else { unreachable!() };
                 assert_eq!(info.body_bytes, Some(stored.body.len() as u64));
                 assert_eq!(info.header_bytes, Some(stored.encode_headers().len() as u64));
