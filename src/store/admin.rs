@@ -295,7 +295,11 @@ impl StateCounts {
 /// * purges delete records whatever their retention (an expired record
 ///   still holds a response until swept);
 /// * a store that caches records (the Redis front cache) never answers
-///   from a copy of a purged or released record afterwards.
+///   from a copy of a purged or released record afterwards;
+/// * [`inspect`](Admin::inspect) and
+///   [`in_flight_older_than`](Admin::in_flight_older_than) name an
+///   in-flight record's holder ([`RecordInfo::held_by`]), so an operator
+///   can release a key only while the holder they saw still holds it.
 #[async_trait]
 pub trait Admin: Send + Sync {
     /// [`Store::reserve`], keeping `principal` (when given) with the
