@@ -239,12 +239,13 @@ async fn a_write_sqlite_refuses_fails_alone_in_its_batch() {
 }
 
 /// A write that makes SQLite roll back the whole transaction by itself
-/// (here a trigger's `RAISE(ROLLBACK)`; in production an I/O error) ends
-/// the group commit's transaction under it: its commit and its rollback
-/// both fail, and the writer replaces its connection, so no later write
-/// runs inside a transaction nobody commits. Whatever happened in that
-/// batch, no caller is told of a reservation that is not on disk, and the
-/// writes after it work.
+/// (here a trigger's `RAISE(ROLLBACK)`) ends the group commit's
+/// transaction under it: its commit and its rollback both fail, and the
+/// writer replaces its connection (the path a ROLLBACK failing with the
+/// transaction still open takes, which needs an I/O fault to produce and
+/// has no test of its own). Whatever happened in that batch, no caller is
+/// told of a reservation that is not on disk, and the writes after it,
+/// on the new connection, work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_sqlite_rolled_back_itself_tells_no_caller_of_a_lost_write() {
     use tower_idempotency::store::{Claim, OwnerToken};

@@ -215,7 +215,8 @@ impl Signals {
 /// engine's drain is given no time to wait, only its marking: an answer
 /// being stored is given half a second to land, then
 /// each execution that reached its upstream gets "executed, outcome
-/// unknown" (504) stored within half a second more, and no reservation
+/// unknown" (504) and each answer still being stored "executed, response
+/// not stored", within half a second more, and no reservation
 /// acts after it, so
 /// an interrupted proxy never leaves a retry a request to run again (it
 /// did: the key stayed in flight, unmarked, until its lease ran out). The
@@ -229,8 +230,10 @@ async fn interrupted(
     tracing::warn!(in_flight, "{message}");
     // "At once" holds whatever the engine's runtime is doing: its timers
     // bound the marking, and a blocked worker would stop them.
+    // The drain's end takes up to a second (half for answers being stored
+    // to land, half for its markers); the log's flush after it, a little.
     std::thread::spawn(|| {
-        std::thread::sleep(Duration::from_millis(1500));
+        std::thread::sleep(Duration::from_millis(2000));
         std::process::exit(130)
     });
     let (engine, runtime) = engine;

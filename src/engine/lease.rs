@@ -221,12 +221,7 @@ impl Leases {
     /// How many outcomes held now are being stored (settling): a drain
     /// lets them land before it marks.
     pub(super) fn storing(&self) -> usize {
-        let runtimes = lock(&self.runtimes);
-        let storing = |held: &&Held| held.settling.is_some();
-        runtimes
-            .iter()
-            .map(|renewer| lock(&renewer.state).held.values().filter(storing).count())
-            .sum()
+        self.settling().len()
     }
 
     /// The keys of the leases held now (the shutdown's log).

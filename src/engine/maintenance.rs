@@ -61,7 +61,8 @@ impl Engine {
         self.inner.background.pending.lock().unwrap().tasks.len()
     }
 
-    /// Waits, at most `timeout`, for the engine's work in flight to end:
+    /// Waits, at most `timeout` (and up to a second more at its end, see
+    /// below), for the engine's work in flight to end:
     /// reservations still held (an execution whose caller went away runs
     /// on in a task of its own), outcomes whose storing failed and is being
     /// retried (their clients already have their answers; if the process
@@ -160,7 +161,7 @@ impl Engine {
                         tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; stored \"outcome unknown\" (504), so no retry executes it again")
                     }
                     (true, true) => {
-                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an answer still being stored; stored \"response not stored\", so no retry executes it again")
+                        tracing::error!(key = %key.short(), "idempotency shutdown abandoned an answer still being stored; stored a marker in its place, so no retry executes it again")
                     }
                     (false, false) => {
                         tracing::error!(key = %key.short(), "idempotency shutdown abandoned an execution still running; its key frees when its lease expires")
@@ -311,7 +312,8 @@ pub struct DrainReport {
 }
 
 impl DrainReport {
-    /// Whether all work in flight ended in time.
+    /// Whether all work in flight ended in time (an answer being stored
+    /// that landed in the half second after `timeout` counts as ended).
     pub fn is_complete(&self) -> bool {
         self.abandoned.is_empty() && self.held == 0
     }
